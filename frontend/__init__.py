@@ -1,0 +1,1 @@
+"""The dashboard's ES modules, shipped as package data of tb_numerics."""

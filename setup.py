@@ -1,0 +1,48 @@
+"""tb-numerics: a TensorBoard plugin for the numerical health of training."""
+
+from setuptools import setup
+
+setup(
+    name="tb-numerics",
+    version="0.1.0",
+    description=(
+        "Find the first step and op where training values leave a safe range "
+        "(NaN, Inf, overflow, exploding or vanishing gradients), in TensorBoard."
+    ),
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=["tb_numerics", "tb_numerics.frontend"],
+    # The dashboard's ES modules live at the top in frontend/ and ship inside
+    # the package, where the plugin serves them from.
+    package_dir={"tb_numerics": "tb_numerics", "tb_numerics.frontend": "frontend"},
+    package_data={
+        "tb_numerics": ["http_api.md"],
+        "tb_numerics.frontend": ["*.js", "*.css", "*.html"],
+    },
+    install_requires=[
+        # The CPU wheel: what these machines and most CI runners have; the
+        # GPU "tensorflow" wheel satisfies the code equally (see README).
+        "tensorflow-cpu>=2.16",
+        # TensorFlow 2.21 no longer pulls in TensorBoard.
+        "tensorboard>=2.21",
+        "werkzeug>=2.0",
+        "numpy>=1.23",
+    ],
+    extras_require={
+        "test": [
+            "pytest>=7",
+            # Property-based fuzzing of the HTTP routes (issue: reliability).
+            "hypothesis>=6",
+            # Drives Debian's Chromium for the dashboard's end-to-end tests;
+            # never downloads a browser of its own.
+            "playwright>=1.40",
+            # Builds the wheel that the packaging test installs.
+            "build>=1",
+        ],
+    },
+    entry_points={
+        "tensorboard_plugins": ["numerics = tb_numerics.plugin:NumericsLoader"],
+        "console_scripts": ["tb-numerics = tb_numerics.cli:main"],
+    },
+)

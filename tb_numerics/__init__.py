@@ -1,0 +1,27 @@
+"""tb-numerics: log the numerical health of training, see it in TensorBoard.
+
+    import tb_numerics as tbn
+    tbn.log_numerics("dense1/output", h)
+    tbn.log_gradients(grads, model.trainable_variables)
+
+The summary API needs TensorFlow and is imported on first use, so that
+TensorBoard can load the plugin (``tb_numerics.plugin``) without importing
+TensorFlow.
+"""
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "log_numerics": "tb_numerics.summary",
+    "log_gradients": "tb_numerics.summary",
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError("module 'tb_numerics' has no attribute %r" % name)

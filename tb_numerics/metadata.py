@@ -1,0 +1,206 @@
+"""The numerics plugin's name and its versioned on-disk record format.
+
+Numpy and TensorBoard protos only: no TensorFlow import, so the backend, the
+CLI and the writer all share these definitions.
+
+One record is a float64 vector of ``NUM_FIELDS`` statistics of one tensor at
+one step, written as a TensorBoard tensor summary under the tensor's tag. The
+field layout (index: meaning) is:
+
+====  ===========  ==========================================================
+ 0    count        number of elements
+ 1    nan          number of NaN elements
+ 2    posinf       number of +Inf elements
+ 3    neginf       number of -Inf elements
+ 4    min          minimum of the finite elements (NaN if there are none)
+ 5    max          maximum of the finite elements (NaN if there are none)
+ 6    sum          sum of the finite elements
+ 7    sum_sq       sum of squares of the finite elements
+ 8    zeros        number of elements equal to zero
+ 9    overflow     number of finite elements with |x| > the dtype's margin
+10    underflow    number of nonzero finite elements with |x| < smallest normal
+====  ===========  ==========================================================
+
+Mean, standard deviation, max |x| and the L2 norm of the finite values are
+derived from these exactly (see ``analysis``); storing them again would cost
+bytes in every record for no information.
+
+Per-tag facts that do not change from step to step (dtype, shape, role,
+execution order, op type) live in the JSON plugin content of the summary
+metadata, which TensorBoard reads from the first event of each series.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any
+
+from tensorboard.compat.proto import summary_pb2
+
+PLUGIN_NAME = "numerics"
+
+# Major version: a reader refuses records of a newer major version. Minor
+# version: additions that older readers may ignore.
+FORMAT_VERSION = 1
+FORMAT_MINOR_VERSION = 0
+
+FIELDS = (
+    "count",
+    "nan",
+    "posinf",
+    "neginf",
+    "min",
+    "max",
+    "sum",
+    "sum_sq",
+    "zeros",
+    "overflow",
+    "underflow",
+)
+NUM_FIELDS = len(FIELDS)
+FIELD_INDEX = {name: i for i, name in enumerate(FIELDS)}
+
+ROLES = ("activation", "loss", "gradient", "global_norm", "weight", "other")
+PHASES = ("forward", "backward", "update")
+
+# The phase of the training step a role belongs to, for "forward before
+# backward" ordering and for the words the dashboard and CLI print.
+ROLE_PHASE = {
+    "activation": "forward",
+    "loss": "forward",
+    "other": "forward",
+    "gradient": "backward",
+    "global_norm": "backward",
+    "weight": "update",
+}
+
+# Fraction of a dtype's largest finite value beyond which a value counts as
+# an overflow risk: squaring, summing or exponentiating it is likely to
+# overflow. 1/64 leaves float16 about 1,000 of headroom and float32 5e36.
+OVERFLOW_MARGIN_FRACTION = 2.0**-6
+
+# (largest finite value, smallest positive normal) of each supported dtype.
+DTYPE_LIMITS = {
+    "float16": (65504.0, 2.0**-14),
+    "bfloat16": (3.3895313892515355e38, 2.0**-126),
+    "float32": (3.4028234663852886e38, 2.0**-126),
+    "float64": (1.7976931348623157e308, 2.0**-1022),
+}
+SUPPORTED_DTYPES = tuple(DTYPE_LIMITS)
+
+
+def overflow_margin(dtype: str) -> float:
+    """The |x| beyond which a value of ``dtype`` counts as an overflow risk."""
+    return DTYPE_LIMITS[dtype][0] * OVERFLOW_MARGIN_FRACTION
+
+
+def smallest_normal(dtype: str) -> float:
+    """The smallest positive normal value of ``dtype``."""
+    return DTYPE_LIMITS[dtype][1]
+
+
+class FormatError(ValueError):
+    """A record or its metadata cannot be read by this version."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorInfo:
+    """What the metadata says about one logged tensor (one tag)."""
+
+    dtype: str = "float32"
+    shape: tuple[int | None, ...] | None = None
+    role: str = "other"
+    order: int = 0
+    op_type: str = ""
+    description: str = ""
+    version: int = FORMAT_VERSION
+
+    @property
+    def phase(self) -> str:
+        return ROLE_PHASE.get(self.role, "forward")
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "dtype": self.dtype,
+            "shape": None if self.shape is None else list(self.shape),
+            "role": self.role,
+            "phase": self.phase,
+            "order": self.order,
+            "op_type": self.op_type,
+            "description": self.description,
+        }
+
+
+def create_summary_metadata(info: TensorInfo) -> summary_pb2.SummaryMetadata:
+    """Builds the summary metadata proto that marks a numerics record."""
+    content = {
+        "version": FORMAT_VERSION,
+        "minor": FORMAT_MINOR_VERSION,
+        "dtype": info.dtype,
+        "shape": None if info.shape is None else list(info.shape),
+        "role": info.role,
+        "order": int(info.order),
+        "op_type": info.op_type,
+    }
+    return summary_pb2.SummaryMetadata(
+        summary_description=info.description,
+        plugin_data=summary_pb2.SummaryMetadata.PluginData(
+            plugin_name=PLUGIN_NAME,
+            content=json.dumps(content, separators=(",", ":")).encode("utf-8"),
+        ),
+        # Without this the Rust data server silently drops the series.
+        data_class=summary_pb2.DATA_CLASS_TENSOR,
+    )
+
+
+def parse_plugin_metadata(content: bytes, description: str = "") -> TensorInfo:
+    """Parses the plugin content of a numerics summary.
+
+    Raises:
+      FormatError: the content is not valid, or is of a newer major version.
+    """
+    if not isinstance(content, (bytes, bytearray)):
+        raise FormatError("numerics metadata must be bytes, got %s" % type(content).__name__)
+    try:
+        raw = json.loads(bytes(content).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as e:
+        raise FormatError("numerics metadata is not valid JSON: %s" % e) from None
+    if not isinstance(raw, dict):
+        raise FormatError("numerics metadata must be a JSON object")
+    version = raw.get("version")
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise FormatError("numerics metadata has no valid format version: %r" % (version,))
+    if version > FORMAT_VERSION:
+        raise FormatError(
+            "numerics record format version %d is newer than this tb-numerics "
+            "understands (%d); upgrade tb-numerics to read it" % (version, FORMAT_VERSION)
+        )
+    dtype = raw.get("dtype")
+    if dtype not in DTYPE_LIMITS:
+        raise FormatError("numerics metadata names an unsupported dtype: %r" % (dtype,))
+    role = raw.get("role", "other")
+    if role not in ROLES:
+        role = "other"
+    order = raw.get("order", 0)
+    if not isinstance(order, int) or isinstance(order, bool):
+        raise FormatError("numerics metadata has a non-integer order: %r" % (order,))
+    shape = raw.get("shape")
+    if shape is not None:
+        if not isinstance(shape, list) or not all(
+            d is None or (isinstance(d, int) and not isinstance(d, bool)) for d in shape
+        ):
+            raise FormatError("numerics metadata has an invalid shape: %r" % (shape,))
+        shape = tuple(shape)
+    op_type = raw.get("op_type") or ""
+    if not isinstance(op_type, str):
+        raise FormatError("numerics metadata has a non-string op_type")
+    return TensorInfo(
+        dtype=dtype,
+        shape=shape,
+        role=role,
+        order=order,
+        op_type=op_type,
+        description=description,
+        version=version,
+    )

@@ -1,0 +1,182 @@
+"""A TensorFlow-free writer for numerics records computed elsewhere.
+
+The ``*_pb`` counterpart of ``summary.py`` (as TensorBoard's scalar plugin has
+``scalar_pb``): it takes statistics that are already numpy vectors and writes
+them as event files that TensorBoard and ``tb-numerics report`` read exactly
+like those written from a training step. Tests, benchmarks and tools that
+convert other logs use it; training code uses ``tb_numerics.log_numerics``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import sys
+import time
+from typing import Sequence
+
+import numpy as np
+from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
+
+from tb_numerics import metadata
+
+_FILE_VERSION = "brain.Event:2"
+
+
+def _masked_crc32c_python(data: bytes) -> int:
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+
+    return masked_crc32c(data)
+
+
+class _RecordFile:
+    """Appends TFRecord-framed byte strings to one file.
+
+    Uses TensorFlow's C++ record writer when TensorFlow is already imported
+    (fast CRC32C), and TensorBoard's pure-Python framing otherwise.
+    """
+
+    def __init__(self, path: str):
+        self._tf_writer = None
+        self._file = None
+        tf = sys.modules.get("tensorflow")
+        if tf is not None and hasattr(tf, "io"):
+            self._tf_writer = tf.io.TFRecordWriter(path)
+        else:
+            self._file = open(path, "ab")
+
+    def write(self, data: bytes) -> None:
+        if self._tf_writer is not None:
+            self._tf_writer.write(data)
+            return
+        header = struct.pack("<Q", len(data))
+        self._file.write(
+            header
+            + struct.pack("<I", _masked_crc32c_python(header))
+            + data
+            + struct.pack("<I", _masked_crc32c_python(data))
+        )
+
+    def flush(self) -> None:
+        (self._tf_writer or self._file).flush()
+
+    def close(self) -> None:
+        (self._tf_writer or self._file).close()
+
+
+def stats_tensor_proto(stats: np.ndarray) -> tensor_pb2.TensorProto:
+    """The TensorProto of one record: a float64 vector of NUM_FIELDS."""
+    vec = np.asarray(stats, dtype="<f8").reshape(-1)
+    if vec.shape != (metadata.NUM_FIELDS,):
+        raise ValueError(
+            "a numerics record has %d fields, got %d" % (metadata.NUM_FIELDS, vec.size)
+        )
+    return tensor_pb2.TensorProto(
+        dtype=types_pb2.DT_DOUBLE,
+        tensor_shape=tensor_shape_pb2.TensorShapeProto(
+            dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=metadata.NUM_FIELDS)]
+        ),
+        tensor_content=vec.tobytes(),
+    )
+
+
+class NumericsRecordWriter:
+    """Writes numerics records to a new event file in ``logdir``.
+
+    Metadata is written with the first record of each tag only, as
+    TensorBoard reads it from the first event of a series.
+    """
+
+    def __init__(self, logdir: str, filename_suffix: str = ""):
+        os.makedirs(logdir, exist_ok=True)
+        name = "events.out.tfevents.%010d.%s.%d.%d%s" % (
+            time.time(),
+            socket.gethostname(),
+            os.getpid(),
+            id(self) % 100000,
+            filename_suffix,
+        )
+        self.path = os.path.join(logdir, name)
+        self._records = _RecordFile(self.path)
+        self._infos: dict[str, metadata.TensorInfo] = {}
+        self._write_event(event_pb2.Event(wall_time=time.time(), file_version=_FILE_VERSION))
+
+    def _write_event(self, event: event_pb2.Event) -> None:
+        self._records.write(event.SerializeToString())
+
+    def write(
+        self,
+        tag: str,
+        step: int,
+        stats: np.ndarray,
+        info: metadata.TensorInfo | None = None,
+        wall_time: float | None = None,
+    ) -> None:
+        """Writes one record of ``tag`` at ``step``.
+
+        ``info`` is required the first time a tag is written and ignored
+        afterwards.
+        """
+        value = summary_pb2.Summary.Value(tag=tag, tensor=stats_tensor_proto(stats))
+        if tag not in self._infos:
+            if info is None:
+                raise ValueError("the first record of tag %r needs its TensorInfo" % tag)
+            self._infos[tag] = info
+            value.metadata.CopyFrom(metadata.create_summary_metadata(info))
+        event = event_pb2.Event(
+            wall_time=time.time() if wall_time is None else wall_time,
+            step=int(step),
+            summary=summary_pb2.Summary(value=[value]),
+        )
+        self._write_event(event)
+
+    def write_many(
+        self, step: int, records: Sequence[tuple[str, np.ndarray, metadata.TensorInfo]]
+    ) -> None:
+        """Writes several tags' records of one step, in the given order."""
+        for tag, stats, info in records:
+            self.write(tag, step, stats, info)
+
+    def flush(self) -> None:
+        self._records.flush()
+
+    def close(self) -> None:
+        self._records.close()
+
+    def __enter__(self) -> "NumericsRecordWriter":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def numpy_stats(values: np.ndarray, dtype: str | None = None) -> np.ndarray:
+    """The record of a numpy array, computed in numpy (the reference).
+
+    The TensorFlow path (``stats.py``) must agree with this; tests compare
+    the two, and tools without TensorFlow use it directly.
+    """
+    arr = np.asarray(values)
+    if dtype is None:
+        dtype = str(arr.dtype)
+    if dtype not in metadata.DTYPE_LIMITS:
+        raise TypeError("numerics are only defined for float tensors, got %s" % dtype)
+    x = arr.astype(np.float64).reshape(-1)
+    finite = np.isfinite(x)
+    xf = x[finite]
+    absf = np.abs(xf)
+    out = np.zeros(metadata.NUM_FIELDS, dtype=np.float64)
+    f = metadata.FIELD_INDEX
+    out[f["count"]] = x.size
+    out[f["nan"]] = np.count_nonzero(np.isnan(x))
+    out[f["posinf"]] = np.count_nonzero(x == np.inf)
+    out[f["neginf"]] = np.count_nonzero(x == -np.inf)
+    out[f["min"]] = xf.min() if xf.size else np.nan
+    out[f["max"]] = xf.max() if xf.size else np.nan
+    out[f["sum"]] = xf.sum()
+    out[f["sum_sq"]] = np.square(xf).sum()
+    out[f["zeros"]] = np.count_nonzero(x == 0)
+    out[f["overflow"]] = np.count_nonzero(absf > metadata.overflow_margin(dtype))
+    out[f["underflow"]] = np.count_nonzero((absf > 0) & (absf < metadata.smallest_normal(dtype)))
+    return out
