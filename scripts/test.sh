@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Installs everything the tests need into .venv and runs them: the README's
+# second command, and what .ci/run calls.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+python3 -m venv .venv
+.venv/bin/pip install --quiet --upgrade pip
+.venv/bin/pip install --quiet -e ".[test]"
+
+# The dashboard's browser tests drive Debian's Chromium (never a browser
+# downloaded by playwright).
+if ! command -v chromium >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+  $SUDO apt-get update -qq
+  $SUDO apt-get install -y -qq chromium >/dev/null
+fi
+
+export TF_CPP_MIN_LOG_LEVEL=2
+# pytest exits 5 when it collects no test: set -e turns that into a failure.
+exec .venv/bin/python -m pytest -q "$@"

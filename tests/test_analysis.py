@@ -1,0 +1,247 @@
+"""The analysis core: safe-range rules, first anomaly / warning, timeline."""
+
+import numpy as np
+import pytest
+
+from tb_numerics import analysis, metadata
+from tb_numerics.record_writer import numpy_stats
+
+RNG = np.random.default_rng(0)
+
+
+def info(role="activation", order=0, dtype="float32", op_type=""):
+    return metadata.TensorInfo(dtype=dtype, role=role, order=order, op_type=op_type)
+
+
+def series(tag, arrays_by_step, **kw):
+    i = info(**kw)
+    steps = sorted(arrays_by_step)
+    return analysis.make_series(tag, i, steps, [numpy_stats(arrays_by_step[s], i.dtype) for s in steps])
+
+
+def healthy(n=16, scale=1.0):
+    return (RNG.normal(size=n) * scale).astype(np.float32)
+
+
+def with_values(x, **idx_values):
+    x = x.copy()
+    for i, v in enumerate(idx_values.values()):
+        x[i] = v
+    return x
+
+
+def test_first_anomaly_is_earliest_step_then_forward_before_backward():
+    steps = range(10)
+    fwd = series("dense/output", {s: healthy() if s != 6 else with_values(healthy(), a=np.nan) for s in steps}, order=3)
+    # The backward tensor goes bad one step earlier, but a later (step) record wins nothing:
+    bwd = series("gradients/dense/kernel", {s: healthy() if s < 5 else with_values(healthy(), a=np.inf) for s in steps},
+                 role="gradient", order=0)
+    early_fwd_same_step = series("input", {s: healthy() if s != 5 else with_values(healthy(), a=-np.inf, b=np.nan) for s in steps}, order=9)
+    ra = analysis.analyze_run("r", [bwd, fwd, early_fwd_same_step])
+    a = analysis.first_anomaly(ra)
+    # Step 5: both "input" (forward, order 9) and the gradient (backward, order 0) are bad;
+    # forward comes first whatever the order numbers say.
+    assert (a["step"], a["tensor"], a["phase"]) == (5, "input", "forward")
+    assert (a["nan"], a["posinf"], a["neginf"], a["size"]) == (1, 0, 1, 16)
+    assert a["description"] == "1 NaN, 1 -Inf of 16 values"
+    assert a["last_healthy_step"] == 4
+
+
+def test_within_a_phase_execution_order_decides():
+    s1 = series("b_later", {0: with_values(healthy(), a=np.nan)}, order=2)
+    s2 = series("a_earlier", {0: with_values(healthy(), a=np.nan)}, order=1)
+    a = analysis.first_anomaly(analysis.analyze_run("r", [s1, s2]))
+    assert a["tensor"] == "a_earlier"
+
+
+def test_healthy_run_has_no_anomaly_and_no_warning():
+    s = series("x", {i: healthy() for i in range(50)})
+    ra = analysis.analyze_run("r", [s])
+    assert analysis.first_anomaly(ra) is None
+    assert analysis.first_warning(ra) is None
+
+
+def test_overflow_risk_by_dtype_margin_and_by_user_limit():
+    s = series("x", {0: healthy(), 1: with_values(healthy(), a=1e37), 2: healthy(scale=50.0)})
+    w = analysis.first_warning(analysis.analyze_run("r", [s]))
+    assert (w["step"], w["kind"]) == (1, "overflow_risk")
+    assert "float32 margin" in w["detail"]
+    # A user's max |x| moves the first warning earlier.
+    w = analysis.first_warning(analysis.analyze_run("r", [s], analysis.SafeRange(max_abs=0.5)))
+    assert (w["step"], w["kind"]) == (0, "overflow_risk")
+
+
+def test_float16_margin_is_much_tighter():
+    x = np.array([1.0, 2000.0, 3.0], dtype=np.float16)
+    s = series("h", {0: x}, dtype="float16")
+    w = analysis.first_warning(analysis.analyze_run("r", [s]))
+    assert w["kind"] == "overflow_risk"
+
+
+def norm_series(values):
+    return analysis.make_series(
+        "gradients/global_norm", info(role="global_norm", order=99), range(len(values)),
+        [numpy_stats(np.array([v], np.float32)) for v in values])
+
+
+def test_gradient_spike_against_recent_median():
+    norms = [1.0, 1.1, 0.9, 1.0, 1.2, 1.0, 30.0, 1.0]
+    ra = analysis.analyze_run("r", [norm_series(norms)])
+    w = analysis.first_warning(ra)
+    assert (w["step"], w["kind"]) == (6, "gradient_spike")
+    # A bigger factor does not call it a spike.
+    ra = analysis.analyze_run("r", [norm_series(norms)], analysis.SafeRange(spike_factor=50))
+    assert analysis.first_warning(ra) is None
+
+
+def test_exploding_and_vanishing_gradient_norms():
+    ra = analysis.analyze_run("r", [norm_series([1.0, 2.0, 5.0])], analysis.SafeRange(grad_norm_limit=3.0))
+    assert analysis.first_warning(ra)["kind"] == "exploding_gradient"
+    assert analysis.first_warning(ra)["step"] == 2
+    ra = analysis.analyze_run("r", [norm_series([1.0, 1e-3, 1e-12])])
+    w = analysis.first_warning(ra)
+    assert (w["step"], w["kind"]) == (2, "vanishing_gradient")
+
+
+def test_underflow_share():
+    x = np.full(10, 1e-40, dtype=np.float32)
+    x[:5] = 1.0
+    s = series("x", {0: healthy(), 1: x})
+    w = analysis.first_warning(analysis.analyze_run("r", [s]))
+    assert (w["step"], w["kind"]) == (1, "underflow")
+    assert analysis.first_warning(analysis.analyze_run("r", [s], analysis.SafeRange(underflow_share=0.9))) is None
+
+
+def test_geometric_growth_warns_well_before_overflow_and_hints_at_learning_rate():
+    arrays = {}
+    for step in range(40):
+        arrays[step] = healthy() * (3.0 ** step) if step < 39 else with_values(healthy(), a=np.inf)
+    ra = analysis.analyze_run("r", [series("dense3/output", arrays)])
+    w = analysis.first_warning(ra)
+    a = analysis.first_anomaly(ra)
+    assert w["kind"] == "growth" and w["step"] < a["step"] - 20
+    assert a["step"] == 39
+    assert "learning rate" in a["hint"]
+
+
+def test_allowlisted_neginf_is_not_an_anomaly_but_nan_still_is():
+    mask = np.zeros(8, np.float32)
+    mask[5:] = -np.inf
+    s = series("attention/mask", {0: mask, 1: mask, 2: with_values(mask, a=np.nan)})
+    sr = analysis.parse_safe_range({"allow_neginf": "attention/*"})
+    a = analysis.first_anomaly(analysis.analyze_run("r", [s], sr))
+    assert a["step"] == 2 and a["nan"] == 1
+    assert analysis.first_anomaly(analysis.analyze_run("r", [s]))["step"] == 0
+
+
+@pytest.mark.parametrize(
+    "tag, op_type, role, expect",
+    [
+        ("loss/Sqrt_grad", "Sqrt", "gradient", "gradient of sqrt is infinite"),
+        ("ops/gradients/SqrtGrad", "SqrtGrad", "gradient", "gradient of sqrt is infinite"),
+        ("xent/log_probs", "", "activation", "log(0) = -inf"),
+        ("cosine/truediv", "", "activation", "Division by zero"),
+        ("ops/RealDiv", "RealDiv", "activation", "Division by zero"),
+        ("logits/exp", "Exp", "activation", "exp overflows"),
+        ("dense/output", "", "activation", ""),
+    ],
+)
+def test_cause_hints_by_op_type_and_name(tag, op_type, role, expect):
+    s = series(tag, {0: with_values(healthy(), a=np.nan)}, role=role, op_type=op_type)
+    a = analysis.first_anomaly(analysis.analyze_run("r", [s]))
+    if expect:
+        assert expect in a["hint"]
+    else:
+        assert a["hint"] == ""
+
+
+def test_likely_cause_points_at_a_finite_input_beyond_the_safe_range():
+    # A batch holding 1e38 is finite; the NaN appears two ops later.
+    inp = series("input", {0: healthy(), 1: with_values(healthy(), a=1e38)}, order=0)
+    hidden = series("hidden", {0: healthy(), 1: healthy()}, order=1)
+    loss = series("loss", {0: healthy(), 1: with_values(healthy(), a=np.nan)}, role="loss", order=2)
+    ra = analysis.analyze_run("r", [loss, hidden, inp])
+    a = analysis.first_anomaly(ra)
+    assert (a["step"], a["tensor"]) == (1, "loss")
+    assert a["likely_cause"]["tensor"] == "input" and a["likely_cause"]["step"] == 1
+    assert a["likely_cause"]["kind"] == "overflow_risk"
+    w = analysis.first_warning(ra)
+    assert (w["step"], w["tensor"]) == (1, "input")
+
+
+def test_timeline_keeps_a_single_bad_step_visible_when_downsampled():
+    n = 10_000
+    steps = np.arange(n)
+    vals = np.tile(numpy_stats(healthy()), (n, 1))
+    vals[7777] = numpy_stats(with_values(healthy(), a=np.nan))
+    vals[1234] = numpy_stats(with_values(healthy(), a=1e37))
+    s = analysis.make_series("x", info(), steps, vals)
+    ra = analysis.analyze_run("r", [s])
+    tl = analysis.timeline(ra, width=100)
+    cells = tl["rows"][0]["cells"]
+    assert len(cells) == 100
+    bad = [i for i, c in enumerate(cells) if c == analysis.NONFINITE]
+    warn = [i for i, c in enumerate(cells) if c == analysis.WARNING]
+    assert len(bad) == 1 and tl["bucket_start"][bad[0]] <= 7777 <= tl["bucket_end"][bad[0]]
+    assert len(warn) == 1 and tl["bucket_start"][warn[0]] <= 1234 <= tl["bucket_end"][warn[0]]
+    # A narrowed range keeps full resolution.
+    tl = analysis.timeline(ra, width=100, start=7770, end=7780)
+    assert tl["bucket_start"] == list(range(7770, 7781))
+    assert tl["rows"][0]["cells"][7] == analysis.NONFINITE
+
+
+def test_timeline_marks_missing_records_and_orders_rows():
+    a = series("a", {0: healthy(), 5: healthy()}, order=1)
+    g = series("g", {0: healthy(), 1: healthy()}, role="gradient", order=0)
+    tl = analysis.timeline(analysis.analyze_run("r", [g, a]), width=10)
+    assert [r["tensor"] for r in tl["rows"]] == ["a", "g"]
+    assert tl["bucket_start"] == [0, 1, 5]
+    assert tl["rows"][0]["cells"] == [0, -1, 0]
+    assert tl["rows"][1]["cells"] == [0, 0, -1]
+
+
+def test_make_series_drops_malformed_records_and_keeps_the_last_duplicate():
+    good = numpy_stats(healthy())
+    later = numpy_stats(healthy(scale=5))
+    bad_len = good[:5]
+    nan_count = good.copy()
+    nan_count[metadata.FIELD_INDEX["nan"]] = np.nan
+    too_many = good.copy()
+    too_many[metadata.FIELD_INDEX["zeros"]] = 1e9
+    problems = []
+    s = analysis.make_series("x", info(), [3, 1, 2, 2, 4, 5], [good, good, bad_len, later, nan_count, too_many], problems)
+    assert s.steps.tolist() == [1, 2, 3]
+    np.testing.assert_array_equal(s.values[1], later)
+    assert problems == ["x: 3 malformed record(s) skipped"]
+
+
+def test_derived_statistics_match_numpy():
+    x = RNG.normal(size=1000).astype(np.float64) * 3 + 1
+    x[:3] = [np.nan, np.inf, -np.inf]
+    d = analysis.derived(numpy_stats(x))
+    f = x[np.isfinite(x)]
+    assert d["mean"][0] == pytest.approx(f.mean())
+    assert d["std"][0] == pytest.approx(f.std(), rel=1e-9)
+    assert d["max_abs"][0] == pytest.approx(np.abs(f).max())
+    assert d["l2"][0] == pytest.approx(np.linalg.norm(f))
+
+
+@pytest.mark.parametrize(
+    "params, match",
+    [
+        ({"max_abs": "abc"}, "max_abs must be a number"),
+        ({"max_abs": "-1"}, "max_abs must be greater than 0"),
+        ({"grad_norm_limit": "nan"}, "grad_norm_limit must be finite"),
+        ({"spike_factor": "1"}, "spike_factor must be greater than 1"),
+        ({"spike_window": "2.5"}, "spike_window must be a whole number"),
+        ({"underflow_share": "2"}, "underflow_share must be in"),
+    ],
+)
+def test_safe_range_parse_errors_name_the_parameter(params, match):
+    with pytest.raises(analysis.SafeRangeError, match=match):
+        analysis.parse_safe_range(params)
+
+
+def test_safe_range_parse_accepts_strings_and_none():
+    sr = analysis.parse_safe_range({"max_abs": "1e3", "spike_factor": 4, "grad_norm_limit": "none", "other": "x"})
+    assert sr.max_abs == 1e3 and sr.spike_factor == 4 and sr.grad_norm_limit is None

@@ -1,0 +1,119 @@
+"""`tb-numerics report`: JSON schema, table, exit codes, damaged files."""
+
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from tb_numerics import metadata
+from tb_numerics.record_writer import NumericsRecordWriter, numpy_stats
+
+RNG = np.random.default_rng(1)
+ACT = metadata.TensorInfo(dtype="float32", role="activation", order=0)
+GRAD = metadata.TensorInfo(dtype="float32", role="gradient", order=1, op_type="Sqrt")
+
+
+def run_cli(*args):
+    p = subprocess.run(
+        [sys.executable, "-m", "tb_numerics.cli", *args],
+        capture_output=True, text=True, timeout=120,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+    )
+    return p.returncode, p.stdout, p.stderr
+
+
+def x(scale=1.0, **bad):
+    v = RNG.normal(size=64).astype(np.float32) * scale
+    for i, val in enumerate(bad.values()):
+        v[i] = val
+    return v
+
+
+@pytest.fixture(scope="module")
+def logdir(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("logs"))
+    with NumericsRecordWriter(os.path.join(root, "healthy")) as w:
+        for step in range(20):
+            w.write("dense/output", step, numpy_stats(x()), ACT)
+    with NumericsRecordWriter(os.path.join(root, "nan")) as w:
+        for step in range(20):
+            w.write("dense/output", step, numpy_stats(x()), ACT)
+            w.write("loss/Sqrt_grad", step, numpy_stats(x(a=np.nan, b=np.nan, c=np.inf) if step == 13 else x()), GRAD)
+    with NumericsRecordWriter(os.path.join(root, "overflow")) as w:
+        for step in range(20):
+            big = x(a=1e37) if step >= 8 else x()
+            w.write("dense/output", step, numpy_stats(big if step < 15 else x(a=np.inf)), ACT)
+    return root
+
+
+def test_json_report_matches_the_spec_schema(logdir):
+    code, out, err = run_cli("report", logdir, "--json")
+    assert code == 1, err
+    runs = {r["run"]: r for r in json.loads(out)["runs"]}
+    assert set(runs) == {"healthy", "nan", "overflow"}
+    assert runs["healthy"]["first_anomaly"] is None and runs["healthy"]["first_warning"] is None
+    a = runs["nan"]["first_anomaly"]
+    assert {k: a[k] for k in ("step", "tensor", "op_type", "phase", "nan", "posinf", "neginf", "size", "last_healthy_step")} == {
+        "step": 13, "tensor": "loss/Sqrt_grad", "op_type": "Sqrt", "phase": "backward",
+        "nan": 2, "posinf": 1, "neginf": 0, "size": 64, "last_healthy_step": 12,
+    }
+    assert "sqrt" in a["hint"]
+    o = runs["overflow"]
+    assert o["first_anomaly"]["step"] == 15
+    assert o["first_warning"]["step"] == 8 and o["first_warning"]["kind"] == "overflow_risk"
+    assert o["first_warning"]["tensor"] == "dense/output" and o["first_warning"]["detail"]
+
+
+def test_flags_change_what_counts_as_a_warning(logdir):
+    code, out, _ = run_cli("report", os.path.join(logdir, "healthy"), "--json", "--max-abs", "0.5")
+    assert code == 0
+    w = json.loads(out)["runs"][0]["first_warning"]
+    assert w["step"] == 0 and w["kind"] == "overflow_risk"
+
+
+def test_table_and_exit_codes(logdir, tmp_path):
+    code, out, _ = run_cli("report", logdir)
+    assert code == 1
+    assert "first anomaly: step 13, loss/Sqrt_grad (Sqrt), backward: 2 NaN, 1 +Inf of 64 values" in out
+    assert run_cli("report", os.path.join(logdir, "healthy"))[0] == 0
+    code, _, err = run_cli("report", str(tmp_path / "missing"))
+    assert code == 2 and "no such logdir" in err
+    code, _, err = run_cli("report", logdir, "--spike-factor", "zero")
+    assert code == 2 and "spike_factor must be a number" in err
+    assert run_cli("frobnicate")[0] == 2
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    code, out, _ = run_cli("report", str(empty))
+    assert code == 0 and "no numerics records" in out
+
+
+def test_truncated_event_file_is_reported_and_the_rest_still_read(tmp_path):
+    run = tmp_path / "run"
+    with NumericsRecordWriter(str(run)) as w:
+        for step in range(10):
+            w.write("t", step, numpy_stats(x(a=np.nan) if step == 7 else x()), ACT)
+        path = w.path
+    data = open(path, "rb").read()
+    with open(path, "wb") as f:
+        f.write(data[:-30])  # cut into the last record
+    with NumericsRecordWriter(str(tmp_path / "other")) as w:
+        w.write("u", 0, numpy_stats(x(a=np.inf)), ACT)
+    code, out, err = run_cli("report", str(tmp_path), "--json")
+    runs = {r["run"]: r for r in json.loads(out)["runs"]}
+    assert code == 1
+    assert runs["run"]["first_anomaly"]["step"] == 7
+    assert runs["run"]["records"] == 9
+    assert any("truncated" in p for p in runs["run"]["problems"])
+    assert "truncated" in err
+    assert runs["other"]["first_anomaly"]["step"] == 0
+
+
+def test_control_characters_in_names_are_escaped_in_the_table(tmp_path):
+    with NumericsRecordWriter(str(tmp_path / "r")) as w:
+        w.write("evil\x1b[31mred\nname", 0, numpy_stats(x(a=np.nan)), ACT)
+    code, out, _ = run_cli("report", str(tmp_path))
+    assert code == 1
+    assert "\x1b" not in out and "evil\\x1b[31mred\\x0aname" in out

@@ -1,0 +1,51 @@
+"""The wheel carries everything: modules, the frontend, the entry points."""
+
+import glob
+import os
+import subprocess
+import sys
+import sysconfig
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory):
+    out = tmp_path_factory.mktemp("dist")
+    subprocess.run(
+        [sys.executable, "-m", "build", "--wheel", "--no-isolation", "--outdir", str(out), ROOT],
+        check=True, capture_output=True, timeout=300,
+    )
+    (whl,) = glob.glob(str(out / "*.whl"))
+    return whl
+
+
+def test_wheel_installs_into_a_fresh_venv_and_tensorboard_finds_the_plugin(wheel, tmp_path):
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    py = str(venv / "bin" / "python")
+    # Dependencies are the ones already installed for the tests; the package
+    # itself comes only from the wheel.
+    subprocess.run([py, "-m", "pip", "install", "--quiet", "--no-deps", wheel], check=True, timeout=300)
+    deps = sysconfig.get_paths()["purelib"]
+    check = r"""
+import importlib.metadata as md, importlib.resources as res, os, sys
+import tb_numerics, tb_numerics.plugin, tb_numerics.cli, tb_numerics.analysis
+assert os.path.dirname(tb_numerics.__file__).startswith(sys.prefix), tb_numerics.__file__
+assert "tensorflow" not in sys.modules, "the plugin must not import TensorFlow"
+eps = {e.name: e.value for e in md.entry_points(group="tensorboard_plugins")}
+assert eps.get("numerics") == "tb_numerics.plugin:NumericsLoader", eps
+assert any(e.name == "tb-numerics" for e in md.entry_points(group="console_scripts"))
+files = {p.name for p in res.files("tb_numerics.frontend").iterdir()}
+assert "index.js" in files, files
+assert res.files("tb_numerics").joinpath("http_api.md").is_file()
+from tensorboard import default
+assert any(getattr(p, "__name__", "") == "NumericsLoader" for p in default.get_dynamic_plugins())
+print("ok")
+"""
+    env = dict(os.environ, PYTHONPATH=deps, TF_CPP_MIN_LOG_LEVEL="2")
+    p = subprocess.run([py, "-c", check], capture_output=True, text=True, timeout=120, env=env, cwd=str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "ok"
