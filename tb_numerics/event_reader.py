@@ -1,22 +1,46 @@
 """Reads every numerics record of a logdir straight from its event files.
 
 The CLI's reader: no sampling, every record. (The plugin reads through
-TensorBoard's data provider instead.) A corrupt or truncated file is read up
-to the damage, the damage is reported, and the rest of the logdir is still
-read.
+TensorBoard's data provider instead.) Event files are untrusted input: a
+record whose data fails its checksum is skipped and reading goes on at the
+next record (its length header says where that is); a damaged length header
+or a truncated tail ends that file. Each problem is reported once per file,
+and everything readable is still read. A length header is checked against
+the file's size before TensorFlow's reader sees it: that reader crashes the
+process on a checksummed header claiming terabytes.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import mmap
 import os
-from typing import Iterator
+import struct
+from typing import Callable, Iterator
 
 import numpy as np
 from google.protobuf.message import DecodeError
-from tensorboard.compat.proto import event_pb2
+from tensorboard.compat.proto import event_pb2, tensor_pb2, types_pb2
+from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+from tensorboard.util import tensor_util
 
 from tb_numerics import analysis, metadata
+
+# TFRecord framing: uint64 length, masked CRC32C of the length, the data,
+# masked CRC32C of the data (all little-endian).
+_HEADER = 12
+_FOOTER = 4
+# How many offsets of skipped records one problem line names.
+_MAX_OFFSETS_SHOWN = 5
+
+Buffer = mmap.mmap | bytes
+# read(offset) -> the record's data, for a record known to lie inside the
+# file; raises _Damaged where a checksum fails.
+RecordReader = Callable[[int], bytes]
+
+
+class _Damaged(Exception):
+    """The record at an offset fails a checksum."""
 
 
 @dataclasses.dataclass
@@ -44,30 +68,122 @@ def find_runs(logdir: str) -> dict[str, list[str]]:
     return runs
 
 
-def _records(path: str, problems: list[str]) -> Iterator[bytes]:
-    """Serialized records of one TFRecord file, stopping at damage."""
-    from tensorboard.backend.event_processing import event_file_loader
-    from tensorboard.compat import tf
+def tf_record_reader(path: str, buf: Buffer) -> RecordReader:
+    """TensorFlow's C++ reader (fast CRC32C); ImportError without TensorFlow."""
+    from tensorflow.python.framework import errors
+    from tensorflow.python.lib.io import _pywrap_record_io
+
+    reader = _pywrap_record_io.RandomRecordReader(path)
+
+    def read(offset: int) -> bytes:
+        try:
+            return reader.read(offset)[0]
+        except errors.DataLossError:
+            raise _Damaged() from None
+
+    return read
+
+
+def py_record_reader(path: str, buf: Buffer) -> RecordReader:
+    """The same checks in pure Python: slow, for installs without TensorFlow."""
+
+    def read(offset: int) -> bytes:
+        if not _header_ok(buf, offset):
+            raise _Damaged()
+        (length,) = struct.unpack_from("<Q", buf, offset)
+        start = offset + _HEADER
+        data = bytes(buf[start : start + length])
+        if masked_crc32c(data) != struct.unpack_from("<I", buf, start + length)[0]:
+            raise _Damaged()
+        return data
+
+    return read
+
+
+def _default_reader(path: str, buf: Buffer) -> RecordReader:
+    try:
+        return tf_record_reader(path, buf)
+    except ImportError:
+        return py_record_reader(path, buf)
+
+
+def _header_ok(buf: Buffer, offset: int) -> bool:
+    return masked_crc32c(bytes(buf[offset : offset + 8])) == struct.unpack_from("<I", buf, offset + 8)[0]
+
+
+def _offsets_text(offsets: list[int]) -> str:
+    shown = ", ".join(str(o) for o in offsets[:_MAX_OFFSETS_SHOWN])
+    more = len(offsets) - _MAX_OFFSETS_SHOWN
+    return shown + (" and %d more" % more if more > 0 else "")
+
+
+def _records(
+    path: str,
+    problems: list[str],
+    make_reader: Callable[[str, Buffer], RecordReader] = _default_reader,
+) -> Iterator[bytes]:
+    """The readable records of one event file; its damage goes to ``problems``.
+
+    Reads the file as it is when opened (a writer may be appending to it).
+    """
+    name = os.path.basename(path)
+    try:
+        with open(path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            buf: Buffer = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if size else b""
+        read = make_reader(path, buf)
+    except (OSError, ValueError) as e:
+        problems.append("%s: cannot open (%s)" % (name, e))
+        return
+    offset = count = 0
+    skipped: list[int] = []
+
+    def cut(what: str) -> str:
+        return "%s: %s at byte offset %d of %d after %d record(s); the rest of the file was skipped" % (
+            name, what, offset, size, count,
+        )
 
     try:
-        it = event_file_loader._make_tf_record_iterator(path)  # C++ CRC checks when TF is present
-    except Exception as e:  # noqa: BLE001 - unreadable file: report and go on
-        problems.append("%s: cannot open (%s)" % (os.path.basename(path), e))
-        return
-    count = 0
-    while True:
-        try:
-            data = next(it)
-        except StopIteration:
-            return
-        except tf.errors.DataLossError as e:
+        while offset < size:
+            if size - offset < _HEADER:
+                problems.append(cut("truncated"))
+                return
+            (length,) = struct.unpack_from("<Q", buf, offset)
+            end = offset + _HEADER + length + _FOOTER
+            if end > size:
+                problems.append(cut("truncated" if _header_ok(buf, offset) else _bad_header(count)))
+                return
+            try:
+                data = read(offset)
+            except _Damaged:
+                if not _header_ok(buf, offset):
+                    problems.append(cut(_bad_header(count)))
+                    return
+                skipped.append(offset)
+            else:
+                count += 1
+                yield data
+            offset = end
+    finally:
+        if skipped:
             problems.append(
-                "%s: corrupt or truncated after %d record(s); the rest of the file was skipped (%s)"
-                % (os.path.basename(path), count, str(e).splitlines()[0] if str(e) else "data loss")
+                "%s: %d corrupt record(s) skipped (checksum mismatch) at byte offset %s"
+                % (name, len(skipped), _offsets_text(skipped))
             )
-            return
-        count += 1
-        yield data
+
+
+def _bad_header(count: int) -> str:
+    return "not an event file (bad record header)" if count == 0 else "damaged record header"
+
+
+def _vector(t: tensor_pb2.TensorProto) -> np.ndarray:
+    """A record's values as float64; empty (so counted malformed) if unreadable."""
+    if t.dtype == types_pb2.DT_DOUBLE and t.tensor_content and len(t.tensor_content) % 8 == 0:
+        return np.frombuffer(t.tensor_content, dtype="<f8")
+    try:
+        return np.asarray(tensor_util.make_ndarray(t), dtype=np.float64).reshape(-1)
+    except (ValueError, TypeError, KeyError):
+        return np.zeros(0)
 
 
 def read_run(run: str, files: list[str]) -> RunRecords:
@@ -77,11 +193,12 @@ def read_run(run: str, files: list[str]) -> RunRecords:
     rejected: set[str] = set()
     points: dict[str, tuple[list[int], list[np.ndarray]]] = {}
     for path in files:
+        undecodable = 0
         for data in _records(path, problems):
             try:
                 event = event_pb2.Event.FromString(data)
             except DecodeError:
-                problems.append("%s: an undecodable event was skipped" % os.path.basename(path))
+                undecodable += 1
                 continue
             if not event.HasField("summary"):
                 continue
@@ -102,13 +219,13 @@ def read_run(run: str, files: list[str]) -> RunRecords:
                         continue
                 if tag not in infos or not value.HasField("tensor"):
                     continue
-                t = value.tensor
-                vec = np.frombuffer(t.tensor_content, dtype="<f8") if t.tensor_content else np.asarray(
-                    t.double_val, dtype=np.float64
-                )
                 steps, rows = points.setdefault(tag, ([], []))
                 steps.append(event.step)
-                rows.append(vec)
+                rows.append(_vector(value.tensor))
+        if undecodable:
+            problems.append(
+                "%s: %d record(s) that are not events skipped" % (os.path.basename(path), undecodable)
+            )
     series = [
         analysis.make_series(tag, infos[tag], steps, rows, problems)
         for tag, (steps, rows) in points.items()
