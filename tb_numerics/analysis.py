@@ -173,23 +173,22 @@ def make_series(
     that exceed the element count are dropped and described in ``problems``.
     When a step was written twice (a restarted job), the later record wins.
     """
-    steps_list = list(steps)
-    rows = []
-    keep_steps = []
-    bad = 0
-    for step, row in zip(steps_list, values):
-        vec = np.asarray(row, dtype=np.float64).reshape(-1)
-        if vec.shape != (metadata.NUM_FIELDS,) or not _valid_record(vec):
-            bad += 1
-            continue
-        rows.append(vec)
-        keep_steps.append(int(step))
+    steps_list = [int(s) for s in steps]
+    rows = [np.asarray(row, dtype=np.float64).reshape(-1) for row in values][: len(steps_list)]
+    steps_list = steps_list[: len(rows)]
+    # Checked all at once: a run can hold a million records of one tensor.
+    shaped = np.fromiter((r.shape == (metadata.NUM_FIELDS,) for r in rows), bool, len(rows))
+    vals = np.zeros((0, metadata.NUM_FIELDS))
+    if shaped.any():
+        vals = np.stack([r for r, ok in zip(rows, shaped) if ok])
+    st = np.asarray(steps_list, dtype=np.int64)[shaped]
+    valid = _valid_records(vals)
+    vals, st = vals[valid], st[valid]
+    bad = len(rows) - len(st)
     if bad and problems is not None:
         problems.append("%s: %d malformed record(s) skipped" % (tag, bad))
-    if not rows:
+    if not len(st):
         return TensorSeries(tag, info, np.zeros(0, np.int64), np.zeros((0, metadata.NUM_FIELDS)))
-    st = np.asarray(keep_steps, dtype=np.int64)
-    vals = np.stack(rows)
     # Stable sort by step, then keep the last record written for each step.
     order = np.argsort(st, kind="stable")
     st, vals = st[order], vals[order]
@@ -201,13 +200,13 @@ def make_series(
 _COUNT_FIELDS = [F[k] for k in ("count", "nan", "posinf", "neginf", "zeros", "overflow", "underflow")]
 
 
-def _valid_record(vec: np.ndarray) -> bool:
-    counts = vec[_COUNT_FIELDS]
-    if not np.all(np.isfinite(counts)) or np.any(counts < 0):
-        return False
-    if np.any(counts[1:] > counts[0]):
-        return False
-    return not np.any(np.isinf(vec[[F["min"], F["max"]]]))
+def _valid_records(v: np.ndarray) -> np.ndarray:
+    """Which records ``[n, F]`` hold possible statistics."""
+    counts = v[:, _COUNT_FIELDS]
+    with np.errstate(invalid="ignore"):
+        ok = np.all(np.isfinite(counts), axis=1) & np.all(counts >= 0, axis=1)
+        ok &= np.all(counts[:, 1:] <= counts[:, :1], axis=1)
+    return ok & ~np.any(np.isinf(v[:, [F["min"], F["max"]]]), axis=1)
 
 
 def derived(values: np.ndarray) -> dict[str, np.ndarray]:
