@@ -1,0 +1,389 @@
+// The dashboard: owns the view state (state.js, mirrored in the URL hash),
+// asks the routes (api.js) and hands the answers to the banner, the
+// timelines (one per selected run) and the charts of the selected tensor.
+
+import * as api from "./api.js";
+import { renderBanners } from "./banner.js";
+import { RunPicker, SafeRangeForm, ZoomForm } from "./controls.js";
+import { el, replace } from "./dom.js";
+import * as fmt from "./format.js";
+import * as store from "./state.js";
+import { TensorCharts } from "./tensor_charts.js";
+import { watchTheme } from "./theme.js";
+import { Timeline, legend } from "./timeline.js";
+
+// Runs shown when the link names none: enough to compare, few enough to stay fast.
+const DEFAULT_RUNS = 4;
+const EMPTY_MESSAGE =
+  "No numerics in this logdir yet: call tb_numerics.log_numerics(...) in your training step " +
+  "and point TensorBoard at its logdir.";
+
+export class Dashboard {
+  constructor(root) {
+    this.state = store.read();
+    this.runs = [];
+    this.summaries = new Map(); // run -> /summary
+    this.timelines = new Map(); // run -> Timeline
+    this.series = new Map(); // request key -> Promise of /series
+    this.generation = 0; // bumped per load so stale answers are dropped
+    this.chartGeneration = 0;
+
+    this.runPicker = new RunPicker((runs) => this.setRuns(runs));
+    this.safeForm = new SafeRangeForm((params) => this.setParams(params));
+    this.zoom = new ZoomForm((a, b) => this.setZoom(a, b));
+    this.charts = new TensorCharts({
+      onZoom: (a, b) => this.setZoom(a, b),
+      onLogChange: (log) => {
+        this.state.log = log;
+        store.write(this.state);
+        this.loadCharts();
+      },
+    });
+    const reload = el("button", { type: "button", title: "Read the logdir again", onclick: () => this.load() }, "Reload");
+    this.busy = el("div", { class: "loading-line", role: "status" });
+    this.status = el("div", { class: "status loading", role: "status" }, "Loading numerics…");
+    this.banners = el("div", { class: "banners" });
+    this.timelineHost = el("div", {});
+    this.selectedName = el("h2", { class: "selected-name" });
+    this.main = el(
+      "div",
+      { hidden: true },
+      this.banners,
+      el("section", { class: "timeline-block" }, el("div", { class: "timeline-head" }, el("h2", {}, "Health timeline"), legend()), this.timelineHost),
+      el("section", {}, el("div", { class: "charts-head" }, this.selectedName, this.zoom.element), this.charts.element)
+    );
+    root.append(
+      el(
+        "div",
+        { class: "numerics" },
+        el("div", { class: "toolbar" }, this.runPicker.element, this.safeForm.element, el("div", {}, reload)),
+        this.busy,
+        this.status,
+        this.main
+      )
+    );
+    this.safeForm.set(this.state.params);
+  }
+
+  async start() {
+    watchTheme(() => this.redraw());
+    window.addEventListener("hashchange", () => {
+      // A pasted or edited link: take its state as a whole.
+      this.state = store.read();
+      this.safeForm.set(this.state.params);
+      this.load();
+    });
+    let lastWidth = 0;
+    new ResizeObserver(() => {
+      const width = this.timelineHost.clientWidth;
+      if (width === lastWidth) return;
+      lastWidth = width;
+      this.redraw();
+      clearTimeout(this.resizeTimer);
+      this.resizeTimer = setTimeout(() => this.refetchNarrowTimelines(), 300);
+    }).observe(this.timelineHost);
+    api.safeRange().then((d) => this.safeForm.setDefaults(d), () => {});
+    await this.load();
+  }
+
+  // ------------------------------------------------------------- loading
+
+  showStatus(kind, text) {
+    this.status.className = `status ${kind}`;
+    this.status.textContent = text;
+    this.status.hidden = false;
+  }
+
+  async load() {
+    const gen = ++this.generation;
+    this.series.clear();
+    this.busy.textContent = "Loading…";
+    let runs;
+    try {
+      ({ runs } = await api.runs(this.state.params));
+    } catch (e) {
+      if (gen !== this.generation) return;
+      this.busy.textContent = "";
+      return this.fail(e);
+    }
+    if (gen !== this.generation) return;
+    this.safeForm.set(this.state.params);
+    this.runs = runs;
+    if (!runs.length) {
+      this.busy.textContent = "";
+      this.main.hidden = true;
+      this.runPicker.set([], []);
+      return this.showStatus("empty", EMPTY_MESSAGE);
+    }
+    const names = runs.map((r) => r.run);
+    let selected = this.state.runs.filter((r) => names.includes(r));
+    if (!selected.length) selected = names.slice(0, DEFAULT_RUNS);
+    this.state.runs = selected;
+    this.runPicker.set(runs, selected);
+    await this.loadRuns(gen);
+  }
+
+  /** An error: the server's message, and the safe-range field it names marked. */
+  fail(e) {
+    const invalid = store.SAFE_RANGE_KEYS.find((k) => e.message.includes(k)) || null;
+    this.safeForm.set(this.state.params, invalid);
+    this.showStatus("error", `Error: ${e.message}`);
+  }
+
+  async loadRuns(gen = ++this.generation) {
+    const { runs, params } = this.state;
+    this.busy.textContent = "Loading…";
+    const items = await Promise.all(
+      runs.map((run) =>
+        api.summary(run, params).then(
+          (summary) => ({ run, summary }),
+          (e) => ({ run, error: e.message })
+        )
+      )
+    );
+    if (gen !== this.generation) return;
+    const failed = items.find((i) => i.error && /safe|must|needs/.test(i.error));
+    if (failed) {
+      this.busy.textContent = "";
+      return this.fail(new Error(failed.error));
+    }
+    this.summaries = new Map(items.filter((i) => i.summary).map((i) => [i.run, i.summary]));
+    this.status.hidden = true;
+    this.main.hidden = false;
+    renderBanners(this.banners, items, (run, tensor, step) => this.showMe(run, tensor, step));
+    if (!this.summaries.has(this.state.focus)) {
+      const withAnomaly = runs.find((r) => this.summaries.get(r)?.first_anomaly);
+      // A link's tensor is kept when the new focus run has it (pickDefaultSelection checks).
+      this.state.focus = withAnomaly || runs.find((r) => this.summaries.has(r)) || null;
+    }
+    this.buildTimelines();
+    await this.loadTimelines(gen);
+    if (gen !== this.generation) return;
+    this.busy.textContent = "";
+    this.pickDefaultSelection();
+    this.applySelection();
+  }
+
+  buildTimelines() {
+    this.timelines = new Map();
+    const blocks = [];
+    for (const run of this.state.runs) {
+      if (!this.summaries.has(run)) continue;
+      const tl = new Timeline(run, {
+        onSelect: (row, col) => this.selectCell(run, row, col),
+        describeCell: (row, col) => this.describeCell(run, row, col),
+      });
+      this.timelines.set(run, tl);
+      const error = el("p", { class: "error", hidden: true });
+      tl.errorLine = error;
+      blocks.push(
+        el(
+          "div",
+          { class: "timeline-run", dataset: { run } },
+          this.state.runs.length > 1 ? el("h3", { class: "tensor-name" }, run) : null,
+          error,
+          tl.element
+        )
+      );
+    }
+    replace(this.timelineHost, blocks);
+  }
+
+  async loadTimelines(gen) {
+    const range = { start: this.state.start, end: this.state.end };
+    await Promise.all(
+      [...this.timelines].map(async ([run, tl]) => {
+        const width = Math.min(10000, tl.plotWidth());
+        try {
+          const data = await api.timeline(run, width, range, this.state.params);
+          if (gen !== this.generation) return;
+          tl.requestedWidth = width;
+          tl.errorLine.hidden = true;
+          const a = this.summaries.get(run).first_anomaly;
+          tl.setData(data, a ? a.row : null, a ? a.step : null);
+        } catch (e) {
+          tl.errorLine.hidden = false;
+          tl.errorLine.textContent = `Timeline: ${e.message}`;
+        }
+      })
+    );
+  }
+
+  async refetchNarrowTimelines() {
+    const stale = [...this.timelines.values()].some((tl) => tl.requestedWidth && Math.abs(tl.plotWidth() - tl.requestedWidth) > 0.2 * tl.requestedWidth);
+    if (!stale) return;
+    const gen = this.generation;
+    await this.loadTimelines(gen);
+    this.applySelection(false);
+  }
+
+  // ------------------------------------------------------------- selection
+
+  /** The link's tensor if the run has it, else the first anomaly, the first warning, the first row. */
+  pickDefaultSelection() {
+    const run = this.state.focus;
+    const tl = this.timelines.get(run);
+    if (!tl || !tl.data) return;
+    if (this.state.tensor !== null && tl.rowOf(this.state.tensor) >= 0) return;
+    const s = this.summaries.get(run);
+    const pick = s.first_anomaly || s.first_warning;
+    this.state.tensor = pick ? pick.tensor : tl.data.rows[0]?.tensor ?? null;
+    this.state.step = pick ? pick.step : null;
+  }
+
+  applySelection(charts = true) {
+    store.write(this.state);
+    const s = this.summaries.get(this.state.focus);
+    this.zoom.set(this.state.start, this.state.end, s ? [s.first_step, s.last_step] : []);
+    for (const [run, tl] of this.timelines) {
+      tl.select(run === this.state.focus ? this.state.tensor : null, this.state.step);
+    }
+    if (charts) this.loadCharts();
+  }
+
+  select(run, tensor, step) {
+    Object.assign(this.state, { focus: run, tensor, step });
+    this.applySelection();
+  }
+
+  /** A banner's "Show me": zoom out if the step is outside the range, select, scroll to it. */
+  async showMe(run, tensor, step) {
+    const { start, end } = this.state;
+    Object.assign(this.state, { focus: run, tensor, step });
+    if ((start !== null && step < start) || (end !== null && step > end)) {
+      await this.setZoom(null, null);
+    } else {
+      this.applySelection();
+    }
+    const tl = this.timelines.get(run);
+    if (tl) {
+      tl.element.scrollIntoView({ block: "nearest" });
+      tl.canvas.focus({ preventScroll: true });
+    }
+  }
+
+  /** A clicked cell: the tensor, and the step in its bucket that is worst (first of them). */
+  async selectCell(run, row, col) {
+    const tl = this.timelines.get(run);
+    const tensor = tl.data.rows[row].tensor;
+    const start = tl.data.bucket_start[col];
+    const end = tl.data.bucket_end[col];
+    let step = start;
+    if (end > start) {
+      try {
+        const s = await this.getSeries(run, tensor, { start, end, maxPoints: 100000 });
+        const worst = Math.max(...s.health);
+        if (s.steps.length) step = s.steps[s.health.indexOf(worst)];
+      } catch {
+        // keep the bucket's first step
+      }
+    }
+    this.select(run, tensor, step);
+  }
+
+  async describeCell(run, row, col) {
+    const tl = this.timelines.get(run);
+    const tensor = tl.data.rows[row].tensor;
+    const start = tl.data.bucket_start[col];
+    const end = tl.data.bucket_end[col];
+    const s = await this.getSeries(run, tensor, { start, end, maxPoints: 1 });
+    if (!s.steps.length) return ["No record in this range"];
+    const f = s.fields;
+    const n = fmt.number;
+    const lines = [
+      `min ${n(f.min[0])} · max ${n(f.max[0])} · max |x| ${n(f.max_abs[0])}`,
+      `mean ${n(f.mean[0])} · std ${n(f.std[0])} · L2 ${n(f.l2[0])}`,
+    ];
+    if (f.nan[0] + f.posinf[0] + f.neginf[0] > 0) {
+      lines.push(fmt.nonfiniteCounts({ nan: f.nan[0], posinf: f.posinf[0], neginf: f.neginf[0], size: f.count[0] }));
+    }
+    if (s.kinds[0]) lines.push(`warning: ${fmt.kind(s.kinds[0])}`);
+    if (end > start) lines.push("(over the bucket: min of mins, max of maxes, sums of counts)");
+    return lines;
+  }
+
+  getSeries(run, tensor, range) {
+    const key = JSON.stringify([run, tensor, range.start, range.end, range.maxPoints, this.state.params]);
+    if (!this.series.has(key)) {
+      if (this.series.size > 500) this.series.clear();
+      const p = api.series(run, tensor, range, this.state.params);
+      p.catch(() => this.series.delete(key));
+      this.series.set(key, p);
+    }
+    return this.series.get(key);
+  }
+
+  async loadCharts() {
+    const gen = ++this.chartGeneration;
+    const { focus: run, tensor, start, end, step, log } = this.state;
+    const s = this.summaries.get(run);
+    const tl = this.timelines.get(run);
+    if (!s || !tl || !tl.data || tensor === null) {
+      replace(this.selectedName, "Select a tensor in the timeline");
+      return this.charts.message("Nothing selected.");
+    }
+    const info = tl.data.rows[tl.rowOf(tensor)];
+    replace(
+      this.selectedName,
+      el("span", { class: "tensor-name", title: tensor }, tensor),
+      info ? ` · ${[info.op_type, info.phase, info.role, info.dtype].filter(Boolean).join(", ")}` : "",
+      this.state.runs.length > 1 ? ` · run ${run}` : ""
+    );
+    const global = tl.data.rows.find((r) => r.role === "global_norm");
+    const range = { start: start ?? undefined, end: end ?? undefined };
+    try {
+      const [series, globalSeries] = await Promise.all([
+        this.getSeries(run, tensor, range),
+        global ? this.getSeries(run, global.tensor, range) : null,
+      ]);
+      if (gen !== this.chartGeneration) return;
+      this.charts.set({
+        series,
+        globalSeries,
+        domain: [start ?? s.first_step, end ?? s.last_step],
+        anomalyStep: s.first_anomaly ? s.first_anomaly.step : null,
+        selectedStep: step,
+        log,
+      });
+    } catch (e) {
+      if (gen === this.chartGeneration) this.charts.message(`Error: ${e.message}`);
+    }
+  }
+
+  // ------------------------------------------------------------- controls
+
+  setRuns(runs) {
+    this.state.runs = runs;
+    if (!runs.includes(this.state.focus)) Object.assign(this.state, { focus: null, tensor: null, step: null });
+    store.write(this.state);
+    if (!runs.length) {
+      this.main.hidden = true;
+      return this.showStatus("empty", "Select a run to see its numerics.");
+    }
+    this.loadRuns();
+  }
+
+  setParams(params) {
+    this.state.params = params;
+    store.write(this.state);
+    this.load();
+  }
+
+  async setZoom(start, end) {
+    if (start !== null && end !== null && start > end) [start, end] = [end, start];
+    if (start !== null && start < 0) start = 0;
+    Object.assign(this.state, { start, end });
+    store.write(this.state);
+    const gen = ++this.generation;
+    this.busy.textContent = "Loading…";
+    await this.loadTimelines(gen);
+    if (gen !== this.generation) return;
+    this.busy.textContent = "";
+    this.applySelection();
+  }
+
+  redraw() {
+    for (const tl of this.timelines.values()) tl.draw();
+    this.charts.redraw();
+  }
+}

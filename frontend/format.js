@@ -1,0 +1,39 @@
+// Numbers and counts in words, the way the banner and tooltips print them.
+
+const INT = new Intl.NumberFormat("en-US", { maximumFractionDigits: 0 });
+
+/** 4096 -> "4,096". */
+export function count(n) {
+  return INT.format(n);
+}
+
+/** A statistic with 4 significant digits; NaN/Inf spelled out. */
+export function number(x) {
+  if (x === null || x === undefined) return "–";
+  if (Number.isNaN(x)) return "NaN";
+  if (x === Infinity) return "+Inf";
+  if (x === -Infinity) return "-Inf";
+  if (x === 0) return "0";
+  const a = Math.abs(x);
+  if (a >= 1e5 || a < 1e-3) return x.toExponential(3).replace(/\.?0+e/, "e");
+  return String(Number(x.toPrecision(4)));
+}
+
+/** {nan, posinf, neginf, size} -> "2 NaN, 1 +Inf of 4,096 values". */
+export function nonfiniteCounts({ nan, posinf, neginf, size }) {
+  const parts = [];
+  if (nan) parts.push(`${count(nan)} NaN`);
+  if (posinf) parts.push(`${count(posinf)} +Inf`);
+  if (neginf) parts.push(`${count(neginf)} -Inf`);
+  return `${parts.join(", ") || "no non-finite values"} of ${count(size)} values`;
+}
+
+/** "overflow_risk" -> "overflow risk". */
+export function kind(k) {
+  return k ? k.replace(/_/g, " ") : "";
+}
+
+/** A step range "1,200–1,299", or one step "1,200". */
+export function steps(start, end) {
+  return start === end ? count(start) : `${count(start)}–${count(end)}`;
+}

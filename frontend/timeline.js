@@ -1,0 +1,320 @@
+// The health timeline of one run: one row per tensor in execution order,
+// grouped by phase and role, one column per step bucket (/timeline already
+// keeps the worst health of each bucket, so one bad step always shows).
+// Labels are HTML (ellipsis, full name in the title); cells are a canvas.
+
+import { niceTicks } from "./chart.js";
+import { el, replace } from "./dom.js";
+import * as fmt from "./format.js";
+import { color } from "./theme.js";
+
+const AXIS_H = 22;
+const ROW_H = 14;
+const GROUP_H = 18;
+const HEALTH_WORDS = { "-1": "no record", 0: "healthy", 1: "warning", 2: "non-finite (NaN/Inf)" };
+const HEALTH_COLOURS = { "-1": "nodata", 0: "healthy", 1: "warning", 2: "nonfinite" };
+
+/** The legend of the four cell colours. */
+export function legend() {
+  return el(
+    "div",
+    { class: "legend", "aria-label": "Timeline colours" },
+    ...[0, 1, 2, -1].map((code) =>
+      el("span", {}, el("span", { class: "swatch", style: `background: var(--${HEALTH_COLOURS[code]})` }), HEALTH_WORDS[code])
+    )
+  );
+}
+
+export class Timeline {
+  /**
+   * onSelect(rowIndex, col): a cell was clicked or chosen with Enter.
+   * describeCell(rowIndex, col): Promise of extra tooltip lines (numbers).
+   */
+  constructor(run, { onSelect, describeCell }) {
+    this.run = run;
+    this.onSelect = onSelect;
+    this.describeCell = describeCell;
+    this.data = null;
+    this.anomaly = null; // {row, col}
+    this.selected = null; // {row, col}
+    this.cursor = null; // keyboard position {row, col}
+    this.hoverToken = 0;
+
+    this.labels = el("div", { class: "labels" });
+    this.canvas = el("canvas", {
+      tabindex: "0",
+      role: "img",
+      "aria-label": `Health timeline of run ${run}: arrow keys move, Enter selects`,
+    });
+    this.live = el("div", { class: "sr-only", "aria-live": "polite" });
+    this.tooltip = el("div", { class: "tooltip", hidden: true, role: "tooltip" });
+    this.element = el("div", { class: "timeline" }, this.labels, el("div", {}, this.canvas), this.live, this.tooltip);
+
+    this.canvas.addEventListener("mousemove", (e) => this.hover(e));
+    this.canvas.addEventListener("mouseleave", () => this.hideTooltip());
+    this.canvas.addEventListener("click", (e) => {
+      const cell = this.cellAt(e);
+      if (cell) this.choose(cell);
+    });
+    this.canvas.addEventListener("keydown", (e) => this.key(e));
+    this.canvas.addEventListener("blur", () => {
+      this.hideTooltip();
+      this.draw();
+    });
+  }
+
+  /** Width in CSS pixels available to the cells: the /timeline width to ask for. */
+  plotWidth() {
+    return Math.max(50, Math.floor(this.canvas.parentElement.clientWidth || 600));
+  }
+
+  setData(data, anomalyRow, anomalyStep) {
+    this.data = data;
+    this.cols = data.bucket_start.length;
+    this.anomaly = anomalyRow === null ? null : this.cellOf(anomalyRow, anomalyStep);
+    this.layout();
+    this.draw();
+  }
+
+  /** The bucket column holding a step, or null when out of range. */
+  colOf(step) {
+    const starts = this.data.bucket_start;
+    if (!starts.length || step === null || step < starts[0] || step > this.data.bucket_end[starts.length - 1]) return null;
+    let lo = 0;
+    let hi = starts.length - 1;
+    while (lo < hi) {
+      const mid = (lo + hi + 1) >> 1;
+      if (starts[mid] <= step) lo = mid;
+      else hi = mid - 1;
+    }
+    return lo;
+  }
+
+  /** {row, col} of a step in a row (col null when out of range), or null for a bad row. */
+  cellOf(row, step) {
+    if (!this.data || row === null || row < 0 || row >= this.data.rows.length) return null;
+    return { row, col: this.colOf(step) };
+  }
+
+  rowOf(tensor) {
+    return this.data ? this.data.rows.findIndex((r) => r.tensor === tensor) : -1;
+  }
+
+  /** Marks the selected tensor and step (null clears). */
+  select(tensor, step) {
+    const row = this.rowOf(tensor);
+    this.selected = row < 0 ? null : this.cellOf(row, step);
+    if (this.selected && this.selected.col !== null) this.cursor = { ...this.selected };
+    for (const label of this.labels.querySelectorAll(".label.row")) {
+      label.classList.toggle("selected", Number(label.dataset.row) === row);
+    }
+    this.draw();
+  }
+
+  layout() {
+    const rows = this.data.rows;
+    this.rowY = [];
+    const labels = [];
+    let y = AXIS_H;
+    let group = null;
+    rows.forEach((r, i) => {
+      const g = `${r.phase} · ${r.role}`;
+      if (g !== group) {
+        group = g;
+        labels.push(el("div", { class: "label group", style: `top:${y}px;height:${GROUP_H}px;line-height:${GROUP_H + 4}px` }, g));
+        y += GROUP_H;
+      }
+      this.rowY.push(y);
+      const name = r.op_type ? `${r.tensor} (${r.op_type})` : r.tensor;
+      labels.push(
+        el("div", { class: "label row", title: name, dataset: { row: i }, style: `top:${y}px;height:${ROW_H}px;line-height:${ROW_H}px` }, r.tensor)
+      );
+      y += ROW_H;
+    });
+    this.height = y + 4;
+    this.labels.style.height = `${this.height}px`;
+    replace(this.labels, labels);
+  }
+
+  draw() {
+    if (!this.data) return;
+    const width = this.plotWidth();
+    const dpr = window.devicePixelRatio || 1;
+    this.canvas.width = Math.round(width * dpr);
+    this.canvas.height = Math.round(this.height * dpr);
+    this.canvas.style.height = `${this.height}px`;
+    const ctx = this.canvas.getContext("2d");
+    ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
+    ctx.clearRect(0, 0, width, this.height);
+    const cw = this.cols ? width / this.cols : width;
+    this.cellWidth = cw;
+    const palette = Object.fromEntries(Object.entries(HEALTH_COLOURS).map(([k, v]) => [k, color(v)]));
+
+    this.drawAxis(ctx, width, cw);
+    // Cells, merged into runs of equal health so 2,000 columns stay cheap.
+    this.data.rows.forEach((row, r) => {
+      const y = this.rowY[r] + 1;
+      const cells = row.cells;
+      let start = 0;
+      for (let i = 1; i <= cells.length; i++) {
+        if (i === cells.length || cells[i] !== cells[start]) {
+          ctx.fillStyle = palette[cells[start]];
+          const x0 = Math.floor(start * cw);
+          ctx.fillRect(x0, y, Math.max(1, Math.floor(i * cw) - x0), ROW_H - 2);
+          start = i;
+        }
+      }
+    });
+    if (this.anomaly && this.anomaly.col !== null) this.mark(ctx, this.anomaly, color("anomaly-mark"), 2, []);
+    if (this.selected && this.selected.col !== null) this.mark(ctx, this.selected, color("accent"), 3, []);
+    if (this.cursor && document.activeElement === this.canvas) this.mark(ctx, this.cursor, color("fg"), 1.5, [3, 2]);
+  }
+
+  drawAxis(ctx, width, cw) {
+    const starts = this.data.bucket_start;
+    ctx.fillStyle = color("muted");
+    ctx.strokeStyle = color("grid");
+    ctx.font = "11px Roboto, Arial, sans-serif";
+    ctx.textBaseline = "middle";
+    if (!starts.length) return;
+    // Ticks at round steps, placed inside their bucket.
+    const ends = this.data.bucket_end;
+    const first = starts[0];
+    const last = ends[ends.length - 1];
+    for (const t of niceTicks(first, last, Math.max(2, Math.floor(width / 90)))) {
+      if (!Number.isInteger(t) || t < first || t > last) continue;
+      const col = this.colOf(t);
+      if (col === null) continue;
+      const x = (col + (t - starts[col]) / (ends[col] - starts[col] + 1)) * cw;
+      ctx.fillRect(Math.floor(x), AXIS_H - 5, 1, 5);
+      const text = fmt.count(t);
+      if (x + ctx.measureText(text).width + 2 < width) ctx.fillText(text, x + 2, AXIS_H / 2 - 1);
+    }
+    if (this.anomaly && this.anomaly.col !== null) {
+      // A triangle over the first anomaly's column, visible when its row is scrolled away.
+      const x = (this.anomaly.col + 0.5) * cw;
+      ctx.fillStyle = color("nonfinite");
+      ctx.beginPath();
+      ctx.moveTo(x - 5, AXIS_H - 9);
+      ctx.lineTo(x + 5, AXIS_H - 9);
+      ctx.lineTo(x, AXIS_H - 1);
+      ctx.fill();
+    }
+  }
+
+  /** An outline around a cell, at least 6 px wide so a 1-px bucket shows. */
+  mark(ctx, { row, col }, stroke, lineWidth, dash) {
+    const cw = this.cellWidth;
+    const w = Math.max(6, cw);
+    const x = (col + 0.5) * cw - w / 2;
+    ctx.save();
+    ctx.strokeStyle = stroke;
+    ctx.lineWidth = lineWidth;
+    ctx.setLineDash(dash);
+    ctx.strokeRect(x, this.rowY[row] - 1, w, ROW_H + 2);
+    ctx.restore();
+  }
+
+  cellAt(e) {
+    if (!this.data || !this.cols) return null;
+    const rect = this.canvas.getBoundingClientRect();
+    const x = e.clientX - rect.left;
+    const y = e.clientY - rect.top;
+    const row = this.rowY.findIndex((top) => y >= top && y < top + ROW_H);
+    if (row < 0) return null;
+    const col = Math.min(this.cols - 1, Math.max(0, Math.floor(x / this.cellWidth)));
+    return { row, col };
+  }
+
+  choose(cell) {
+    this.cursor = cell;
+    this.onSelect(cell.row, cell.col);
+  }
+
+  key(e) {
+    if (!this.data || !this.cols) return;
+    const c = this.cursor || this.selected || this.anomaly || { row: 0, col: 0 };
+    let { row } = c;
+    let col = c.col ?? 0;
+    const moves = {
+      ArrowLeft: () => (col = Math.max(0, col - 1)),
+      ArrowRight: () => (col = Math.min(this.cols - 1, col + 1)),
+      ArrowUp: () => (row = Math.max(0, row - 1)),
+      ArrowDown: () => (row = Math.min(this.data.rows.length - 1, row + 1)),
+      PageUp: () => (col = Math.max(0, col - 10)),
+      PageDown: () => (col = Math.min(this.cols - 1, col + 10)),
+      Home: () => (col = 0),
+      End: () => (col = this.cols - 1),
+    };
+    if (moves[e.key]) {
+      moves[e.key]();
+      this.cursor = { row, col };
+      this.draw();
+      this.showCell(this.cursor, null);
+      e.preventDefault();
+    } else if (e.key === "Enter" || e.key === " ") {
+      this.choose({ row, col });
+      e.preventDefault();
+    }
+  }
+
+  hover(e) {
+    const cell = this.cellAt(e);
+    if (!cell) return this.hideTooltip();
+    if (this.hovered && this.hovered.row === cell.row && this.hovered.col === cell.col) {
+      return this.place(e.clientX, e.clientY);
+    }
+    this.hovered = cell;
+    this.showCell(cell, [e.clientX, e.clientY]);
+  }
+
+  /** Tooltip (and screen-reader line) for a cell; numbers follow from the server. */
+  showCell(cell, at) {
+    const row = this.data.rows[cell.row];
+    const code = row.cells[cell.col];
+    const range = fmt.steps(this.data.bucket_start[cell.col], this.data.bucket_end[cell.col]);
+    const head = `${row.tensor}, step ${range}: ${HEALTH_WORDS[code]}`;
+    this.live.textContent = head;
+    const numbers = el("div", { class: "numbers" }, code === -1 ? "" : "…");
+    replace(
+      this.tooltip,
+      el("div", { class: "tensor-name" }, row.tensor),
+      el("div", {}, `${range.includes("–") ? "Steps" : "Step"} ${range} · ${HEALTH_WORDS[code]}`),
+      numbers
+    );
+    this.tooltip.hidden = false;
+    if (at) this.place(...at);
+    else {
+      const rect = this.canvas.getBoundingClientRect();
+      this.place(rect.left + (cell.col + 1) * this.cellWidth, rect.top + this.rowY[cell.row] + ROW_H);
+    }
+    if (code === -1) return;
+    const token = ++this.hoverToken;
+    clearTimeout(this.hoverTimer);
+    this.hoverTimer = setTimeout(async () => {
+      let lines;
+      try {
+        lines = await this.describeCell(cell.row, cell.col);
+      } catch (err) {
+        lines = [err.message];
+      }
+      if (token === this.hoverToken && !this.tooltip.hidden) replace(numbers, lines.map((l) => el("div", {}, l)));
+    }, 120);
+  }
+
+  place(x, y) {
+    const tip = this.tooltip;
+    const w = tip.offsetWidth;
+    const h = tip.offsetHeight;
+    const left = x + 14 + w > window.innerWidth ? Math.max(0, x - 14 - w) : x + 14;
+    const top = y + 14 + h > window.innerHeight ? Math.max(0, y - 14 - h) : y + 14;
+    tip.style.left = `${left}px`;
+    tip.style.top = `${top}px`;
+  }
+
+  hideTooltip() {
+    this.hovered = null;
+    this.hoverToken++;
+    this.tooltip.hidden = true;
+  }
+}
