@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import functools
 import math
 import re
 from typing import Any, Iterable, Mapping, Sequence
@@ -173,15 +174,21 @@ def make_series(
     that exceed the element count are dropped and described in ``problems``.
     When a step was written twice (a restarted job), the later record wins.
     """
-    steps_list = [int(s) for s in steps]
-    rows = [np.asarray(row, dtype=np.float64).reshape(-1) for row in values][: len(steps_list)]
-    steps_list = steps_list[: len(rows)]
-    # Checked all at once: a run can hold a million records of one tensor.
-    shaped = np.fromiter((r.shape == (metadata.NUM_FIELDS,) for r in rows), bool, len(rows))
-    vals = np.zeros((0, metadata.NUM_FIELDS))
-    if shaped.any():
-        vals = np.stack([r for r, ok in zip(rows, shaped) if ok])
-    st = np.asarray(steps_list, dtype=np.int64)[shaped]
+    if isinstance(values, np.ndarray) and values.ndim == 2 and values.shape[1] == metadata.NUM_FIELDS:
+        # Already one array (the plugin's reads): no per-record Python work.
+        st = np.asarray(steps, dtype=np.int64).reshape(-1)[: len(values)]
+        vals = values[: len(st)].astype(np.float64, copy=False)
+        rows = vals
+    else:
+        steps_list = [int(s) for s in steps]
+        rows = [np.asarray(row, dtype=np.float64).reshape(-1) for row in values][: len(steps_list)]
+        steps_list = steps_list[: len(rows)]
+        # Checked all at once: a run can hold a million records of one tensor.
+        shaped = np.fromiter((r.shape == (metadata.NUM_FIELDS,) for r in rows), bool, len(rows))
+        vals = np.zeros((0, metadata.NUM_FIELDS))
+        if shaped.any():
+            vals = np.stack([r for r, ok in zip(rows, shaped) if ok])
+        st = np.asarray(steps_list, dtype=np.int64)[shaped]
     valid = _valid_records(vals)
     vals, st = vals[valid], st[valid]
     bad = len(rows) - len(st)
@@ -352,9 +359,9 @@ class RunAnalysis:
                 return h
         return None
 
-    @property
+    @functools.cached_property
     def steps(self) -> np.ndarray:
-        """Every step at which any tensor of the run was recorded."""
+        """Every step at which any tensor of the run was recorded (computed once)."""
         if not self.health:
             return np.zeros(0, np.int64)
         return np.unique(np.concatenate([h.series.steps for h in self.health]))
