@@ -43,6 +43,8 @@ WARNING_KINDS = (
     "growth",
     "vanishing_gradient",
     "underflow",
+    # Non-finite gradients at a step a LossScaleOptimizer skipped: handled.
+    "skipped_step",
 )
 _KIND_CODE = {k: i + 1 for i, k in enumerate(WARNING_KINDS)}
 PHASE_RANK = {p: i for i, p in enumerate(metadata.PHASES)}
@@ -367,6 +369,51 @@ class RunAnalysis:
         return np.unique(np.concatenate([h.series.steps for h in self.health]))
 
 
+# Mixed precision: a LossScaleOptimizer skips a step whose (scaled) gradients
+# are not finite and halves its loss scale. While the scale is at least 1
+# that is the scaling overflowing float16, which the skip handles: the
+# gradients' non-finite records of such a step are warnings ("skipped_step").
+# Below 1 the gradients are non-finite even unscaled (a NaN in the backward
+# pass, or gradients beyond float16's range), so they stay anomalies; so do
+# non-finite forward values, which no loss scale changes.
+LOSS_SCALE_HANDLED_MIN = 1.0
+
+
+def skip_handled(info: metadata.TensorInfo, loss_scale: float | None) -> bool:
+    """Whether a non-finite record of ``info`` at a step run with ``loss_scale``
+    (None: no loss scaling) is a skipped step that loss scaling handled."""
+    return loss_scale is not None and loss_scale >= LOSS_SCALE_HANDLED_MIN and info.phase == "backward"
+
+
+def record_is_anomaly(
+    tag: str, v: np.ndarray, info: metadata.TensorInfo, sr: SafeRange, loss_scale: float | None = None
+) -> bool:
+    """Whether one record is non-finite by the same rules as ``analyze_run``
+    (for a training loop that must decide at once, e.g. to stop)."""
+    neginf = 0.0 if _allowlisted(tag, sr.allow_neginf) else v[F["neginf"]]
+    return v[F["nan"]] + v[F["posinf"]] + neginf > 0 and not skip_handled(info, loss_scale)
+
+
+def _mark_skipped_steps(health: list[SeriesHealth]) -> None:
+    """Turns the non-finite gradients of handled skipped steps into warnings."""
+    scales = [h for h in health if h.series.info.role == "loss_scale"]
+    if not scales:
+        return
+    sc = scales[0].series
+    for h in health:
+        if not skip_handled(h.series.info, 1.0):
+            continue
+        st = h.series.steps
+        j = np.minimum(np.searchsorted(sc.steps, st), max(len(sc.steps) - 1, 0))
+        if not len(sc.steps):
+            return
+        with np.errstate(invalid="ignore"):
+            handled = (sc.steps[j] == st) & (sc.values[j, F["max"]] >= LOSS_SCALE_HANDLED_MIN)
+        handled &= h.codes == NONFINITE
+        h.codes[handled] = WARNING
+        h.kinds[handled] = _KIND_CODE["skipped_step"]
+
+
 def analyze_run(
     run: str,
     series: Iterable[TensorSeries],
@@ -376,7 +423,16 @@ def analyze_run(
     """Classifies every series of a run and orders them by execution order."""
     sr = sr or SafeRange()
     ordered = sorted(series, key=lambda s: s.sort_key)
-    return RunAnalysis(run, [series_health(s, sr) for s in ordered], sr, list(problems))
+    health = [series_health(s, sr) for s in ordered]
+    _mark_skipped_steps(health)
+    return RunAnalysis(run, health, sr, list(problems))
+
+
+def skipped_steps(ra: RunAnalysis) -> list[int]:
+    """The steps a LossScaleOptimizer skipped with the scale handling it."""
+    code = _KIND_CODE["skipped_step"]
+    steps = [h.series.steps[h.kinds == code] for h in ra.health]
+    return np.unique(np.concatenate(steps)).astype(int).tolist() if steps else []
 
 
 def _first_cell(ra: RunAnalysis, code: int, before: tuple[int, int] | None = None):
@@ -477,6 +533,9 @@ def warning_detail(h: SeriesHealth, i: int, sr: SafeRange) -> str:
     """Words for the warning of record ``i`` of a series."""
     kind = WARNING_KINDS[h.kinds[i] - 1]
     v = h.series.values[i]
+    if kind == "skipped_step":
+        return "%s at a step the LossScaleOptimizer skipped (it lowered the loss scale)" % (
+            describe_nonfinite(v))
     d = derived(v)
     max_abs = float(d["max_abs"][0])
     dtype = h.series.info.dtype
@@ -550,6 +609,8 @@ def first_anomaly(ra: RunAnalysis) -> dict[str, Any] | None:
         "step": step,
         "tensor": h.series.tag,
         "op_type": h.series.info.op_type or None,
+        # The writer's description; for op-level records, the source line.
+        "tensor_description": h.series.info.description or None,
         "phase": h.series.info.phase,
         "role": h.series.info.role,
         "nan": int(v[F["nan"]]),
@@ -615,6 +676,7 @@ def run_summary(ra: RunAnalysis) -> dict[str, Any]:
         "records": int(sum(len(h.series.steps) for h in ra.health)),
         "first_step": int(steps[0]) if steps.size else None,
         "last_step": int(steps[-1]) if steps.size else None,
+        "skipped_steps": skipped_steps(ra),
         "problems": list(ra.problems),
     }
 
