@@ -14,6 +14,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "log_numerics": "tb_numerics.summary",
     "log_gradients": "tb_numerics.summary",
+    "op_numerics": "tb_numerics.oplevel",
 }
 
 __all__ = sorted(_LAZY)

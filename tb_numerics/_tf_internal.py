@@ -1,0 +1,227 @@
+"""Every use of TensorFlow's private Python API by tb-numerics, in one place.
+
+The op-level mode (``oplevel``) needs hooks that TensorFlow only exposes
+privately, the same ones its own ``enable_check_numerics`` and
+``enable_dump_debug_info`` use:
+
+* op callbacks (``tensorflow.python.framework.op_callbacks``), which fire for
+  every eagerly executed op and for every op created while a ``tf.function``
+  is traced, including the gradient ops a ``GradientTape`` builds;
+* the tape's gradient-function hook (``TFE_Py_RegisterGradientFunction``), to
+  learn which forward op a gradient op differentiates;
+* whether the graph being built is compiled by XLA (``jit_compile=True``);
+* the eager name scope, and variables that bypass ``tf.function``'s
+  "variables only on the first trace" rule (ring buffers made per trace).
+
+``check_supported()`` verifies the TensorFlow version and that each hook is
+present, and raises ``UnsupportedTensorFlowError`` saying what is missing.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Callable
+
+import tensorflow as tf
+
+# TensorFlow versions whose private hooks were read and tested.
+MIN_VERSION = (2, 16)
+MAX_TESTED_VERSION = (2, 21)
+
+
+class UnsupportedTensorFlowError(RuntimeError):
+    """The installed TensorFlow lacks a hook the op-level mode needs."""
+
+
+def _version() -> tuple[int, int]:
+    parts = tf.__version__.split(".")
+    try:
+        return int(parts[0]), int(parts[1])
+    except (IndexError, ValueError):
+        return (0, 0)
+
+
+_checked = False
+
+
+def check_supported() -> None:
+    """Raises UnsupportedTensorFlowError unless every hook is available."""
+    global _checked
+    if _checked:
+        return
+    version = _version()
+    if version < MIN_VERSION or version[0] != MIN_VERSION[0]:
+        raise UnsupportedTensorFlowError(
+            "tb_numerics.op_numerics needs TensorFlow 2.%d or newer 2.x (tested up to 2.%d); "
+            "found %s. The layer-level API (log_numerics) still works."
+            % (MIN_VERSION[1], MAX_TESTED_VERSION[1], tf.__version__)
+        )
+    try:
+        from tensorflow.python import pywrap_tfe
+        from tensorflow.python.eager import backprop, context
+        from tensorflow.python.framework import op_callbacks
+        from tensorflow.python.ops import control_flow_util, gradients_util, resource_variable_ops
+
+        missing = [
+            name
+            for name, ok in (
+                ("op_callbacks.add_op_callback", hasattr(op_callbacks, "add_op_callback")),
+                ("op_callbacks.remove_op_callback", hasattr(op_callbacks, "remove_op_callback")),
+                ("backprop._gradient_function", hasattr(backprop, "_gradient_function")),
+                ("GradientTape.gradient", hasattr(backprop.GradientTape, "gradient")),
+                ("gradients_util._GradientsHelper", hasattr(gradients_util, "_GradientsHelper")),
+                ("pywrap_tfe.TFE_Py_RegisterGradientFunction",
+                 hasattr(pywrap_tfe, "TFE_Py_RegisterGradientFunction")),
+                ("control_flow_util.GraphOrParentsInXlaContext",
+                 hasattr(control_flow_util, "GraphOrParentsInXlaContext")),
+                ("context.scope_name", hasattr(context.context(), "scope_name")),
+                ("resource_variable_ops.ResourceVariable",
+                 hasattr(resource_variable_ops, "ResourceVariable")),
+            )
+            if not ok
+        ]
+    except ImportError as e:
+        missing = [str(e)]
+    if missing:
+        raise UnsupportedTensorFlowError(
+            "tb_numerics.op_numerics cannot hook TensorFlow %s: missing %s. "
+            "The layer-level API (log_numerics) still works." % (tf.__version__, ", ".join(missing))
+        )
+    _checked = True
+
+
+# ---------------------------------------------------------------- op callbacks
+
+
+def add_op_callback(fn: Callable[..., Any]) -> None:
+    """Registers ``fn(op_type, inputs, attrs, outputs, op_name, graph)`` on this thread."""
+    from tensorflow.python.framework import op_callbacks
+
+    op_callbacks.add_op_callback(fn)
+
+
+def remove_op_callback(fn: Callable[..., Any]) -> None:
+    from tensorflow.python.framework import op_callbacks
+
+    op_callbacks.remove_op_callback(fn)
+
+
+_FUNCTION_PREFIXES = ("__inference_", "__forward_", "__backward_")
+
+
+def is_function_call(op_type: str) -> bool:
+    """Whether an eager callback is the execution of a whole traced function."""
+    return op_type.startswith(_FUNCTION_PREFIXES)
+
+
+def eager_scope_name() -> str:
+    """The current eager name scope, e.g. "dense_1/" ("" at top level)."""
+    from tensorflow.python.eager import context
+
+    return context.context().scope_name or ""
+
+
+def in_xla_context() -> bool:
+    """Whether the graph being built will be compiled by XLA (jit_compile=True)."""
+    from tensorflow.python.framework import ops
+    from tensorflow.python.ops import control_flow_util
+
+    return bool(control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph()))
+
+
+def creation_stack() -> list[tuple[str, int, str]]:
+    """The Python stack here, innermost frame first, as (file, line, function).
+
+    Autograph-converted code is mapped back to the user's own file and line,
+    as in TensorFlow's error messages.
+    """
+    from tensorflow.python.util import tf_stack
+
+    return [(f.filename, f.lineno, f.name) for f in reversed(tf_stack.extract_stack())]
+
+
+def backward_frames() -> frozenset[tuple[str, str]]:
+    """(file, function) of the frames that mean "computing gradients".
+
+    ``GradientTape.gradient`` and ``tf.gradients``' helper, which builds the
+    backward function of a ``tf.function`` called under a tape.
+    """
+    from tensorflow.python.eager import backprop
+    from tensorflow.python.ops import gradients_util
+
+    return frozenset(
+        (fn.__code__.co_filename, fn.__code__.co_name)
+        for fn in (backprop.GradientTape.gradient, gradients_util._GradientsHelper)
+    )
+
+
+def untracked_variable(initial_value: Any, name: str) -> tf.Variable:
+    """A variable that tf.function's creator scope does not see.
+
+    ``tf.function`` refuses ``tf.Variable``s created on any trace but the
+    first; a ring buffer is sized by the ops of its own trace, so each trace
+    makes one, under ``tf.init_scope``. Constructing the concrete class
+    directly bypasses the creator scopes; the graph captures it like any
+    variable created outside.
+    """
+    from tensorflow.python.ops import resource_variable_ops
+
+    with tf.init_scope():
+        return resource_variable_ops.ResourceVariable(initial_value, trainable=False, name=name)
+
+
+# ------------------------------------------------------- tape gradient hook
+
+_hook_lock = threading.Lock()
+_hook_users = 0
+_forward = threading.local()
+
+
+def _gradient_function(op_name, attr_tuple, num_inputs, inputs, outputs, out_grads,
+                       skip_input_indices, forward_pass_name_scope):
+    """The tape's gradient function, noting which forward op it differentiates."""
+    from tensorflow.python.eager import backprop
+
+    prev = getattr(_forward, "op", None)
+    _forward.op = (op_name, inputs, outputs)
+    try:
+        return backprop._gradient_function(
+            op_name, attr_tuple, num_inputs, inputs, outputs, out_grads,
+            skip_input_indices, forward_pass_name_scope,
+        )
+    finally:
+        _forward.op = prev
+
+
+def acquire_gradient_hook() -> None:
+    """Routes the tape's gradient calls through ``_gradient_function``.
+
+    The registration is process-wide; it is reference-counted and
+    ``release_gradient_hook`` restores TensorFlow's own function at zero.
+    """
+    global _hook_users
+    from tensorflow.python import pywrap_tfe
+
+    with _hook_lock:
+        if _hook_users == 0:
+            pywrap_tfe.TFE_Py_RegisterGradientFunction(_gradient_function)
+        _hook_users += 1
+
+
+def release_gradient_hook() -> None:
+    global _hook_users
+    from tensorflow.python import pywrap_tfe
+    from tensorflow.python.eager import backprop
+
+    with _hook_lock:
+        _hook_users -= 1
+        if _hook_users == 0:
+            pywrap_tfe.TFE_Py_RegisterGradientFunction(backprop._gradient_function)
+
+
+def current_forward_op() -> tuple[str, Any, Any] | None:
+    """(forward op type, its inputs, its outputs) being differentiated, or None.
+
+    Inputs or outputs are None where the op's gradient does not need them.
+    """
+    return getattr(_forward, "op", None)
