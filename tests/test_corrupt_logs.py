@@ -1,0 +1,256 @@
+"""Corrupt and hostile event files: skipped for what cannot be read, reported
+once, everything readable still served, no crash, no 500.
+
+One logdir holds one run per kind of damage. Each is checked through the
+offline CLI (``tb-numerics report``), through ``event_reader`` with both
+record readers (TensorFlow's and the pure-Python one), and through a real
+``tensorboard`` process with the Rust data server and with the Python loader.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
+from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+
+from tb_numerics import event_reader, metadata
+from tb_numerics.record_writer import NumericsRecordWriter, numpy_stats, stats_tensor_proto
+
+from tb_process import tensorboard, wait_for
+
+INFO = metadata.TensorInfo(dtype="float32", role="activation", order=0)
+STEPS = 10
+NAN_STEP = 7
+
+
+def frame(data: bytes) -> bytes:
+    """One TFRecord: length, its masked CRC, the data, the data's masked CRC."""
+    header = struct.pack("<Q", len(data))
+    return (
+        header + struct.pack("<I", masked_crc32c(header)) + data + struct.pack("<I", masked_crc32c(data))
+    )
+
+
+def event_bytes(tag: str, step: int, tensor: tensor_pb2.TensorProto, content: bytes | None) -> bytes:
+    """A serialized event of one numerics value; ``content`` is its plugin metadata."""
+    value = summary_pb2.Summary.Value(tag=tag, tensor=tensor)
+    if content is not None:
+        value.metadata.CopyFrom(metadata.create_summary_metadata(INFO))
+        value.metadata.plugin_data.content = content
+    return event_pb2.Event(wall_time=1.0 + step, step=step, summary=summary_pb2.Summary(value=[value])).SerializeToString()
+
+
+def stats(step: int) -> np.ndarray:
+    """Statistics of a 64-value tensor; non-finite at NAN_STEP."""
+    v = np.linspace(-1, 1, 64, dtype=np.float32) * (1 + step)
+    if step == NAN_STEP:
+        v[:2] = np.nan
+    return numpy_stats(v)
+
+
+def good_run(path: str, tag: str = "t") -> str:
+    """A healthy-until-NAN_STEP run of STEPS records; returns its file."""
+    with NumericsRecordWriter(path) as w:
+        for step in range(STEPS):
+            w.write(tag, step, stats(step), INFO)
+    return w.path
+
+
+def record_offsets(data: bytes) -> list[int]:
+    """Byte offsets of every record of an intact file."""
+    offsets, o = [], 0
+    while o < len(data):
+        offsets.append(o)
+        o += 16 + struct.unpack_from("<Q", data, o)[0]
+    return offsets
+
+
+def rewrite(path: str, fn) -> None:
+    with open(path, "rb") as f:
+        data = bytearray(f.read())
+    with open(path, "wb") as f:
+        f.write(bytes(fn(data, record_offsets(bytes(data)))))
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One damaged run and what must still come out of it."""
+
+    records: int  # readable numerics records of the run
+    anomaly_step: int | None
+    problems: tuple[str, ...]  # each matches exactly one reported problem
+    tensors: int = 1
+
+
+def _truncated(root: str) -> None:
+    rewrite(good_run(root), lambda d, o: d[:-30])  # cut into the last record
+
+
+def _bad_crc(root: str) -> None:
+    def flip(d: bytearray, offs: list[int]) -> bytearray:
+        d[offs[4] + 12 + 5] ^= 0xFF  # the data of the record of step 3 (after file_version)
+        return d
+
+    rewrite(good_run(root), flip)
+
+
+def _bad_header_crc(root: str) -> None:
+    def flip(d: bytearray, offs: list[int]) -> bytearray:
+        d[offs[9] + 9] ^= 0xFF  # the length CRC of the record of step 8: nothing after can be found
+        return d
+
+    rewrite(good_run(root), flip)
+
+
+def _tensor(values: np.ndarray, shape: list[int]) -> tensor_pb2.TensorProto:
+    return tensor_pb2.TensorProto(
+        dtype=types_pb2.DT_DOUBLE,
+        tensor_shape=tensor_shape_pb2.TensorShapeProto(dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=n) for n in shape]),
+        tensor_content=np.asarray(values, "<f8").tobytes(),
+    )
+
+
+def _wrong_length(root: str) -> None:
+    path = good_run(root)
+    with open(path, "ab") as f:
+        f.write(frame(event_bytes("t", 20, _tensor(np.zeros(7), [7]), None)))
+        f.write(frame(event_bytes("t", 21, _tensor(np.zeros(22), [2, 11]), None)))
+
+
+def _undecodable_tensor(root: str) -> None:
+    path = good_run(root)
+    bad = tensor_pb2.TensorProto(dtype=types_pb2.DT_DOUBLE, tensor_content=b"\x00" * 13)  # shape () but 13 bytes
+    with open(path, "ab") as f:
+        f.write(frame(event_bytes("u", 1, stats_tensor_proto(stats(0)), metadata.create_summary_metadata(INFO).plugin_data.content)))
+        f.write(frame(event_bytes("u", 2, bad, None)))
+
+
+def _metadata_case(content: bytes):
+    def make(root: str) -> None:
+        path = good_run(root)
+        with open(path, "ab") as f:
+            for step in range(3):
+                f.write(frame(event_bytes("other", step, stats_tensor_proto(stats(0)), content if step == 0 else None)))
+
+    return make
+
+
+def _garbage_file(root: str) -> None:
+    good_run(root)
+    rng = np.random.default_rng(0)
+    with open(os.path.join(root, "events.out.tfevents.0000000001.garbage"), "wb") as f:
+        f.write(rng.bytes(5000))
+    with open(os.path.join(root, "events.out.tfevents.0000000002.notevents"), "wb") as f:
+        f.write(frame(b"\xff\xfe this is not an event proto") + frame(b"\x08"))
+
+
+def _nan_in_stats(root: str) -> None:
+    with NumericsRecordWriter(root) as w:
+        for step in range(STEPS + 2):
+            s = stats(step)
+            if step == 4:
+                s[metadata.FIELD_INDEX["count"]] = np.nan
+            if step == 5:
+                s[metadata.FIELD_INDEX["nan"]] = 1e9  # more NaN than elements
+            w.write("t", step, s, INFO)
+
+
+def _giant_length(root: str) -> None:
+    path = good_run(root)
+    header = struct.pack("<Q", 2**40)  # a checksummed header claiming a terabyte
+    with open(path, "ab") as f:
+        f.write(header + struct.pack("<I", masked_crc32c(header)) + b"x" * 64)
+
+
+# name -> (how to make the run, what must still come out of it)
+CASES: dict[str, tuple] = {
+    "truncated": (_truncated, Case(STEPS - 1, NAN_STEP, ("truncated",))),
+    "bad_crc": (_bad_crc, Case(STEPS - 1, NAN_STEP, ("checksum",))),
+    "bad_header_crc": (_bad_header_crc, Case(8, NAN_STEP, ("damaged record header",))),
+    "wrong_length": (_wrong_length, Case(STEPS, NAN_STEP, ("t: 2 malformed",))),
+    "undecodable_tensor": (_undecodable_tensor, Case(STEPS + 1, NAN_STEP, ("u: 1 malformed",), tensors=2)),
+    "newer_version": (_metadata_case(b'{"version":99,"dtype":"float32"}'), Case(STEPS, NAN_STEP, ("newer",))),
+    "bad_json": (_metadata_case(b"{not json"), Case(STEPS, NAN_STEP, ("not valid JSON",))),
+    "garbage_files": (_garbage_file, Case(STEPS, NAN_STEP, ("not an event file", "not events"))),
+    "nan_in_stats": (_nan_in_stats, Case(STEPS, NAN_STEP, ("t: 2 malformed",))),
+    "giant_length": (_giant_length, Case(STEPS, NAN_STEP, ("truncated",))),
+}
+
+
+@pytest.fixture(scope="module")
+def logdir(tmp_path_factory) -> str:
+    root = str(tmp_path_factory.mktemp("corrupt") / "logs")
+    for name, (make, _) in CASES.items():
+        make(os.path.join(root, name))
+    return root
+
+
+def run_cli(*args: str) -> tuple[int, str, str]:
+    p = subprocess.run(
+        [sys.executable, "-m", "tb_numerics.cli", *args],
+        capture_output=True, text=True, timeout=120,
+        env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+    )
+    return p.returncode, p.stdout, p.stderr
+
+
+def test_cli_reads_everything_readable_and_reports_each_problem_once(logdir: str) -> None:
+    code, out, err = run_cli("report", logdir, "--json")
+    assert code == 1, err
+    assert "Traceback" not in err
+    runs = {r["run"]: r for r in json.loads(out)["runs"]}
+    assert set(runs) == set(CASES)
+    warnings = [line for line in err.splitlines() if line.startswith("tb-numerics:")]
+    for name, (_, case) in CASES.items():
+        r = runs[name]
+        assert (r["tensors"], r["records"]) == (case.tensors, case.records), name
+        assert (r["first_anomaly"] or {}).get("step") == case.anomaly_step, name
+        assert len(r["problems"]) == len(case.problems), (name, r["problems"])
+        for word in case.problems:
+            hits = [p for p in r["problems"] if word in p]
+            assert len(hits) == 1, (name, word, r["problems"])
+            # Each problem is printed once on stderr, naming its run.
+            assert warnings.count("tb-numerics: warning: %s: %s" % (name, hits[0])) == 1, (name, err)
+    assert len(warnings) == sum(len(r["problems"]) for r in runs.values())
+
+
+def test_both_record_readers_skip_and_report_the_same(logdir: str) -> None:
+    """The pure-Python reader (installs without TensorFlow) agrees with TensorFlow's."""
+    files = [p for files in event_reader.find_runs(logdir).values() for p in files]
+    assert len(files) >= len(CASES) + 2
+    for path in files:
+        tf_problems: list[str] = []
+        py_problems: list[str] = []
+        tf_records = list(event_reader._records(path, tf_problems, event_reader.tf_record_reader))
+        py_records = list(event_reader._records(path, py_problems, event_reader.py_record_reader))
+        assert tf_records == py_records, path
+        assert tf_problems == py_problems, path
+
+
+def test_a_record_after_a_bad_checksum_is_still_read(tmp_path) -> None:
+    """Only the damaged record is lost, wherever it is; the anomaly after it is found.
+
+    (The first record of a tag carries its metadata: losing it loses the tag,
+    as in TensorBoard, and is reported like any other damage.)
+    """
+    path = good_run(str(tmp_path / "r"))
+    with open(path, "rb") as f:
+        intact = f.read()
+    offsets = record_offsets(intact)
+    for k in range(2, len(offsets)):  # every record after the tag's first
+        damaged = bytearray(intact)
+        damaged[offsets[k] + 12] ^= 0x01
+        with open(path, "wb") as f:
+            f.write(damaged)
+        rr = event_reader.read_run("r", [path])
+        steps = rr.series[0].steps.tolist() if rr.series else []
+        assert steps == [s for s in range(STEPS) if s != k - 1], k
+        assert len(rr.problems) == 1 and "at byte offset %d" % offsets[k] in rr.problems[0]
