@@ -1,0 +1,330 @@
+"""The Numerics dashboard in real Chromium against a real TensorBoard.
+
+One tensorboard process and one browser serve the whole module; each test
+opens its own page. The logdir (tests/dashboard_logdir.py) has a known NaN at
+step 150 of ``loss/Sqrt_grad``, a gradient spike at step 140, a tensor that
+crosses max |x| = 5 at step 81, a tag named ``<img src=x onerror=alert(1)>``
+and a very long tag name.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import struct
+import zlib
+
+import pytest
+
+playwright_api = pytest.importorskip("playwright.sync_api")
+
+import dashboard_logdir as data  # noqa: E402
+import tb_process  # noqa: E402
+
+CHROMIUM = "/usr/lib/chromium/chromium"
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+ENTRY = "/data/plugin_entry.html?name=numerics"
+TIMEOUT_MS = 20_000
+
+if not os.path.exists(CHROMIUM):
+    pytest.skip("Debian's chromium is not installed (apt-get install chromium)", allow_module_level=True)
+
+
+@pytest.fixture(scope="module")
+def tb(tmp_path_factory):
+    logdir = data.write(str(tmp_path_factory.mktemp("dash") / "logs"))
+    with tb_process.tensorboard(logdir) as proc:
+        # TensorBoard reads the logdir in the background: wait until the plugin sees both runs.
+        tb_process.wait_for(lambda: len(proc.get_json("/data/plugin/numerics/runs")["runs"]) == 2, timeout=60)
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def browser():
+    with playwright_api.sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        yield b
+        b.close()
+
+
+class Page:
+    """A page with every dialog and page error recorded (and dialogs dismissed)."""
+
+    def __init__(self, browser, color_scheme="light"):
+        self.context = browser.new_context(viewport={"width": 1400, "height": 1000}, color_scheme=color_scheme)
+        self.page = self.context.new_page()
+        self.page.set_default_timeout(TIMEOUT_MS)
+        self.dialogs: list[str] = []
+        self.errors: list[str] = []
+        self.page.on("dialog", lambda d: (self.dialogs.append(d.message), d.dismiss()))
+        self.page.on("pageerror", lambda e: self.errors.append(str(e)))
+
+
+@pytest.fixture
+def open_page(browser):
+    pages = []
+
+    def opener(color_scheme="light"):
+        pages.append(Page(browser, color_scheme))
+        return pages[-1]
+
+    yield opener
+    for p in pages:
+        assert not p.errors, "uncaught errors in the page: %s" % p.errors
+        p.context.close()
+
+
+def dashboard(open_page, tb, hash_="", color_scheme="light"):
+    """The plugin's entry page alone (as TensorBoard's iframe loads it), banners drawn."""
+    p = open_page(color_scheme)
+    p.page.goto(tb.url + ENTRY + hash_)
+    p.page.locator(".banner .headline").first.wait_for()
+    p.page.locator(".timeline canvas").first.wait_for()
+    return p
+
+
+def banner_row(page, run):
+    return page.locator('.banner-row[data-run="%s"]' % run)
+
+
+def png_pixels(png: bytes) -> tuple[int, int, list[bytes]]:
+    """(width, height, rows of RGB(A) bytes) of an 8-bit PNG, unfiltered."""
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, idat, width = 8, b"", 0
+    while pos < len(png):
+        (length,) = struct.unpack(">I", png[pos : pos + 4])
+        kind, body = png[pos + 4 : pos + 8], png[pos + 8 : pos + 8 + length]
+        if kind == b"IHDR":
+            width, height, depth, colour = struct.unpack(">IIBB", body[:10])
+            assert depth == 8 and colour in (2, 6), (depth, colour)
+            bpp = 3 if colour == 2 else 4
+        elif kind == b"IDAT":
+            idat += body
+        pos += 12 + length
+    raw = zlib.decompress(idat)
+    stride = width * bpp
+    rows, prev = [], bytearray(stride)
+    for y in range(height):
+        f, line = raw[y * (stride + 1)], bytearray(raw[y * (stride + 1) + 1 : (y + 1) * (stride + 1)])
+        for i in range(stride):
+            a = line[i - bpp] if i >= bpp else 0
+            b, c = prev[i], prev[i - bpp] if i >= bpp else 0
+            if f == 1:
+                line[i] = (line[i] + a) & 255
+            elif f == 2:
+                line[i] = (line[i] + b) & 255
+            elif f == 3:
+                line[i] = (line[i] + (a + b) // 2) & 255
+            elif f == 4:
+                pa, pb, pc = abs(b - c), abs(a - c), abs(a + b - 2 * c)
+                line[i] = (line[i] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 255
+        rows.append(bytes(line))
+        prev = line
+    return width, height, rows
+
+
+def colour_variety(png: bytes, step: int = 4) -> int:
+    """How many distinct colours a sample of the image's pixels has."""
+    width, _, rows = png_pixels(png)
+    bpp = len(rows[0]) // width
+    seen = set()
+    for row in rows[::step]:
+        for x in range(0, width, step):
+            seen.add(row[x * bpp : x * bpp + 3])
+    return len(seen)
+
+
+# ---------------------------------------------------------------- tests
+
+
+def test_numerics_tab_appears_in_tensorboard_and_loads_the_dashboard(open_page, tb):
+    p = open_page()
+    p.page.goto(tb.url + "/#numerics")
+    p.page.get_by_text("Numerics", exact=True).first.wait_for()
+    frame = p.page.frame_locator('iframe[src*="plugin_entry.html?name=numerics"]')
+    headline = banner_row(frame, data.NAN_RUN).locator(".banner.anomaly .headline")
+    assert headline.inner_text() == "First non-finite value at step %d" % data.NAN_STEP
+
+
+def test_banner_says_where_the_first_nan_is_and_what_came_before(open_page, tb):
+    page = dashboard(open_page, tb).page
+    anomaly = banner_row(page, data.NAN_RUN).locator(".banner.anomaly")
+    text = anomaly.inner_text()
+    assert "First non-finite value at step 150" in text
+    assert "%s (op Sqrt, backward pass): 2 NaN, 1 +Inf of 4,096 values." % data.NAN_TENSOR in text
+    assert "Last healthy step of this tensor: 149." in text
+    assert "gradient of sqrt is infinite at 0" in anomaly.locator(".hint").inner_text()
+    assert "Likely cause: global_norm at step 140" in anomaly.locator(".cause").inner_text()
+    warning = banner_row(page, data.NAN_RUN).locator(".banner.warning")
+    assert "First warning at step %d" % data.SPIKE_STEP in warning.inner_text()
+    assert "gradient spike" in warning.inner_text()
+    healthy = banner_row(page, data.HEALTHY_RUN).locator(".banner.healthy")
+    assert "Healthy: no NaN or Inf" in healthy.inner_text()
+    # The first anomaly is what is selected, in the charts and in the link.
+    assert page.locator(".selected-name .tensor-name").inner_text() == data.NAN_TENSOR
+    assert "tensor=loss%2FSqrt_grad" in page.evaluate("location.hash")
+    assert "step=150" in page.evaluate("location.hash")
+
+
+def cell_point(page, run, tensor, step, steps_in_run):
+    """Viewport (x, y) of a tensor's cell at a step (one bucket per step here)."""
+    block = page.locator('.timeline-run[data-run="%s"]' % run)
+    label = block.locator(".label.row", has_text=tensor).first.bounding_box()
+    canvas = block.locator("canvas").bounding_box()
+    return canvas["x"] + (step + 0.5) / steps_in_run * canvas["width"], label["y"] + label["height"] / 2
+
+
+def test_hovering_a_cell_shows_its_numbers_and_clicking_it_updates_the_charts(open_page, tb):
+    page = dashboard(open_page, tb).page
+    x, y = cell_point(page, data.NAN_RUN, data.NAN_TENSOR, data.NAN_STEP, 200)
+    page.mouse.move(x, y)
+    tip = page.locator('.timeline-run[data-run="%s"] .tooltip' % data.NAN_RUN)
+    page.wait_for_function("t => t.innerText.includes('4,096')", arg=tip.element_handle())
+    assert "Step 150 · non-finite" in tip.inner_text()
+    assert "2 NaN, 1 +Inf of 4,096 values" in tip.inner_text()
+
+    x, y = cell_point(page, data.NAN_RUN, data.GROWING_TENSOR, 100, 200)
+    page.mouse.click(x, y)
+    name = page.locator(".selected-name .tensor-name")
+    page.wait_for_function("n => n.innerText === 'dense1/output'", arg=name.element_handle())
+    assert re.search(r"step=(99|100|101)\b", page.evaluate("location.hash"))
+    # The range chart now draws dense1/output: max |x| = 1 + 0.05 * step.
+    chart = page.locator(".chart").first.locator("canvas")
+    chart.scroll_into_view_if_needed()
+    box = chart.bounding_box()
+    page.mouse.move(box["x"] + box["width"] * 0.75, box["y"] + box["height"] / 2)
+    readout = page.locator(".chart").first.locator(".readout")
+    page.wait_for_function("r => r.innerText.startsWith('Step')", arg=readout.element_handle())
+    readout = readout.inner_text()
+    m = re.match(r"Step (\d+): min (\S+) · max (\S+) · max \|x\| (\S+)", readout)
+    assert m, readout
+    assert float(m.group(4)) == pytest.approx(1 + 0.05 * int(m.group(1)), rel=1e-3)
+
+
+def test_keyboard_moves_the_selection_in_the_timeline(open_page, tb):
+    page = dashboard(open_page, tb).page
+    canvas = page.locator('.timeline-run[data-run="%s"] canvas' % data.NAN_RUN)
+    canvas.focus()
+    # From the first anomaly (loss/Sqrt_grad, step 150): up one row, left two steps.
+    for key in ("ArrowUp", "ArrowLeft", "ArrowLeft", "Enter"):
+        page.keyboard.press(key)
+    name = page.locator(".selected-name .tensor-name")
+    page.wait_for_function(
+        "t => document.querySelector('.selected-name .tensor-name').innerText === t", arg=data.LONG_TAG
+    )
+    page.wait_for_function("() => location.hash.includes('step=148')")
+    assert name.inner_text() == data.LONG_TAG
+
+
+def test_lowering_max_abs_moves_the_first_warning_and_is_kept_in_the_link(open_page, tb):
+    page = dashboard(open_page, tb).page
+    warning = banner_row(page, data.NAN_RUN).locator(".banner.warning .headline")
+    assert warning.inner_text().startswith("First warning at step 140")
+    page.get_by_label("Max |x|", exact=True).fill("5")
+    page.get_by_label("Max |x|", exact=True).press("Enter")
+    # The banners are rebuilt from the new /summary: wait on the selector, not the old node.
+    page.wait_for_function(
+        "() => document.querySelector('.banner-row[data-run=diverging] .banner.warning .headline')"
+        "?.innerText.startsWith('First warning at step 81')"
+    )
+    assert data.GROWING_TENSOR in banner_row(page, data.NAN_RUN).locator(".banner.warning").inner_text()
+    link = page.evaluate("location.hash")
+    assert "max_abs=5" in link
+
+    # The link reproduces the view in a fresh page.
+    again = dashboard(open_page, tb, link).page
+    assert again.get_by_label("Max |x|", exact=True).input_value() == "5"
+    assert banner_row(again, data.NAN_RUN).locator(".banner.warning .headline").inner_text().startswith(
+        "First warning at step 81"
+    )
+
+
+def test_a_link_restores_tensor_zoom_and_runs(open_page, tb):
+    page = dashboard(open_page, tb, "#run=diverging&tensor=dense1%2Foutput&step=100&start=50&end=180&log=1").page
+    assert page.locator(".selected-name .tensor-name").inner_text() == data.GROWING_TENSOR
+    assert page.get_by_label("First step").input_value() == "50"
+    assert page.get_by_label("Last step").input_value() == "180"
+    assert page.locator(".log-toggle").get_attribute("aria-pressed") == "true"
+    assert page.locator(".banner-row").count() == 1
+    assert not page.locator('.runs input[value="healthy"]').is_checked()
+
+
+def test_a_malformed_parameter_shows_the_servers_message(open_page, tb):
+    p = open_page()
+    p.page.goto(tb.url + ENTRY + "#max_abs=abc")
+    error = p.page.locator(".status.error")
+    error.wait_for()
+    assert "max_abs must be a number" in error.inner_text()
+    assert p.page.get_by_label("Max |x|", exact=True).get_attribute("aria-invalid") == "true"
+
+
+def test_hostile_and_long_tag_names_render_as_text(open_page, tb):
+    p = dashboard(open_page, tb)
+    page = p.page
+    label = page.locator(".label.row", has_text=data.HOSTILE_TAG).first
+    assert label.inner_text() == data.HOSTILE_TAG
+    assert page.locator(".numerics img").count() == 0
+    # Select it so its name reaches the charts' heading too.
+    x, y = cell_point(page, data.NAN_RUN, data.HOSTILE_TAG, 10, 200)
+    page.mouse.click(x, y)
+    page.wait_for_function("t => document.querySelector('.selected-name .tensor-name').innerText === t", arg=data.HOSTILE_TAG)
+    page.mouse.move(x, y)
+    page.wait_for_timeout(400)
+    assert page.locator(".numerics img").count() == 0
+    assert p.dialogs == []
+
+    long_label = page.locator(".label.row", has_text="kernel_grad_with_a_very_long_name").first
+    assert long_label.get_attribute("title") == data.LONG_TAG
+    truncated = long_label.evaluate("e => e.scrollWidth > e.clientWidth && getComputedStyle(e).textOverflow === 'ellipsis'")
+    assert truncated, "a long name must be cut with an ellipsis, not overflow"
+    assert page.evaluate("document.documentElement.scrollWidth <= document.documentElement.clientWidth")
+
+
+@pytest.mark.parametrize("scheme", ["light", "dark"])
+def test_dashboard_renders_in_light_and_dark_themes(open_page, tb, tmp_path, scheme):
+    page = dashboard(open_page, tb, color_scheme=scheme).page
+    page.locator(".chart canvas").first.wait_for()
+    page.wait_for_timeout(300)
+    assert page.evaluate("document.documentElement.dataset.theme") == scheme
+    background = page.evaluate("getComputedStyle(document.body).backgroundColor")
+    channels = [int(c) for c in re.findall(r"\d+", background)[:3]]
+    assert (sum(channels) < 200) == (scheme == "dark"), background
+    path = tmp_path / ("dashboard-%s.png" % scheme)
+    page.screenshot(path=str(path), full_page=True)
+    png = path.read_bytes()
+    # A blank or single-colour page has a handful of colours; the dashboard has hundreds.
+    assert colour_variety(png) > 50
+
+
+def test_dark_mode_follows_tensorboards_own_setting(open_page, tb):
+    p = open_page("light")
+    p.page.goto(tb.url + "/#numerics")
+    frame = p.page.frame_locator('iframe[src*="plugin_entry.html?name=numerics"]')
+    frame.locator(".banner .headline").first.wait_for()
+    p.page.evaluate("document.body.classList.add('dark-mode')")
+    iframe = p.page.frame_locator('iframe[src*="plugin_entry.html?name=numerics"]').locator("html")
+    p.page.wait_for_function(
+        "() => document.querySelector('iframe[src*=\"plugin_entry\"]').contentDocument.documentElement.dataset.theme === 'dark'"
+    )
+    assert iframe.get_attribute("data-theme") == "dark"
+
+
+def test_empty_logdir_says_what_to_do(open_page, tmp_path):
+    logdir = tmp_path / "empty"
+    logdir.mkdir()
+    with tb_process.tensorboard(str(logdir)) as empty_tb:
+        p = open_page()
+        p.page.goto(empty_tb.url + ENTRY)
+        status = p.page.locator(".status.empty")
+        status.wait_for()
+        assert "No numerics in this logdir yet" in status.inner_text()
+        assert "tb_numerics.log_numerics" in status.inner_text()
