@@ -1,0 +1,108 @@
+"""The plugin in a real ``tensorboard`` process, with both data loaders.
+
+Run as a user would: ``tensorboard --logdir`` on 127.0.0.1, no
+``--samples_per_plugin``. TensorBoard would keep only 10 (Python loader) or
+100 (Rust data server) records of each numerics tag by default; the plugin
+must still see the NaN at step 7,777 of 10,000 and the healthy step before.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import urllib.parse
+
+import numpy as np
+import pytest
+
+from tb_numerics import metadata
+from tb_numerics.record_writer import NumericsRecordWriter, numpy_stats
+from tb_process import tensorboard, wait_for
+
+P = "/data/plugin/numerics"
+STEPS = 10_000
+NAN_STEP = 7_777
+
+
+@pytest.fixture(scope="module")
+def logdir(tmp_path_factory) -> str:
+    """One run of 10,000 steps x 2 tensors, a NaN in the loss at step 7,777."""
+    d = str(tmp_path_factory.mktemp("e2e") / "logs")
+    act = metadata.TensorInfo(role="activation", order=0, shape=(3,))
+    loss = metadata.TensorInfo(role="loss", order=1, shape=())
+    healthy_act = numpy_stats(np.float32([0.5, -1.0, 2.0]))
+    healthy_loss = numpy_stats(np.float32([0.25]))
+    nan_loss = numpy_stats(np.float32([np.nan]))
+    with NumericsRecordWriter(os.path.join(d, "long")) as w:
+        for step in range(STEPS):
+            w.write("dense/output", step, healthy_act, act)
+            w.write("loss", step, nan_loss if step == NAN_STEP else healthy_loss, loss)
+    return d
+
+
+@pytest.fixture(scope="module")
+def cli_report(logdir) -> dict:
+    """``tb-numerics report --json`` of the logdir, by run: what the plugin must match."""
+    out = subprocess.run(
+        [sys.executable, "-m", "tb_numerics.cli", "report", "--json", logdir],
+        capture_output=True, text=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+    )
+    assert out.returncode == 1, out.stderr
+    return {r["run"]: r for r in json.loads(out.stdout)["runs"]}
+
+
+@pytest.mark.parametrize("load_fast", [True, False], ids=["rust", "python"])
+def test_first_anomaly_of_a_long_run_in_real_tensorboard(logdir, cli_report, load_fast):
+    with tensorboard(logdir, load_fast=load_fast) as tb:
+        listing = tb.get_json("/data/plugins_listing")
+        assert listing["numerics"]["tab_name"] == "Numerics"
+        assert listing["numerics"]["loading_mechanism"]["module_path"] == P + "/index.js"
+
+        # Loading takes a moment: wait until every record is in.
+        summary = wait_for(
+            lambda: (s := tb.get_json(P + "/summary?run=long"))["records"] == 2 * STEPS and s,
+            timeout=120,
+        )
+        assert tb.get_json("/data/plugins_listing")["numerics"]["enabled"] is True
+        a = summary["first_anomaly"]
+        assert (a["step"], a["tensor"], a["last_healthy_step"]) == (NAN_STEP, "loss", NAN_STEP - 1)
+        assert summary["problems"] == []
+        assert {k: v for k, v in summary.items() if k != "safe_range"} == cli_report["long"]
+
+        runs = tb.get_json(P + "/runs")["runs"]
+        assert [(r["run"], r["first_anomaly_step"]) for r in runs] == [("long", NAN_STEP)]
+
+        t = tb.get_json(P + "/timeline?run=long&width=100")
+        assert len(t["bucket_start"]) == 100
+        loss_cells = t["rows"][1]["cells"]
+        assert loss_cells.count(2) == 1 and loss_cells[NAN_STEP * 100 // STEPS] == 2
+
+        s = tb.get_json(P + "/series?run=long&tensor=loss&start=7770&end=7780")
+        assert s["steps"] == list(range(7770, 7781))
+        assert s["fields"]["nan"][7] == 1 and s["fields"]["min"][7] == "NaN"
+
+        status, body = tb.get(P + "/timeline?run=long&width=-1")
+        assert status == 400 and "width" in json.loads(body)["error"]
+        status, body = tb.get(P + "/summary?run=" + urllib.parse.quote("no such run"))
+        assert status == 404 and "error" in json.loads(body)
+        status, body = tb.get(P + "/index.js")
+        assert status == 200 and b"render" in body
+
+
+@pytest.mark.parametrize("load_fast", [True, False], ids=["rust", "python"])
+def test_run_written_while_tensorboard_runs_appears_on_reload(tmp_path, load_fast):
+    logdir = str(tmp_path / "logs")
+    info = metadata.TensorInfo(role="loss")
+    healthy = numpy_stats(np.float32([1.0]))
+    with NumericsRecordWriter(os.path.join(logdir, "a")) as w:
+        for step in range(5):
+            w.write("loss", step, healthy, info)
+    with tensorboard(logdir, load_fast=load_fast, reload_interval=1) as tb:
+        wait_for(lambda: tb.get_json(P + "/summary?run=a")["last_step"] == 4)
+        with NumericsRecordWriter(os.path.join(logdir, "a"), filename_suffix=".more") as w:
+            for step in range(5, 12):
+                w.write("loss", step, numpy_stats(np.float32([np.inf if step == 9 else 1.0])), info)
+        s = wait_for(lambda: (s := tb.get_json(P + "/summary?run=a"))["last_step"] == 11 and s)
+        assert s["first_anomaly"]["step"] == 9 and s["first_anomaly"]["last_healthy_step"] == 8
