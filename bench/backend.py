@@ -1,0 +1,227 @@
+"""Benchmark of the Numerics plugin backend on a long run, in a real TensorBoard.
+
+Writes one run of 100,000 steps x 50 tensors (a NaN at step 77,777), starts
+``tensorboard`` (the Rust data server by default), waits until TensorBoard has
+loaded every record, then times the routes a user's first look needs and
+reads TensorBoard's resident memory, data server included:
+
+    .venv/bin/python bench/backend.py                 # full size
+    .venv/bin/python bench/backend.py --steps 10000   # quick
+    .venv/bin/python bench/backend.py --logdir /tmp/bench-logs   # reuse a written run
+
+Targets: first anomaly <= 2 s after the data is loaded, a width-1,000
+timeline <= 0.5 s, memory <= 2x the raw record bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import shutil
+import sys
+import tempfile
+import time
+import urllib.parse
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests"))
+import tb_process  # noqa: E402 - the tests' helper that runs a real tensorboard
+
+RUN = "train"
+MARKER_TAG = "bench/loaded"
+NAN_STEP = 77_777
+FIRST_ANOMALY_TARGET_S = 2.0
+TIMELINE_TARGET_S = 0.5
+MEMORY_TARGET_RATIO = 2.0
+
+
+def _tensors(n: int) -> list[tuple[str, "object"]]:
+    """``n`` tags with their TensorInfo: activations, loss, gradients, global norm."""
+    from tb_numerics import metadata
+
+    half = (n - 2) // 2
+    out = []
+    for i in range(half):
+        out.append(("dense%02d/output" % i, metadata.TensorInfo(role="activation", order=i, shape=(512, 1024))))
+    out.append(("loss", metadata.TensorInfo(role="loss", order=half, shape=())))
+    for i in range(n - 2 - half):
+        out.append(("dense%02d/kernel_grad" % i, metadata.TensorInfo(role="gradient", order=i, shape=(1024, 1024))))
+    out.append(("global_norm", metadata.TensorInfo(role="global_norm", order=n, shape=())))
+    return out
+
+
+def _records(tag_index: int, role: str, steps: np.ndarray) -> np.ndarray:
+    """Plausible statistics of one tag over ``steps`` (vectorised, no tensors)."""
+    from tb_numerics.metadata import FIELD_INDEX as F, NUM_FIELDS
+
+    rng = np.random.default_rng(tag_index)
+    n = len(steps)
+    size = 1.0 if role in ("loss", "global_norm") else 4096.0
+    scale = (1.0 + 0.1 * tag_index) * np.exp(rng.normal(0, 0.05, n))
+    v = np.zeros((n, NUM_FIELDS))
+    v[:, F["count"]] = size
+    if size == 1.0:
+        v[:, F["min"]] = v[:, F["max"]] = v[:, F["sum"]] = scale
+        v[:, F["sum_sq"]] = scale**2
+    else:
+        v[:, F["min"]] = -3 * scale
+        v[:, F["max"]] = 3 * scale
+        v[:, F["sum"]] = rng.normal(0, 1, n) * scale
+        v[:, F["sum_sq"]] = size * scale**2
+        v[:, F["zeros"]] = rng.integers(0, 3, n)
+    return v
+
+
+def _write_part(args: tuple[str, int, int, int, int]) -> str:
+    """Writes steps [lo, hi) of every tag to one event file; returns its path."""
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    import tensorflow  # noqa: F401 - makes NumericsRecordWriter use TF's C++ record writer
+
+    from tb_numerics.metadata import FIELD_INDEX as F
+    from tb_numerics.record_writer import NumericsRecordWriter
+
+    run_dir, part, lo, hi, n_tensors = args
+    tensors = _tensors(n_tensors)
+    steps = np.arange(lo, hi)
+    values = [_records(i, info.role, steps) for i, (_, info) in enumerate(tensors)]
+    if lo <= NAN_STEP < hi:
+        # A NaN in the backward pass of one gradient, three entries of 4,096.
+        values[len(tensors) // 2 + 3][NAN_STEP - lo, F["nan"]] = 3
+    with NumericsRecordWriter(run_dir, filename_suffix=".part%d" % part) as w:
+        for j, step in enumerate(steps.tolist()):
+            for (tag, info), vals in zip(tensors, values):
+                w.write(tag, step, vals[j], info)
+        path = w.path
+    # Files of a run are read in name order; name the parts so they sort by step.
+    final = os.path.join(run_dir, "events.out.tfevents.%010d.bench.part%d" % (1, part))
+    os.rename(path, final)
+    return final
+
+
+def write_run(logdir: str, steps: int, n_tensors: int, processes: int) -> str:
+    """Writes the benchmark run (in parallel parts) plus a "loaded" marker."""
+    from tensorboard.compat.proto import event_pb2, summary_pb2
+    from tensorboard.plugins.scalar import metadata as scalar_metadata
+    from tensorboard.summary.writer.record_writer import RecordWriter
+
+    run_dir = os.path.join(logdir, RUN)
+    os.makedirs(run_dir, exist_ok=True)
+    bounds = np.linspace(0, steps, processes + 1).astype(int)
+    jobs = [(run_dir, p, int(bounds[p]), int(bounds[p + 1]), n_tensors) for p in range(processes)]
+    with multiprocessing.get_context("spawn").Pool(processes) as pool:
+        paths = pool.map(_write_part, jobs)
+    # A scalar after the last record of the last file: when TensorBoard
+    # shows it, every record before it has been loaded.
+    marker = summary_pb2.Summary.Value(tag=MARKER_TAG, simple_value=1.0)
+    marker.metadata.CopyFrom(scalar_metadata.create_summary_metadata(display_name="", description=""))
+    event = event_pb2.Event(wall_time=time.time(), step=steps - 1, summary=summary_pb2.Summary(value=[marker]))
+    with open(paths[-1], "ab") as f:
+        RecordWriter(f).write(event.SerializeToString())
+    return run_dir
+
+
+def _tree_rss_bytes(pid: int) -> int:
+    """VmRSS of ``pid`` and all its descendants (TensorBoard + data server)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open("/proc/%s/stat" % entry) as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    total, todo = 0, [pid]
+    while todo:
+        p = todo.pop()
+        todo.extend(children.get(p, []))
+        try:
+            with open("/proc/%d/status" % p) as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1]) * 1024
+        except OSError:
+            pass
+    return total
+
+
+def _timed(tb, path: str) -> tuple[float, object]:
+    t = time.perf_counter()
+    body = tb.get_json(path, timeout=600)
+    return time.perf_counter() - t, body
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=100_000)
+    p.add_argument("--tensors", type=int, default=50)
+    p.add_argument("--logdir", help="reuse (or write once into) this logdir")
+    p.add_argument("--load-fast", choices=("true", "false"), default="true")
+    p.add_argument("--processes", type=int, default=max(1, min(4, os.cpu_count() or 1)))
+    args = p.parse_args()
+    if args.steps <= NAN_STEP:
+        print("note: --steps %d <= %d: the run has no NaN" % (args.steps, NAN_STEP))
+
+    logdir = args.logdir or tempfile.mkdtemp(prefix="tbn-bench-")
+    run_dir = os.path.join(logdir, RUN)
+    try:
+        if not os.path.isdir(run_dir):
+            t = time.perf_counter()
+            write_run(logdir, args.steps, args.tensors, args.processes)
+            print("wrote %d records in %.1f s" % (args.steps * args.tensors, time.perf_counter() - t))
+        raw = sum(os.path.getsize(os.path.join(run_dir, f)) for f in os.listdir(run_dir))
+        q = urllib.parse.quote
+        t_start = time.perf_counter()
+        with tb_process.tensorboard(logdir, load_fast=args.load_fast == "true", reload_interval=5) as tb:
+            marker = "/data/plugin/scalars/scalars?run=%s&tag=%s" % (q(RUN), q(MARKER_TAG))
+            tb_process.wait_for(lambda: tb.get_json(marker), timeout=1800, interval=0.2)
+            loaded = time.perf_counter() - t_start
+            t_summary, summary = _timed(tb, "/data/plugin/numerics/summary?run=%s" % q(RUN))
+            t_summary2, _ = _timed(tb, "/data/plugin/numerics/summary?run=%s" % q(RUN))
+            t_timeline, timeline = _timed(tb, "/data/plugin/numerics/timeline?run=%s&width=1000" % q(RUN))
+            anomaly = summary["first_anomaly"] or {}
+            tag = anomaly.get("tensor") or _tensors(args.tensors)[0][0]
+            t_series, series = _timed(tb, "/data/plugin/numerics/series?run=%s&tensor=%s" % (q(RUN), q(tag)))
+            t_series_zoom, _ = _timed(
+                tb,
+                "/data/plugin/numerics/series?run=%s&tensor=%s&start=%d&end=%d"
+                % (q(RUN), q(tag), max(0, NAN_STEP - 500), NAN_STEP + 500),
+            )
+            rss = _tree_rss_bytes(tb.proc.pid)
+        results = {
+            "records": summary["records"],
+            "raw_record_bytes": raw,
+            "load_fast": args.load_fast,
+            "tensorboard_loaded_s": round(loaded, 2),
+            "first_anomaly": {k: anomaly.get(k) for k in ("step", "tensor", "last_healthy_step")},
+            "summary_first_s": round(t_summary, 3),
+            "summary_cached_s": round(t_summary2, 3),
+            "timeline_w1000_s": round(t_timeline, 3),
+            "timeline_columns": len(timeline["bucket_start"]),
+            "series_s": round(t_series, 3),
+            "series_points": len(series["steps"]),
+            "series_zoom_s": round(t_series_zoom, 3),
+            "rss_bytes": rss,
+            "rss_over_raw": round(rss / raw, 2),
+        }
+        print(json.dumps(results, indent=1))
+        checks = [
+            ("first anomaly after load", t_summary, FIRST_ANOMALY_TARGET_S, "s"),
+            ("timeline width 1000", t_timeline, TIMELINE_TARGET_S, "s"),
+            ("memory / raw record bytes", rss / raw, MEMORY_TARGET_RATIO, "x"),
+        ]
+        for name, value, target, unit in checks:
+            verdict = "ok" if value <= target else "MISSED"
+            print("%-28s %8.3f%s  target <= %g%s  %s" % (name, value, unit, target, unit, verdict))
+        return 0
+    finally:
+        if not args.logdir:
+            shutil.rmtree(logdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
