@@ -396,17 +396,15 @@ def record_is_anomaly(
 
 def _mark_skipped_steps(health: list[SeriesHealth]) -> None:
     """Turns the non-finite gradients of handled skipped steps into warnings."""
-    scales = [h for h in health if h.series.info.role == "loss_scale"]
+    scales = [h.series for h in health if h.series.info.role == "loss_scale" and len(h.series.steps)]
     if not scales:
         return
-    sc = scales[0].series
+    sc = scales[0]
     for h in health:
-        if not skip_handled(h.series.info, 1.0):
+        if not skip_handled(h.series.info, LOSS_SCALE_HANDLED_MIN):
             continue
         st = h.series.steps
-        j = np.minimum(np.searchsorted(sc.steps, st), max(len(sc.steps) - 1, 0))
-        if not len(sc.steps):
-            return
+        j = np.minimum(np.searchsorted(sc.steps, st), len(sc.steps) - 1)
         with np.errstate(invalid="ignore"):
             handled = (sc.steps[j] == st) & (sc.values[j, F["max"]] >= LOSS_SCALE_HANDLED_MIN)
         handled &= h.codes == NONFINITE

@@ -61,7 +61,7 @@ FIELDS = (
 NUM_FIELDS = len(FIELDS)
 FIELD_INDEX = {name: i for i, name in enumerate(FIELDS)}
 
-ROLES = ("activation", "loss", "gradient", "global_norm", "weight", "other")
+ROLES = ("activation", "loss", "gradient", "global_norm", "weight", "other", "loss_scale")
 PHASES = ("forward", "backward", "update")
 
 # The phase of the training step a role belongs to, for "forward before
@@ -73,6 +73,9 @@ ROLE_PHASE = {
     "gradient": "backward",
     "global_norm": "backward",
     "weight": "update",
+    # A LossScaleOptimizer's scale, decided with the update; the analysis
+    # reads it to tell a skipped step from an anomaly.
+    "loss_scale": "update",
 }
 
 # Fraction of a dtype's largest finite value beyond which a value counts as

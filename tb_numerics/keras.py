@@ -1,0 +1,462 @@
+"""A Keras 3 callback that logs the numerics of ``model.fit`` (TensorFlow backend).
+
+    from tb_numerics.keras import NumericsCallback
+    model.fit(x, y, callbacks=[NumericsCallback("logs/run1")])
+
+Keras callbacks never see gradients or inner activations, so for the
+duration of ``fit`` (from ``on_train_begin`` to ``on_train_end``, when
+everything is put back) the callback wraps, on the instances only:
+
+* each top-level layer's ``call``, to keep its outputs;
+* the model's ``train_step``, to know which layer calls belong to a training
+  step (validation and ``predict`` calls are not recorded);
+* the optimizer's ``scale_loss`` (for the loss) and ``apply`` (for the
+  gradients, the weights before the update and the update itself);
+* ``model.train_function``, rebuilt so that the wrappers are traced into it.
+
+The statistics (``stats.tensor_stats``) are computed inside the training
+step, compiled or not, and stored in a small variable; the callback reads it
+after each batch and writes the records from the host. So the same records
+come out under ``jit_compile=True``, where summary ops cannot run. The model's
+code, outputs and training are unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import fnmatch
+import functools
+import sys
+from typing import Any, Callable, Sequence
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tb_numerics import analysis, event_reader, metadata, record_writer, stats
+
+F = metadata.FIELD_INDEX
+_NUM_AUX = 3  # call index, step, loss scale
+
+
+@dataclasses.dataclass
+class _Row:
+    """One record computed in the step: its tag and what the metadata says."""
+
+    tag: str
+    role: str
+    dtype: str = "float32"
+    shape: tuple[int | None, ...] | None = None
+    op_type: str = ""
+    description: str = ""
+    present: bool = False  # set when the training step is traced
+
+
+class _Trace:
+    """What one trace (or eager run) of the training step collected."""
+
+    def __init__(self) -> None:
+        self.outputs: dict[int, list[tf.Tensor]] = {}
+        self.loss: tf.Tensor | None = None
+
+
+def _float_tensors(structure: Any) -> list[tf.Tensor]:
+    return [
+        t
+        for t in tf.nest.flatten(structure)
+        if isinstance(t, (tf.Tensor, tf.Variable)) and t.dtype.base_dtype.name in metadata.DTYPE_LIMITS
+    ]
+
+
+def _merged_stats(tensors: Sequence[tf.Tensor], name: str) -> tf.Tensor:
+    """The record of all of ``tensors`` together (a layer's outputs, or its repeated calls)."""
+    out = stats.tensor_stats(tf.stop_gradient(tensors[0]), name)
+    for t in tensors[1:]:
+        out = stats.merge_stats(out, stats.tensor_stats(tf.stop_gradient(t), name))
+    return out
+
+
+def _layer_of_variables(model: keras.Model) -> dict[int, int]:
+    """id(variable) -> index of the top-level layer that owns it."""
+    owner: dict[int, int] = {}
+    for i, layer in enumerate(model.layers):
+        for v in layer.weights:
+            owner.setdefault(id(v), i)
+    return owner
+
+
+class NumericsCallback(keras.callbacks.Callback):
+    """Logs per-layer activations, gradients, weights and update ratios during ``fit``.
+
+    Records (steps are the optimizer's step before its update, i.e.
+    ``optimizer.iterations``, plus the steps a ``LossScaleOptimizer`` skipped,
+    which do not advance it):
+
+    * ``<layer>/output`` (activation): every float output of each top-level
+      layer, in the order the layers run;
+    * ``loss``: the training loss, as ``optimizer.scale_loss`` receives it;
+        * ``gradients/<variable path>`` (gradient, unscaled), in backward order
+      as ``log_gradients`` writes them, and ``gradients/global_norm``;
+    * ``<variable path>`` (weight), before the update;
+    * ``update_ratio/<layer>`` (weight): ||w_new - w_old|| / ||w_old|| over
+      the layer's trainable variables, an early sign of a too-large learning
+      rate. It keeps one copy of the trainable weights (``update_ratios=False``
+      to save that memory);
+    * ``loss_scale`` (under a ``LossScaleOptimizer``, e.g. with the
+      ``mixed_float16`` policy): the scale the step used. A skipped step shows
+      as non-finite gradients at a step with a loss-scale record, which the
+      analysis reports as a warning, not the run's anomaly.
+
+    Args:
+      log_dir: where the event file goes (a TensorBoard run directory).
+      every_n_steps: write every N-th step; the first step with a non-finite
+        value and the step before it are written whatever N is.
+      activations, gradients, weights, update_ratios: what to record.
+      stop_on_anomaly: stop training at the first step with a non-finite
+        record (an allowlisted -Inf, or gradients of a step the loss-scale
+        optimizer skipped, do not count) and print the diagnosis.
+      allow_neginf: tag patterns (fnmatch) where -Inf is intended, e.g.
+        ``"attention*/output"`` for masks; a NaN there still counts.
+
+    After training, ``anomaly`` holds the first anomaly (as in
+    ``tb-numerics report --json``) when ``stop_on_anomaly`` stopped it.
+    """
+
+    def __init__(
+        self,
+        log_dir: str,
+        every_n_steps: int = 1,
+        activations: bool = True,
+        gradients: bool = True,
+        weights: bool = True,
+        update_ratios: bool = True,
+        stop_on_anomaly: bool = False,
+        allow_neginf: Sequence[str] = (),
+    ):
+        super().__init__()
+        if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
+            raise ValueError("every_n_steps must be a positive integer, got %r" % (every_n_steps,))
+        self.log_dir = log_dir
+        self.every_n_steps = every_n_steps
+        self.activations = activations
+        self.gradients = gradients
+        self.weights = weights
+        self.update_ratios = update_ratios
+        self.stop_on_anomaly = stop_on_anomaly
+        self.safe_range = analysis.SafeRange(allow_neginf=tuple(allow_neginf))
+        self.anomaly: dict[str, Any] | None = None
+        self._writer: record_writer.NumericsRecordWriter | None = None
+        self._restore: list[Callable[[], None]] = []
+        self._trace: _Trace | None = None
+
+    # ------------------------------------------------------------ set-up
+
+    def on_train_begin(self, logs=None) -> None:
+        if keras.backend.backend() != "tensorflow":
+            raise RuntimeError("NumericsCallback needs the TensorFlow backend of Keras")
+        model = self.model
+        opt = model.optimizer
+        if not opt.built:
+            opt.build(model.trainable_variables)
+        self._lso = isinstance(opt, keras.optimizers.LossScaleOptimizer)
+        layers = list(model.layers)
+        owner = _layer_of_variables(model)
+        trainable = list(model.trainable_variables)
+        self._layer_names = [l.name for l in layers]
+        # Rows computed in the step, in execution order: forward, backward, update.
+        self._rows: list[_Row] = []
+        self._act_rows = {}
+        if self.activations:
+            for i, layer in enumerate(layers):
+                self._act_rows[i] = len(self._rows)
+                self._rows.append(_Row("%s/output" % layer.name, "activation", op_type=type(layer).__name__))
+        self._loss_row = len(self._rows)
+        self._rows.append(_Row("loss", "loss"))
+        # Trainable variables in layer order; those of no top-level layer last.
+        self._vars = sorted(trainable, key=lambda v: owner.get(id(v), len(layers)))
+        self._var_layer = [owner.get(id(v), -1) for v in self._vars]
+        # Gradients in backward order (the last layer's first), as
+        # backpropagation computes them and as log_gradients records them: the
+        # first non-finite gradient of a step is then the one where it was born.
+        self._grad_rows: dict[int, int] = {}
+        if self.gradients:
+            for j in reversed(range(len(self._vars))):
+                v = self._vars[j]
+                self._grad_rows[j] = len(self._rows)
+                self._rows.append(_Row("gradients/%s" % v.path, "gradient", str(v.dtype), tuple(v.shape), present=True))
+        self._weight_row0 = len(self._rows)
+        if self.weights:
+            for v in self._vars:
+                self._rows.append(_Row(v.path, "weight", str(v.dtype), tuple(v.shape), present=True))
+        k = len(self._rows)
+        nv = len(self._vars)
+        self._slots = max(1, int(getattr(model, "steps_per_execution", 1) or 1))
+        s = self._slots
+        self._stats_var = tf.Variable(tf.zeros([s, k, metadata.NUM_FIELDS], tf.float64), trainable=False)
+        # Per slot: _NUM_AUX numbers, then ||dw||^2 and ||w_old||^2 of each variable.
+        aux0 = np.zeros([s, _NUM_AUX + 2 * nv])
+        aux0[:, 0] = -1
+        self._aux_var = tf.Variable(aux0, dtype=tf.float64, trainable=False)
+        self._calls = tf.Variable(0, dtype=tf.int64, trainable=False)
+        self._skipped = tf.Variable(0, dtype=tf.int64, trainable=False)
+        self._snapshots = (
+            [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False) for v in self._vars]
+            if self.update_ratios
+            else []
+        )
+        self._last_call = -1
+        self._prev: tuple[int, list] | None = None  # the last step computed but not written
+        self._latched = False
+        self._infos: dict[str, metadata.TensorInfo] = {}
+        self._writer = record_writer.NumericsRecordWriter(self.log_dir)
+
+        self._patch(model, "train_step", self._wrap_train_step(model.train_step))
+        self._patch(opt, "scale_loss", self._wrap_scale_loss(opt.scale_loss))
+        self._patch(opt, "apply", self._wrap_apply(opt.apply))
+        if self.activations:
+            for i, layer in enumerate(layers):
+                self._patch(layer, "call", self._wrap_call(i, layer.call))
+        old_function = model.train_function
+        self._restore.append(lambda: setattr(model, "train_function", old_function))
+        model.make_train_function(force=True)
+
+    def _patch(self, obj: Any, name: str, value: Any) -> None:
+        """Sets an instance attribute and remembers how to put it back."""
+        had = name in vars(obj)
+        old = vars(obj).get(name)
+        setattr(obj, name, value)
+        self._restore.append(lambda: setattr(obj, name, old) if had else delattr(obj, name))
+
+    def on_train_end(self, logs=None) -> None:
+        while self._restore:
+            self._restore.pop()()
+        self._trace = None
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+    # ------------------------------------------------------------ wrappers
+
+    def _wrap_train_step(self, train_step):
+        @functools.wraps(train_step)
+        def wrapped(data):
+            self._trace = _Trace()
+            try:
+                return train_step(data)
+            finally:
+                self._trace = None
+
+        return wrapped
+
+    def _wrap_call(self, index: int, call):
+        @functools.wraps(call)
+        def wrapped(*args, **kwargs):
+            out = call(*args, **kwargs)
+            if self._trace is not None:
+                self._trace.outputs.setdefault(index, []).extend(_float_tensors(out))
+            return out
+
+        return wrapped
+
+    def _wrap_scale_loss(self, scale_loss):
+        @functools.wraps(scale_loss)
+        def wrapped(loss):
+            if self._trace is not None:
+                self._trace.loss = loss
+            return scale_loss(loss)
+
+        return wrapped
+
+    def _wrap_apply(self, apply):
+        @functools.wraps(apply)
+        def wrapped(grads, trainable_variables=None):
+            trace = self._trace
+            if trace is None:
+                return apply(grads, trainable_variables)
+            self._trace = None  # one apply per step is recorded
+            variables = trainable_variables or self.model.trainable_variables
+            return self._recorded_apply(apply, trace, list(grads), list(variables))
+
+        return wrapped
+
+    def _recorded_apply(self, apply, trace: _Trace, grads: list, variables: list):
+        """The optimizer's update, with the step's statistics stored around it."""
+        opt = self.model.optimizer
+        grad_of = {id(v): g for g, v in zip(grads, variables)}
+        its_before = tf.cast(tf.convert_to_tensor(opt.iterations), tf.int64)
+        scale = tf.cast(tf.convert_to_tensor(opt.dynamic_scale), tf.float32) if self._lso else tf.constant(1.0)
+        k = len(self._rows)
+        rows: list[tf.Tensor | None] = [None] * k
+        for i, tensors in trace.outputs.items():
+            if tensors:
+                r = self._act_rows[i]
+                self._rows[r].dtype = tensors[0].dtype.base_dtype.name
+                self._rows[r].shape = tuple(tensors[0].shape.as_list()) if tensors[0].shape.rank is not None else None
+                self._rows[r].present = True
+                rows[r] = _merged_stats(tensors, self._rows[r].tag)
+        if trace.loss is not None and trace.loss.dtype.base_dtype.name in metadata.DTYPE_LIMITS:
+            row = self._rows[self._loss_row]
+            row.dtype, row.shape, row.present = trace.loss.dtype.base_dtype.name, tuple(trace.loss.shape), True
+            rows[self._loss_row] = stats.tensor_stats(tf.stop_gradient(trace.loss), "loss")
+        for j, v in enumerate(self._vars):
+            if self.gradients:
+                r = self._grad_rows[j]
+                g = grad_of.get(id(v))
+                if isinstance(g, tf.IndexedSlices):
+                    g = g.values  # the rows it touches, as log_gradients does
+                self._rows[r].present = g is not None
+                if g is not None:
+                    rows[r] = stats.tensor_stats(g / tf.cast(scale, g.dtype), self._rows[r].tag)
+            if self.weights:
+                rows[self._weight_row0 + j] = stats.tensor_stats(tf.convert_to_tensor(v), v.path)
+        zero = tf.zeros([metadata.NUM_FIELDS], tf.float64)
+        stacked = tf.stack([zero if r is None else r for r in rows]) if rows else tf.zeros([0, metadata.NUM_FIELDS], tf.float64)
+        snaps = [s.assign(tf.convert_to_tensor(v)) for s, v in zip(self._snapshots, self._vars)]
+        with tf.control_dependencies([stacked] + snaps):
+            result = apply(grads, variables)
+        its_after = tf.cast(tf.convert_to_tensor(opt.iterations), tf.int64)
+        skipped = tf.cast(tf.equal(its_after, its_before), tf.int64)
+        step = its_before + self._skipped.read_value()
+        norms = []
+        for s, v in zip(self._snapshots, self._vars):
+            new = tf.cast(tf.convert_to_tensor(v), tf.float64)
+            old = tf.cast(s.read_value(), tf.float64)
+            norms += [tf.reduce_sum(tf.square(new - old)), tf.reduce_sum(tf.square(old))]
+        call = self._calls.read_value()
+        aux = tf.concat(
+            [
+                tf.stack(
+                    [
+                        tf.cast(call, tf.float64),
+                        tf.cast(step, tf.float64),
+                        tf.cast(scale, tf.float64),
+                    ]
+                ),
+                tf.stack(norms) if norms else tf.zeros([0], tf.float64),
+            ],
+            0,
+        )
+        slot = call % self._slots
+        self._stats_var[slot].assign(stacked)
+        self._aux_var[slot].assign(aux)
+        self._skipped.assign_add(skipped)
+        self._calls.assign_add(1)
+        return result
+
+    # ------------------------------------------------------------ host side
+
+    def on_train_batch_end(self, batch, logs=None) -> None:
+        if self._writer is None:
+            return
+        stats_np = self._stats_var.numpy()
+        aux_np = self._aux_var.numpy()
+        for slot in np.argsort(aux_np[:, 0], kind="stable"):
+            call = int(aux_np[slot, 0])
+            if call <= self._last_call:
+                continue
+            self._last_call = call
+            if self._step_done(stats_np[slot], aux_np[slot]):
+                break
+        self._writer.flush()
+
+    def on_epoch_end(self, epoch, logs=None) -> None:
+        if self._writer is not None:
+            self._writer.flush()
+
+    def _info(self, tag: str, role: str, dtype: str, shape, op_type: str = "", description: str = "") -> metadata.TensorInfo:
+        info = self._infos.get(tag)
+        if info is None:
+            info = self._infos[tag] = metadata.TensorInfo(
+                dtype=dtype, shape=shape, role=role, order=len(self._infos), op_type=op_type, description=description
+            )
+        return info
+
+    def _records(self, step_stats: np.ndarray, aux: np.ndarray) -> list[tuple[str, np.ndarray, metadata.TensorInfo]]:
+        """The step's records in execution order, host-derived ones included."""
+        out = []
+        grads = []
+        for r, row in enumerate(self._rows):
+            if not row.present:
+                continue
+            out.append((row.tag, step_stats[r], self._info(row.tag, row.role, row.dtype, row.shape, row.op_type)))
+            if row.role == "gradient":
+                grads.append(step_stats[r])
+        if grads:
+            last_grad = max(i for i, (_, _, info) in enumerate(out) if info.role == "gradient")
+            out.insert(last_grad + 1, self._global_norm(grads))
+        if self.update_ratios:
+            norms = aux[_NUM_AUX:].reshape(-1, 2)
+            for i, name in enumerate(self._layer_names):
+                mine = [j for j, l in enumerate(self._var_layer) if l == i]
+                if not mine:
+                    continue
+                dw, w = norms[mine, 0].sum(), norms[mine, 1].sum()
+                if w > 0:
+                    tag = "update_ratio/%s" % name
+                    out.append((tag, record_writer.numpy_stats(np.float32(np.sqrt(dw / w))),
+                                self._info(tag, "weight", "float32", (), description="||w_new - w_old|| / ||w_old|| of layer %s" % name)))
+        if self._lso:
+            out.append(("loss_scale", record_writer.numpy_stats(np.float32(aux[2])),
+                        self._info("loss_scale", "loss_scale", "float32", (), description="the LossScaleOptimizer's loss scale")))
+        return out
+
+    def _global_norm(self, grads: list[np.ndarray]):
+        g = np.asarray(grads).reshape(-1, metadata.NUM_FIELDS)
+        if g[:, F["nan"]].sum() > 0:
+            norm = np.nan
+        elif (g[:, F["posinf"]] + g[:, F["neginf"]]).sum() > 0:
+            norm = np.inf
+        else:
+            norm = np.sqrt(g[:, F["sum_sq"]].sum())
+        tag = "gradients/global_norm"
+        return (tag, record_writer.numpy_stats(np.float32(norm)), self._info(tag, "global_norm", "float32", ()))
+
+    def _step_done(self, step_stats: np.ndarray, aux: np.ndarray) -> bool:
+        """Writes one step's records as every_n_steps says; True to stop training.
+
+        The rule is the summary API's latch: every N-th step, the first step
+        with a non-finite value and the step before it. Steps a
+        LossScaleOptimizer skipped are always written, so that they show.
+        """
+        step = int(aux[1])
+        records = self._records(step_stats, aux)
+        nonfinite = any(v[F["nan"]] + v[F["posinf"]] + v[F["neginf"]] > 0 for _, v, _ in records)
+        first_bad = nonfinite and not self._latched
+        if first_bad and self._prev is not None and self._prev[0] == step - 1:
+            self._writer.write_many(*self._prev)
+        if step % self.every_n_steps == 0 or first_bad or (nonfinite and self._lso):
+            self._writer.write_many(step, records)
+            self._prev = None
+        else:
+            self._prev = (step, records)
+        self._latched = self._latched or nonfinite
+        if not self.stop_on_anomaly:
+            return False
+        scale = float(aux[2]) if self._lso else None
+        if not any(analysis.record_is_anomaly(tag, v, info, self.safe_range, scale) for tag, v, info in records):
+            return False
+        self._stop()
+        return True
+
+    def _stop(self) -> None:
+        """Stops training and prints the diagnosis, in the analysis' words."""
+        self._writer.flush()
+        rr = event_reader.read_run(".", [self._writer.path])
+        ra = analysis.analyze_run(self.log_dir, rr.series, self.safe_range, rr.problems)
+        self.anomaly = analysis.first_anomaly(ra)
+        self.model.stop_training = True
+        a = self.anomaly
+        if a is None:  # not written (cannot happen: the first bad step always is)
+            return
+        op = " (%s)" % a["op_type"] if a["op_type"] else ""
+        lines = [
+            "tb-numerics: stopping training at step %d: %s%s, %s: %s"
+            % (a["step"], a["tensor"], op, a["phase"], a["description"]),
+            "  last healthy step: %s" % a["last_healthy_step"],
+        ]
+        if a["hint"]:
+            lines.append("  hint: %s" % a["hint"])
+        c = a["likely_cause"]
+        if c is not None:
+            lines.append("  likely cause: step %d, %s: %s (%s)" % (c["step"], c["tensor"], c["kind"], c["detail"]))
+        print("\n".join(lines), file=sys.stderr)
