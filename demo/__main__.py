@@ -1,0 +1,80 @@
+"""Runs the demo's stories, prints their diagnoses, optionally serves them.
+
+    python -m demo [--logdir DIR] [--serve] [--port N] [--host H] [--only NAME ...]
+"""
+
+import argparse
+import os
+import shutil
+import sys
+import time
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m demo", description=__doc__.splitlines()[0])
+    p.add_argument("--logdir", default="demo_logs", help="where the runs are written (default: demo_logs)")
+    p.add_argument("--serve", action="store_true", help="then start TensorBoard on the logdir")
+    p.add_argument("--host", default="127.0.0.1", help="address TensorBoard binds to (default: 127.0.0.1)")
+    p.add_argument("--port", type=int, default=6006, help="TensorBoard's port (default: 6006)")
+    p.add_argument("--only", action="append", metavar="NAME", help="run only this story (repeatable)")
+    return p
+
+
+def run_stories(logdir: str, only: list[str] | None = None) -> float:
+    """Runs the stories into ``logdir`` and returns the total seconds."""
+    from demo.stories import STORIES
+
+    names = [s.name for s in STORIES]
+    unknown = sorted(set(only or ()) - set(names))
+    if unknown:
+        raise SystemExit("unknown story %s; the stories are: %s" % (", ".join(unknown), ", ".join(names)))
+    start = time.perf_counter()
+    for story in STORIES:
+        if only and story.name not in only:
+            continue
+        # A run's directory belongs to the demo: start it afresh, so a rerun
+        # does not add a second copy of every step.
+        shutil.rmtree(os.path.join(logdir, story.name), ignore_errors=True)
+        t = time.perf_counter()
+        story.run(logdir)
+        print("%-18s %5.1fs  cause: %s" % (story.name, time.perf_counter() - t, story.cause))
+        print("%-18s         fix:   %s" % ("", story.fix), flush=True)
+    return time.perf_counter() - start
+
+
+def serve(logdir: str, host: str, port: int) -> None:
+    """Serves ``logdir`` with TensorBoard until interrupted."""
+    from tensorboard import program
+
+    tb = program.TensorBoard()
+    tb.configure(argv=[None, "--logdir", logdir, "--host", host, "--port", str(port)])
+    url = tb.launch()
+    print("TensorBoard on %s (Numerics tab: %s#numerics); Ctrl-C stops it" % (url, url), flush=True)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        pass
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    start = time.perf_counter()
+    import tensorflow  # noqa: F401  (timed: most of the start-up)
+
+    from tb_numerics import cli
+
+    stories_s = run_stories(args.logdir, args.only)
+    print()
+    status = cli.main(["report", args.logdir])
+    print("\nTOTAL %.1fs (stories %.1fs, logs in %s)" % (time.perf_counter() - start, stories_s, args.logdir))
+    if args.serve:
+        serve(args.logdir, args.host, args.port)
+    # The stories are meant to fail: exit 0 unless the report itself failed.
+    return 0 if status in (cli.EXIT_OK, cli.EXIT_ANOMALY) else status
+
+
+if __name__ == "__main__":
+    sys.exit(main())

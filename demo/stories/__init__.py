@@ -1,0 +1,61 @@
+"""The demo's failure stories: small, seeded TF2 training runs.
+
+Each story trains for a few seconds on a CPU, logs the tensors a user would
+name with ``tb_numerics.log_numerics`` and the gradients with
+``tb_numerics.log_gradients``, and writes one run, ``<logdir>/<name>``.
+Stories that use the Keras callback or the op-level mode go in ``STORIES``
+too, next to the hand-written loops they mirror.
+"""
+
+import dataclasses
+from typing import Callable
+
+from demo.stories import cosine_zero_tower, gru_sqrt_loss, regression, softmax_log
+
+
+@dataclasses.dataclass(frozen=True)
+class Story:
+    name: str  # the run's directory under the logdir
+    run: Callable[[str], None]  # run(logdir) trains and writes <logdir>/<name>
+    cause: str
+    fix: str
+
+
+STORIES = (
+    Story(
+        gru_sqrt_loss.NAME,
+        gru_sqrt_loss.run,
+        cause="sqrt of a squared error: its gradient is infinite where the error is exactly 0",
+        fix="drop the sqrt around the squared error (use tf.abs or the squared error itself)",
+    ),
+    Story(
+        softmax_log.NAME,
+        softmax_log.run,
+        cause="log of a softmax that saturated to exactly 0 at a too-high learning rate",
+        fix="use tf.nn.softmax_cross_entropy_with_logits (or log_softmax), and a lower peak learning rate",
+    ),
+    Story(
+        cosine_zero_tower.NAME,
+        cosine_zero_tower.run,
+        cause="cosine similarity of an all-zero ReLU embedding: norm 0, 0/0",
+        fix="add an epsilon inside the norm (or use tf.math.l2_normalize)",
+    ),
+    Story(
+        "exploding_lr",
+        regression.run_exploding_lr,
+        cause="learning rate too large: each step overshoots more, the gradient norm spikes, activations overflow",
+        fix="lower the learning rate (or clip gradients)",
+    ),
+    Story(
+        "healthy",
+        regression.run_healthy,
+        cause="none: the same model at a sane learning rate",
+        fix="nothing to fix",
+    ),
+    Story(
+        "bad_input",
+        regression.run_bad_input,
+        cause="one corrupt record holds 1e38: finite, but its squared error overflows in the loss",
+        fix="validate or clip inputs in the input pipeline",
+    ),
+)
