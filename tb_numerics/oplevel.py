@@ -414,18 +414,21 @@ class OpNumerics:
         fired = self._fired_var
 
         def write_window():
-            # Oldest first: the K-1 steps before the failing one, then it.
-            for j in range(k):
+            # Oldest first: the K-1 steps before the failing one, then it. A
+            # loop, not K unrolled copies, keeps the trace small.
+            def write_slot(j):
                 s = (count - k + j) % k
-                step_j = steps[s]
-                window = buf[s]
+                step_j, window = steps[s], buf[s]
 
-                def write_one(step_j=step_j, window=window):
+                def write_all():
                     for i, (tag, _, info) in enumerate(recs):
                         summary.write_stats(tag, window[i], step=step_j, info=info)
                     return tf.constant(True)
 
-                tf.cond(step_j >= 0, write_one, lambda: tf.constant(False))
+                tf.cond(step_j >= 0, write_all, lambda: tf.constant(False))
+                return (j + 1,)
+
+            tf.while_loop(lambda j: j < k, write_slot, (tf.constant(0, tf.int64),))
             fired.assign(True)
             return tf.constant(True)
 
