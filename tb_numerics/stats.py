@@ -28,18 +28,21 @@ from tb_numerics import metadata
 
 F = metadata.FIELD_INDEX
 
-# The bits of a float's magnitude (sign cleared), the integer type holding
-# them, and the magnitude bits of the smallest normal of the tensor's own
-# dtype, once the tensor is in its accumulation dtype.
 _ACC_DTYPE = {
     "float16": tf.float32,
     "bfloat16": tf.float32,
     "float32": tf.float32,
     "float64": tf.float64,
 }
+# Signed and unsigned integer views of each accumulation dtype, and its sign bit.
+_VIEWS = {
+    tf.float32: (tf.int32, tf.uint32, 1 << 31),
+    tf.float64: (tf.int64, tf.uint64, 1 << 63),
+}
 
 
-def _magnitude_bits_of(value: float, acc: tf.DType) -> int:
+def _bits(value: float, acc: tf.DType) -> int:
+    """The bit pattern of a positive ``value`` in dtype ``acc``."""
     if acc == tf.float64:
         return int(np.array(value, np.float64).view(np.int64))
     return int(np.array(value, np.float32).view(np.int32))
@@ -69,37 +72,70 @@ def tensor_stats(x: tf.Tensor, name: str) -> tf.Tensor:
     sum, sum of squares) are over the finite elements; min and max are NaN
     where there are none (an empty or all-NaN tensor).
 
+    How: six reductions and no elementwise pass over the tensor in the
+    healthy case (elementwise ops, which write a tensor-sized result, cost
+    far more here than reductions): the sum; the sum of squares as a dot
+    product (which is finite exactly when no element is NaN or Inf and no
+    square overflows); and min and max of the tensor's bits viewed as signed
+    and as unsigned integers (free views). Those four give the exact float
+    min and max (also with subnormals, which float compares on a
+    denormals-are-zero CPU do not see) and the smallest magnitude: only a
+    tensor whose smallest magnitude is below the smallest normal (it holds a
+    zero or an underflow) pays an exact count of both; only a float16 tensor
+    beyond the overflow margin counts those; only a non-finite tensor (or one
+    whose squares overflow) pays the masked float64 statistics.
+
     Raises:
       TypeError: ``x`` is not a float16, bfloat16, float32 or float64 tensor.
     """
     x = tf.convert_to_tensor(x)
     dtype = check_dtype(x, name)
     acc = _ACC_DTYPE[dtype]
-    int_t = tf.int64 if acc == tf.float64 else tf.int32
-    sign_mask = 0x7FFFFFFFFFFFFFFF if acc == tf.float64 else 0x7FFFFFFF
-    tiny_bits = _magnitude_bits_of(metadata.smallest_normal(dtype), acc)
+    int_t, uint_t, sign_bit = _VIEWS[acc]
+    magnitude_mask = sign_bit - 1
+    tiny_bits = _bits(metadata.smallest_normal(dtype), acc)
     margin = metadata.overflow_margin(dtype)
 
     with tf.name_scope("tensor_stats"):
         flat = tf.reshape(tf.cast(x, acc) if x.dtype != acc else x, [-1])
         n = tf.cast(tf.size(flat, out_type=tf.int64), tf.float64)
-        # Magnitude bits: 0 for +-0, below tiny_bits for subnormal
-        # (underflow) values, whatever the CPU's denormal mode.
-        mag = tf.bitwise.bitwise_and(tf.bitcast(flat, int_t), tf.constant(sign_mask, int_t))
-        zeros = _count(tf.equal(mag, 0))
-        small = _count(tf.less(mag, tiny_bits))
-        underflow = small - zeros
-
         total = tf.reduce_sum(flat)
-        total_sq = tf.reduce_sum(tf.square(flat))
-        lo = tf.reduce_min(flat)
-        hi = tf.reduce_max(flat)
+        row = tf.expand_dims(flat, 0)
+        total_sq = tf.reshape(tf.matmul(row, row, transpose_b=True), [])
+        signed = tf.bitcast(flat, int_t)
+        unsigned = tf.bitcast(flat, uint_t)
+        s_min, s_max = tf.reduce_min(signed), tf.reduce_max(signed)
+        u_min, u_max = tf.reduce_min(unsigned), tf.reduce_max(unsigned)
 
-        def healthy():
-            # total_sq is finite: no NaN or Inf, and no |x| near the dtype's
-            # largest value except for float16 (accumulated in float32).
+        def zeros_and_underflow(mag_min=None) -> tf.Tensor:
+            """[zeros, underflow], counted from the magnitude bits."""
+
+            def count() -> tf.Tensor:
+                mag = tf.bitwise.bitwise_and(signed, tf.constant(magnitude_mask, int_t))
+                zeros = _count(tf.equal(mag, 0))
+                return tf.stack([zeros, _count(tf.less(mag, tiny_bits)) - zeros])
+
+            if mag_min is None:
+                return count()
+            none = lambda: tf.zeros([2], tf.float64)  # noqa: E731
+            return tf.cond(mag_min < tiny_bits, count, none)
+
+        def healthy() -> tf.Tensor:
+            # Unsigned order: +0 < positives < -0 < negatives by magnitude;
+            # signed order: negatives by decreasing magnitude < +0 < positives.
+            # An empty tensor yields NaN bit patterns for both.
+            lo_bits = tf.where(u_max >= sign_bit, u_max, tf.bitcast(s_min, uint_t))
+            hi_bits = tf.where(s_max >= 0, tf.bitcast(s_max, uint_t), u_min)
+            lo_hi = _bits_to_float64(tf.stack([lo_bits, hi_bits]), acc)
+            mag_min = tf.minimum(
+                tf.bitwise.bitwise_and(s_min, tf.constant(magnitude_mask, int_t)),
+                tf.bitwise.bitwise_and(tf.bitcast(u_min, int_t), tf.constant(magnitude_mask, int_t)),
+            )
+            small = zeros_and_underflow(mag_min)
             if dtype == "float16":
-                max_abs = tf.maximum(-lo, hi)
+                # The only dtype whose margin lies below the largest value
+                # with a finite float32 square.
+                max_abs = tf.reduce_max(tf.abs(lo_hi))
                 overflow = tf.cond(
                     max_abs > margin,
                     lambda: _count(tf.abs(flat) > margin),
@@ -107,23 +143,19 @@ def tensor_stats(x: tf.Tensor, name: str) -> tf.Tensor:
                 )
             else:
                 overflow = tf.constant(0.0, tf.float64)
-            empty = tf.equal(n, 0.0)
-            nan = tf.constant(np.nan, tf.float64)
             z = tf.constant(0.0, tf.float64)
             return tf.stack(
                 [
-                    n, z, z, z,
-                    tf.where(empty, nan, tf.cast(lo, tf.float64)),
-                    tf.where(empty, nan, tf.cast(hi, tf.float64)),
-                    tf.cast(total, tf.float64),
-                    tf.cast(total_sq, tf.float64),
-                    zeros, overflow, underflow,
+                    n, z, z, z, lo_hi[0], lo_hi[1],
+                    tf.cast(total, tf.float64), tf.cast(total_sq, tf.float64),
+                    small[0], overflow, small[1],
                 ]
             )
 
-        def unhealthy():
-            # Some element is NaN or Inf, or a square overflowed: redo the
-            # sums over the finite elements only, in float64.
+        def unhealthy() -> tf.Tensor:
+            # Some element is NaN or Inf, or a square overflowed: count the
+            # non-finite elements and redo the rest over the finite ones, in
+            # float64.
             finite = tf.math.is_finite(flat)
             x64 = tf.cast(tf.where(finite, flat, tf.zeros_like(flat)), tf.float64)
             inf = tf.constant(np.inf, acc)
@@ -131,6 +163,7 @@ def tensor_stats(x: tf.Tensor, name: str) -> tf.Tensor:
             hi_f = tf.reduce_max(tf.where(finite, flat, -inf))
             any_finite = tf.reduce_any(finite)
             nan = tf.constant(np.nan, tf.float64)
+            small = zeros_and_underflow()
             return tf.stack(
                 [
                     n,
@@ -141,13 +174,29 @@ def tensor_stats(x: tf.Tensor, name: str) -> tf.Tensor:
                     tf.where(any_finite, tf.cast(hi_f, tf.float64), nan),
                     tf.reduce_sum(x64),
                     tf.reduce_sum(tf.square(x64)),
-                    zeros,
+                    small[0],
                     _count(tf.logical_and(finite, tf.abs(flat) > margin)),
-                    underflow,
+                    small[1],
                 ]
             )
 
         return tf.cond(tf.math.is_finite(total_sq), healthy, unhealthy)
+
+
+def _bits_to_float64(bits: tf.Tensor, acc: tf.DType) -> tf.Tensor:
+    """The float64 values of float bit patterns (unsigned), subnormals too.
+
+    A float32 -> float64 cast on a denormals-are-zero CPU gives 0 for a
+    subnormal; its value is rebuilt from the mantissa instead.
+    """
+    if acc == tf.float64:
+        return tf.bitcast(bits, tf.float64)
+    widened = tf.cast(tf.bitcast(bits, tf.float32), tf.float64)
+    signed = tf.bitcast(bits, tf.int32)
+    mantissa = tf.bitwise.bitwise_and(signed, 0x7FFFFFFF)
+    subnormal = tf.cast(mantissa, tf.float64) * 2.0**-149
+    subnormal = tf.where(signed < 0, -subnormal, subnormal)
+    return tf.where(mantissa < 0x00800000, subnormal, widened)
 
 
 def _count(mask: tf.Tensor) -> tf.Tensor:

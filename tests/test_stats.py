@@ -1,0 +1,168 @@
+"""tensor_stats against the numpy reference, in every float dtype."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tb_numerics import metadata, stats
+from tb_numerics.record_writer import numpy_stats
+
+F = metadata.FIELD_INDEX
+COUNTS = ["count", "nan", "posinf", "neginf", "zeros", "overflow", "underflow"]
+# Relative tolerance of the sums by accumulation precision.
+SUM_RTOL = {"float16": 1e-5, "bfloat16": 1e-5, "float32": 1e-5, "float64": 1e-12}
+
+_stats_fn = tf.function(stats.tensor_stats, reduce_retracing=True)
+
+
+def _as_tf(values: np.ndarray, dtype: str) -> tf.Tensor:
+    # Converted in numpy where it can: TensorFlow's casts on a CPU flush
+    # subnormals to zero.
+    if dtype == "bfloat16":
+        return tf.cast(tf.constant(values.astype(np.float32)), tf.bfloat16)
+    return tf.constant(values.astype(dtype))
+
+
+def _reference(t: tf.Tensor, dtype: str) -> np.ndarray:
+    # The values the tensor really holds, widened in numpy (bfloat16 via
+    # ml_dtypes), never by a TensorFlow cast that flushes subnormals.
+    return numpy_stats(np.asarray(t.numpy()).astype(np.float64), dtype)
+
+
+def assert_matches(got: np.ndarray, want: np.ndarray, dtype: str) -> None:
+    for f in COUNTS:
+        assert got[F[f]] == want[F[f]], (f, got, want)
+    for f in ("min", "max"):
+        np.testing.assert_equal(got[F[f]], want[F[f]], err_msg=f)
+    # Summation error grows with the size of the terms and their number.
+    max_abs = np.nan_to_num(max(abs(want[F["min"]]), abs(want[F["max"]])))
+    scale = max(1.0, float(max_abs * want[F["count"]]))
+    np.testing.assert_allclose(got[F["sum"]], want[F["sum"]], rtol=SUM_RTOL[dtype], atol=SUM_RTOL[dtype] * scale)
+    np.testing.assert_allclose(got[F["sum_sq"]], want[F["sum_sq"]], rtol=SUM_RTOL[dtype] * 10)
+
+
+def _random(rng, shape, dtype, inject):
+    x = rng.standard_normal(shape) * 3
+    flat = x.reshape(-1)
+    idx = rng.permutation(flat.size)
+    k = 0
+    for value, count in inject:
+        flat[idx[k:k + count]] = value
+        k += count
+    return x
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+@pytest.mark.parametrize(
+    "inject",
+    [
+        [],
+        [(0.0, 40)],
+        [(np.nan, 3), (np.inf, 2), (-np.inf, 1), (0.0, 5)],
+        [(np.nan, 1)],
+        [(-np.inf, 7)],
+    ],
+    ids=["healthy", "zeros", "nan_inf_zeros", "one_nan", "neginf"],
+)
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "function"])
+def test_matches_numpy(dtype, inject, graph):
+    rng = np.random.default_rng(len(inject) * 7 + len(dtype))
+    t = _as_tf(_random(rng, (37, 129), dtype, inject), dtype)
+    fn = _stats_fn if graph else stats.tensor_stats
+    got = fn(t, "x").numpy()
+    assert got.dtype == np.float64 and got.shape == (metadata.NUM_FIELDS,)
+    assert_matches(got, _reference(t, dtype), dtype)
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "function"])
+def test_relu_like_float32_at_benchmark_size(graph):
+    rng = np.random.default_rng(1)
+    t = tf.constant(np.maximum(rng.standard_normal((512, 1024)), 0).astype(np.float32))
+    fn = _stats_fn if graph else stats.tensor_stats
+    got = fn(t, "relu").numpy()
+    want = _reference(t, "float32")
+    assert got[F["zeros"]] > 200_000
+    assert_matches(got, want, "float32")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
+def test_subnormals_are_underflow_not_zeros(dtype):
+    # CPUs run TensorFlow with denormals-are-zero: a float compare would call
+    # these zeros. The record must agree with numpy.
+    tiny = metadata.smallest_normal(dtype)
+    values = np.array([tiny / 4, -tiny / 64, 0.0, -0.0, tiny, 1.0, -tiny / 2])
+    t = _as_tf(values, dtype)
+    for fn in (stats.tensor_stats, _stats_fn):
+        got = fn(t, "sub").numpy()
+        want = _reference(t, dtype)
+        assert want[F["underflow"]] == 3 and want[F["zeros"]] == 2
+        assert_matches(got, want, dtype)
+
+
+def test_float16_underflow_and_overflow_margin():
+    values = np.array([1e-6, -3e-5, 0.0, 1.0, 2000.0, -60000.0, 6.2e-5], np.float16)
+    got = stats.tensor_stats(tf.constant(values), "h").numpy()
+    want = numpy_stats(values)
+    assert want[F["overflow"]] == 2 and want[F["underflow"]] == 2
+    assert_matches(got, want, "float16")
+
+
+def test_float16_sums_do_not_overflow():
+    values = np.full((64, 64), 60000.0, np.float16)
+    got = stats.tensor_stats(tf.constant(values), "big").numpy()
+    assert np.isfinite(got[F["sum_sq"]])
+    assert got[F["overflow"]] == 4096
+    assert_matches(got, numpy_stats(values), "float16")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_huge_finite_values_whose_squares_overflow(dtype):
+    big = 1e30 if dtype == "float32" else 1e200
+    values = np.array([big, -big, 1.0, np.nan])
+    t = _as_tf(values, dtype)
+    got = stats.tensor_stats(t, "huge").numpy()
+    assert_matches(got, _reference(t, dtype), dtype)
+    assert got[F["max"]] == np.float64(np.array(big, dtype))
+
+
+@pytest.mark.parametrize("values", [[np.nan, np.nan], [np.inf, -np.inf], []], ids=["all_nan", "all_inf", "empty"])
+@pytest.mark.parametrize("dtype", ["float16", "float32", "float64"])
+def test_no_finite_values(values, dtype):
+    t = _as_tf(np.array(values, np.float64), dtype)
+    for fn in (stats.tensor_stats, _stats_fn):
+        got = fn(t, "none").numpy()
+        want = _reference(t, dtype)
+        assert np.isnan(got[F["min"]]) and np.isnan(got[F["max"]])
+        assert_matches(got, want, dtype)
+
+
+def test_empty_tensor_of_any_shape():
+    got = stats.tensor_stats(tf.zeros([3, 0, 2]), "empty").numpy()
+    assert got[F["count"]] == 0 and got[F["zeros"]] == 0 and got[F["sum"]] == 0
+
+
+def test_scalar():
+    got = stats.tensor_stats(tf.constant(-2.5), "s").numpy()
+    assert_matches(got, numpy_stats(np.float32(-2.5)), "float32")
+
+
+@pytest.mark.parametrize(
+    "value",
+    [tf.constant([1, 2]), tf.constant([True]), tf.constant(["a"]), tf.constant([1 + 2j]), tf.constant([1], tf.uint8)],
+    ids=["int32", "bool", "string", "complex", "uint8"],
+)
+def test_non_float_tensors_raise_type_error_naming_them(value):
+    with pytest.raises(TypeError, match="'my/tensor'.*(int32|bool|string|complex|uint8)"):
+        stats.tensor_stats(value, "my/tensor")
+
+
+def test_merge_stats_is_the_record_of_the_concatenation():
+    rng = np.random.default_rng(3)
+    a = rng.standard_normal(100)
+    a[[1, 5]] = [np.nan, np.inf]
+    b = np.array([np.nan, -np.inf])  # no finite value: must not poison min/max
+    c = rng.standard_normal(50) * 10
+    merged = stats.merge_stats(numpy_stats(a, "float64"), numpy_stats(b, "float64"))
+    merged = stats.merge_stats(merged, numpy_stats(c, "float64")).numpy()
+    want = numpy_stats(np.concatenate([a, b, c]), "float64")
+    assert_matches(merged, want, "float64")
