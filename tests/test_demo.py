@@ -1,0 +1,161 @@
+"""The demo's stories, run for real, diagnosed by ``tb-numerics report --json``.
+
+Each expected diagnosis below was found while building the story by running
+it eagerly with every logged tensor kept in numpy (which step, which tensor
+first holds a NaN/Inf, and what the analysis rules make of the records), and
+then confirmed on the logs the story writes from its ``tf.function`` step.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from tb_process import free_port
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+
+# run -> the first anomaly's fields that a user relies on.
+ANOMALIES = {
+    # The ReLU head clips one label-0 prediction to exactly 0 at step 18:
+    # sqrt(0) is finite, its gradient is +Inf, and every gradient is NaN.
+    "gru_sqrt_loss": dict(step=18, tensor="loss/sqrt_grad", phase="backward",
+                          nan=0, posinf=1, neginf=0, size=64, last_healthy_step=17),
+    # One logit gap passes ~87 at step 16: softmax gives 0, log gives -Inf.
+    "softmax_log": dict(step=16, tensor="log_probs", phase="forward",
+                        nan=0, posinf=0, neginf=1, size=512, last_healthy_step=15),
+    # tower_a's smallest norm shrinks 0.039, 0.024, 0.012, 0.0016, then 0
+    # at step 23: one cosine is 0/0.
+    "cosine_zero_tower": dict(step=23, tensor="cosine/similarity", phase="forward",
+                              nan=1, posinf=0, neginf=0, size=64, last_healthy_step=22),
+    # The overshoot blows up: the last ReLU layer passes the float32 max.
+    "exploding_lr": dict(step=5, tensor="dense_4/output", phase="forward",
+                         nan=0, neginf=0, last_healthy_step=4),
+    # The record holding 1e38 is read at step 20; its squared error is +Inf.
+    "bad_input": dict(step=20, tensor="loss", phase="forward",
+                      nan=0, posinf=1, neginf=0, size=1, last_healthy_step=19),
+}
+
+HINT_WORDS = {
+    "gru_sqrt_loss": "gradient of sqrt is infinite at 0",
+    "softmax_log": "softmax_cross_entropy_with_logits",
+    "cosine_zero_tower": "inside the norm",
+    "bad_input": "likely cause",
+}
+
+
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+    """Runs ``python -m demo`` once; returns (logdir, its output, the report)."""
+    logdir = str(tmp_path_factory.mktemp("demo_logs"))
+    run = subprocess.run(
+        [sys.executable, "-m", "demo", "--logdir", logdir],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600,
+    )
+    assert run.returncode == 0, run.stdout + run.stderr
+    report = subprocess.run(
+        [sys.executable, "-m", "tb_numerics.cli", "report", "--json", logdir],
+        cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=120,
+    )
+    assert report.returncode == 1, report.stderr  # anomalies found
+    runs = {r["run"]: r for r in json.loads(report.stdout)["runs"]}
+    return logdir, run.stdout, runs
+
+
+def test_every_story_writes_its_run(demo):
+    _, _, runs = demo
+    assert sorted(runs) == sorted(list(ANOMALIES) + ["healthy"])
+    for r in runs.values():
+        assert r["problems"] == []
+
+
+@pytest.mark.parametrize("run", sorted(ANOMALIES))
+def test_first_anomaly(demo, run):
+    _, _, runs = demo
+    anomaly = runs[run]["first_anomaly"]
+    assert anomaly is not None
+    assert {k: anomaly[k] for k in ANOMALIES[run]} == ANOMALIES[run]
+    if run == "exploding_lr":
+        assert anomaly["posinf"] > 0
+
+
+@pytest.mark.parametrize("run", sorted(HINT_WORDS))
+def test_hint_names_the_cause(demo, run):
+    _, _, runs = demo
+    assert HINT_WORDS[run] in runs[run]["first_anomaly"]["hint"]
+
+
+def test_healthy_run_has_no_anomaly_and_no_warning(demo):
+    _, _, runs = demo
+    assert runs["healthy"]["first_anomaly"] is None
+    assert runs["healthy"]["first_warning"] is None
+    assert runs["healthy"]["last_step"] == 29
+
+
+def test_exploding_lr_warns_before_the_anomaly(demo):
+    _, _, runs = demo
+    warning = runs["exploding_lr"]["first_warning"]
+    assert warning["step"] == 3 < runs["exploding_lr"]["first_anomaly"]["step"]
+    assert (warning["tensor"], warning["kind"]) == ("gradients/global_norm", "gradient_spike")
+
+
+def test_bad_input_points_at_the_input(demo):
+    _, _, runs = demo
+    cause = runs["bad_input"]["first_anomaly"]["likely_cause"]
+    assert (cause["step"], cause["tensor"], cause["kind"]) == (20, "input", "overflow_risk")
+    assert "max |x| = 1e+38" in cause["detail"]
+
+
+def test_stories_without_a_trend_have_no_warning_before_the_anomaly(demo):
+    _, _, runs = demo
+    for run in ("gru_sqrt_loss", "softmax_log", "cosine_zero_tower"):
+        assert runs[run]["first_warning"] is None, run
+
+
+def test_runner_prints_each_diagnosis_and_the_total_time(demo):
+    _, out, _ = demo
+    for run in ANOMALIES:
+        assert "run %s" % run in out
+        assert "cause:" in out and "fix:" in out
+    assert "first anomaly: step 18, loss/sqrt_grad, backward" in out
+    total = [line for line in out.splitlines() if line.startswith("TOTAL ")]
+    assert len(total) == 1, out
+
+
+def test_serve_prints_the_url_and_serves_the_numerics_plugin(tmp_path):
+    """Also: a rerun into the same logdir replaces the story's run, so every
+    step is recorded once."""
+    subprocess.run(
+        [sys.executable, "-m", "demo", "--logdir", str(tmp_path), "--only", "softmax_log"],
+        cwd=ROOT, env=ENV, check=True, capture_output=True, timeout=300,
+    )
+    port = free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "demo", "--logdir", str(tmp_path), "--only", "softmax_log",
+         "--serve", "--port", str(port)],
+        cwd=ROOT, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        url = None
+        for line in proc.stdout:
+            if line.startswith("TensorBoard on "):
+                url = line.split()[2]
+                break
+            assert time.monotonic() < deadline
+        assert url == "http://127.0.0.1:%d/" % port
+        with urllib.request.urlopen(url + "data/plugin/numerics/runs", timeout=60) as r:
+            runs = json.load(r)["runs"]
+        assert [(r["run"], r["first_anomaly_step"], r["records"]) for r in runs] == [
+            # 30 steps x (5 tensors, 4 gradients and the global norm), once
+            ("softmax_log", 16, 30 * 10)
+        ]
+        assert len(os.listdir(tmp_path / "softmax_log")) == 1
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
