@@ -324,15 +324,12 @@ class NumericsPlugin(base_plugin.TBPlugin):
                     continue
                 to_read[tag] = (version, info)
             for batch in _batches(to_read, listing):
-                data = self._data_provider.read_tensors(
-                    ctx,
-                    experiment_id=experiment,
-                    plugin_name=metadata.PLUGIN_NAME,
-                    downsample=_READ_ALL,
-                    run_tag_filter=provider.RunTagFilter(runs=[run], tags=batch),
-                ).get(run, {})
+                data, unreadable = self._read_tags(ctx, experiment, run, batch)
                 for tag in batch:
                     version, info = to_read[tag]
+                    if tag in unreadable:
+                        cache.tags[tag] = _TagData(version, None, [unreadable[tag]])
+                        continue
                     problems: list[str] = []
                     steps, values = _decode(data.get(tag, []))
                     series = analysis.make_series(tag, info, steps, values, problems)
@@ -340,6 +337,36 @@ class NumericsPlugin(base_plugin.TBPlugin):
             if changed:
                 cache.generation += 1
         return cache
+
+    def _read_tags(self, ctx, experiment: str, run: str, tags: list[str]) -> tuple[dict, dict[str, str]]:
+        """Every record of ``tags``, and a problem for each tag that cannot be read.
+
+        TensorBoard's providers fail a whole read on one record they cannot
+        decode (a tensor whose bytes do not fit its shape): read such a
+        batch tag by tag so that only the damaged tag is lost.
+        """
+
+        def read(batch: list[str]) -> dict:
+            return self._data_provider.read_tensors(
+                ctx,
+                experiment_id=experiment,
+                plugin_name=metadata.PLUGIN_NAME,
+                downsample=_READ_ALL,
+                run_tag_filter=provider.RunTagFilter(runs=[run], tags=batch),
+            ).get(run, {})
+
+        try:
+            return read(tags), {}
+        except (ValueError, TypeError):
+            pass
+        data, unreadable = {}, {}
+        for tag in tags:
+            try:
+                data.update(read([tag]))
+            except (ValueError, TypeError) as e:
+                unreadable[tag] = "%s: TensorBoard cannot decode its records (%s); the tensor was skipped" % (tag, e)
+                logger.warning("numerics: run %r: %s", run, unreadable[tag])
+        return data, unreadable
 
     def _analysis(
         self, ctx, experiment: str, run: str, sr: analysis.SafeRange, listing: Mapping | None = None
