@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import dataclasses
+import io
 import json
 import os
 import random
-import subprocess
 import sys
 import tempfile
 import threading
@@ -43,7 +44,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests"))
 import tb_process  # noqa: E402 - the tests' helper that runs a real tensorboard
 
-from tb_numerics import analysis, metadata  # noqa: E402
+from tb_numerics import analysis, cli, metadata  # noqa: E402
 from tb_numerics.metadata import FIELD_INDEX as F  # noqa: E402
 from tb_numerics.record_writer import NumericsRecordWriter  # noqa: E402
 
@@ -166,14 +167,13 @@ def _client(base: str, urls: list[str], stop: threading.Event, seed: int, out: l
 
 
 def cli_report(logdir: str) -> dict:
-    """``tb-numerics report --json`` run by run."""
-    p = subprocess.run(
-        [sys.executable, "-m", "tb_numerics.cli", "report", logdir, "--json"],
-        capture_output=True, text=True, timeout=600, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
-    )
-    if p.returncode not in (0, 1):
-        raise RuntimeError("tb-numerics report failed (%d): %s" % (p.returncode, p.stderr[-2000:]))
-    return {r["run"]: r for r in json.loads(p.stdout)["runs"]}
+    """``tb-numerics report --json``, run by run (in this process: no second TensorFlow import)."""
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = cli.main(["report", logdir, "--json"])
+    if code not in (cli.EXIT_OK, cli.EXIT_ANOMALY):
+        raise RuntimeError("tb-numerics report exited with %d" % code)
+    return {r["run"]: r for r in json.loads(out.getvalue())["runs"]}
 
 
 def live_load(logdir: str, seconds: float, clients: int = 50, load_fast: bool = True) -> LoadResult:
