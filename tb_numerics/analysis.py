@@ -717,9 +717,11 @@ def timeline(
             hi_i = np.searchsorted(st, steps[-1], side="right")
             st_sel, codes = st[lo_i:hi_i], h.codes[lo_i:hi_i]
             if st_sel.size:
-                b = np.searchsorted(edges, st_sel, side="right") - 1
-                bounds = np.flatnonzero(np.r_[True, b[1:] != b[:-1]])
-                cells[b[bounds]] = np.maximum.reduceat(codes, bounds)
+                # Index of each bucket's first record: O(buckets x log n), not
+                # O(n x log buckets) (a 100k-step row costs microseconds).
+                first = np.searchsorted(st_sel, edges)
+                full = np.r_[first[1:], st_sel.size] > first
+                cells[full] = np.maximum.reduceat(codes, first[full])
         rows.append(
             {
                 "tensor": h.series.tag,
