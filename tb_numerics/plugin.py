@@ -21,6 +21,7 @@ import math
 import os
 import re
 import threading
+import time
 from typing import Any, Callable, Mapping
 
 import numpy as np
@@ -48,7 +49,7 @@ _MAX_STEP = 2**63 - 1
 _READ_ALL = 2**31 - 1
 # The Rust data server answers over gRPC, whose messages are capped at
 # 256 MiB; read a run's tags in batches of about this many records.
-_RECORDS_PER_READ = 400_000
+_RECORDS_PER_READ = 200_000
 # Analyses kept per run (one per distinct set of safe-range parameters).
 _ANALYSES_PER_RUN = 8
 
@@ -249,6 +250,10 @@ class NumericsPlugin(base_plugin.TBPlugin):
         # Set by the user despite NumericsLoader.fix_flags: records may be lost.
         self._sample_limit = hint if hint else None
         self._caches: dict[tuple[str, str], _RunCache] = {}
+        self._listings: dict[tuple, tuple[float, dict]] = {}
+        # Half TensorBoard's reload interval, at most 1 s (0: always re-list).
+        reload_interval = getattr(context.flags, "reload_interval", 5.0)
+        self._listing_ttl = min(1.0, max(0.0, float(reload_interval or 0)) / 2)
         self._caches_lock = threading.Lock()
         self._frontend_dir = _frontend_dir()
 
@@ -285,14 +290,31 @@ class NumericsPlugin(base_plugin.TBPlugin):
     # ---------------------------------------------------------- data
 
     def _listing(self, ctx, experiment: str, runs: list[str] | None) -> dict:
+        """TensorBoard's index of numerics series, re-asked at most every ``_listing_ttl`` s.
+
+        Listing is not free (the Rust data server scans every record for the
+        last step: 0.7 s for 5M records), and TensorBoard's data only changes
+        on its reload, so the routes a dashboard fires together share one.
+        """
         if self._data_provider is None:
             return {}
-        return self._data_provider.list_tensors(
+        key = (experiment, None if runs is None else tuple(runs))
+        now = time.monotonic()
+        with self._caches_lock:
+            hit = self._listings.get(key)
+        if hit is not None and now - hit[0] < self._listing_ttl:
+            return hit[1]
+        listing = self._data_provider.list_tensors(
             ctx,
             experiment_id=experiment,
             plugin_name=metadata.PLUGIN_NAME,
             run_tag_filter=provider.RunTagFilter(runs=runs),
         )
+        with self._caches_lock:
+            if len(self._listings) > 1000:
+                self._listings.clear()
+            self._listings[key] = (now, listing)
+        return listing
 
     def _cache(self, experiment: str, run: str) -> _RunCache:
         with self._caches_lock:
