@@ -230,6 +230,8 @@ class OpNumerics:
         st = getattr(self._local, "step", None)
         if st is None or self._local.busy or not outputs:
             return None
+        # Eager ops run through execute() report their type as bytes.
+        op_type = op_type.decode() if isinstance(op_type, bytes) else op_type
         if graph is None and _tf_internal.is_function_call(op_type):
             return None  # a whole traced function: its ops were seen when it was traced
         if op_type in self._skip or (self._op_types is not None and op_type not in self._op_types):

@@ -198,3 +198,17 @@ def test_jit_compile_is_refused_with_a_clear_error():
 def test_decorating_a_tf_function_is_refused():
     with pytest.raises(TypeError, match="under tf.function"):
         tbn.op_numerics()(tf.function(_sqrt_loss))
+
+
+def test_eager_keras_layer_ops_are_recorded_at_the_user_line(tmp_path):
+    import keras
+
+    layer = keras.layers.Dense(3, name="d1")
+
+    def body(x):
+        return layer(x[None, :])  # KERAS
+
+    _run(str(tmp_path), body, [[1.0, 2.0, 3.0]], "eager", tbn.op_numerics())
+    (h,) = [h for h in _analysis(str(tmp_path)).health if h.series.info.op_type == "MatMul"]
+    assert h.series.tag == "ops/d1/MatMul"
+    assert h.series.info.description.endswith("test_oplevel.py:%d (body)" % _line_of("# KERAS"))
