@@ -40,20 +40,25 @@ def _stats(x) -> np.ndarray:
     return numpy_stats(np.asarray(x, dtype=np.float32))
 
 
-def write_run(run_dir: str, steps: range, nan_step: int | None, suffix: str = "") -> None:
+def write_steps(w: NumericsRecordWriter, steps: range, nan_step: int | None) -> None:
     """Activation, loss (forward) and a global norm (backward) per step."""
     act = metadata.TensorInfo(role="activation", order=0, shape=(4,))
     loss = metadata.TensorInfo(role="loss", order=1, shape=())
     norm = metadata.TensorInfo(role="global_norm", order=2, shape=())
-    with NumericsRecordWriter(run_dir, filename_suffix=suffix) as w:
-        for step in steps:
-            x = [1.0, -2.0, 0.5, step / 100]
-            if step == nan_step:
-                x[1] = math.nan
-                x[2] = math.inf
-            w.write("dense1/output", step, _stats(x), act)
-            w.write("loss", step, _stats([0.5]), loss)
-            w.write("global_norm", step, _stats([1.0]), norm)
+    for step in steps:
+        x = [1.0, -2.0, 0.5, step / 100]
+        if step == nan_step:
+            x[1] = math.nan
+            x[2] = math.inf
+        w.write("dense1/output", step, _stats(x), act)
+        w.write("loss", step, _stats([0.5]), loss)
+        w.write("global_norm", step, _stats([1.0]), norm)
+    w.flush()
+
+
+def write_run(run_dir: str, steps: range, nan_step: int | None) -> None:
+    with NumericsRecordWriter(run_dir) as w:
+        write_steps(w, steps, nan_step)
 
 
 class TB:
@@ -307,8 +312,9 @@ def test_no_request_fails_the_server(tb, route, params):
 
 
 def test_run_growth_is_picked_up_on_reload(tmp_path):
-    run_dir = str(tmp_path / "live")
-    write_run(run_dir, range(20), None, suffix=".a")
+    # A training job appending to its event file while TensorBoard runs.
+    w = NumericsRecordWriter(str(tmp_path / "live"))
+    write_steps(w, range(20), None)
     live = TB(str(tmp_path))
     assert live.ok(P + "/summary", run="live")["first_anomaly"] is None
     ctx = (RequestContext(), "")
@@ -316,7 +322,8 @@ def test_run_growth_is_picked_up_on_reload(tmp_path):
     first = plug._analysis(*ctx, "live", analysis.SafeRange())
     assert plug._analysis(*ctx, "live", analysis.SafeRange()) is first  # cached: nothing re-read
 
-    write_run(run_dir, range(20, 40), 33, suffix=".b")
+    write_steps(w, range(20, 40), 33)
+    w.close()
     live.reload()
     s = live.ok(P + "/summary", run="live")
     assert (s["last_step"], s["first_anomaly"]["step"]) == (39, 33)

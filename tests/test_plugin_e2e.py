@@ -96,13 +96,15 @@ def test_run_written_while_tensorboard_runs_appears_on_reload(tmp_path, load_fas
     logdir = str(tmp_path / "logs")
     info = metadata.TensorInfo(role="loss")
     healthy = numpy_stats(np.float32([1.0]))
-    with NumericsRecordWriter(os.path.join(logdir, "a")) as w:
-        for step in range(5):
-            w.write("loss", step, healthy, info)
+    # A training job appending to its event file while TensorBoard runs.
+    w = NumericsRecordWriter(os.path.join(logdir, "a"))
+    for step in range(5):
+        w.write("loss", step, healthy, info)
+    w.flush()
     with tensorboard(logdir, load_fast=load_fast, reload_interval=1) as tb:
         wait_for(lambda: tb.get_json(P + "/summary?run=a")["last_step"] == 4)
-        with NumericsRecordWriter(os.path.join(logdir, "a"), filename_suffix=".more") as w:
-            for step in range(5, 12):
-                w.write("loss", step, numpy_stats(np.float32([np.inf if step == 9 else 1.0])), info)
+        for step in range(5, 12):
+            w.write("loss", step, numpy_stats(np.float32([np.inf if step == 9 else 1.0])), info)
+        w.close()
         s = wait_for(lambda: (s := tb.get_json(P + "/summary?run=a"))["last_step"] == 11 and s)
         assert s["first_anomaly"]["step"] == 9 and s["first_anomaly"]["last_healthy_step"] == 8
