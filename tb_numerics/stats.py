@@ -205,47 +205,34 @@ def _count(mask: tf.Tensor) -> tf.Tensor:
 
 
 def merge_stats(a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
-    """The record of the concatenation of two tensors from their records.
+    """The record of the concatenation of two tensors, from their records."""
+    return combine_stats(tf.stack([tf.convert_to_tensor(a, tf.float64), tf.convert_to_tensor(b, tf.float64)]))
 
-    Counts and sums add; min and max are the min of the mins and the max of
-    the maxes, where NaN (no finite value on that side) does not win.
+
+def combine_stats(records: tf.Tensor) -> tf.Tensor:
+    """The record of the concatenation of several tensors, from ``[k, F]`` records.
+
+    Counts and sums add; min is the min of the mins and max the max of the
+    maxes, where NaN (no finite value in that part) does not win.
     """
-    a = tf.convert_to_tensor(a, tf.float64)
-    b = tf.convert_to_tensor(b, tf.float64)
-    is_min = np.zeros(metadata.NUM_FIELDS, bool)
-    is_max = np.zeros(metadata.NUM_FIELDS, bool)
-    is_min[F["min"]] = True
-    is_max[F["max"]] = True
-    lo = _nan_aware(tf.minimum, a, b)
-    hi = _nan_aware(tf.maximum, a, b)
-    return tf.where(is_min, lo, tf.where(is_max, hi, a + b))
-
-
-def _nan_aware(op, a: tf.Tensor, b: tf.Tensor) -> tf.Tensor:
-    return tf.where(tf.math.is_nan(a), b, tf.where(tf.math.is_nan(b), a, op(a, b)))
-
-
-_SUM_FIELDS = [i for i, f in enumerate(metadata.FIELDS) if f not in ("min", "max")]
+    records = tf.reshape(tf.convert_to_tensor(records, tf.float64), [-1, metadata.NUM_FIELDS])
+    inf = tf.constant(np.inf, tf.float64)
+    nan = tf.constant(np.nan, tf.float64)
+    lo = tf.reduce_min(tf.where(tf.math.is_nan(records[:, F["min"]]), inf, records[:, F["min"]]))
+    hi = tf.reduce_max(tf.where(tf.math.is_nan(records[:, F["max"]]), -inf, records[:, F["max"]]))
+    parts = tf.unstack(tf.reduce_sum(records, axis=0), num=metadata.NUM_FIELDS)
+    parts[F["min"]] = tf.where(tf.math.is_inf(lo), nan, lo)
+    parts[F["max"]] = tf.where(tf.math.is_inf(hi), nan, hi)
+    return tf.stack(parts)
 
 
 def all_reduce_stats(stats: tf.Tensor, replica_context: tf.distribute.ReplicaContext) -> tf.Tensor:
     """Combines each replica's record into the record of all their values.
 
     Call in replica context (inside ``strategy.run``); every replica gets the
-    combined record. Two all-reduces: SUM of the counts and sums, and MIN of
-    (min, -max), with "no finite value" (NaN) taken as +Inf so that it never
-    wins, and turned back into NaN afterwards.
+    combined record. One collective: the records are all-gathered (the
+    replica context's all-reduce has only SUM and MEAN, and min and max need
+    their own rule) and combined by ``combine_stats``.
     """
-    sums = replica_context.all_reduce(
-        tf.distribute.ReduceOp.SUM, tf.gather(stats, _SUM_FIELDS)
-    )
-    inf = tf.constant(np.inf, tf.float64)
-    ext = tf.stack([stats[F["min"]], -stats[F["max"]]])
-    ext = replica_context.all_reduce(
-        tf.distribute.ReduceOp.MIN, tf.where(tf.math.is_nan(ext), inf, ext)
-    )
-    ext = tf.where(tf.math.is_inf(ext), tf.constant(np.nan, tf.float64), ext)
-    parts = tf.unstack(sums)
-    parts.insert(F["min"], ext[0])
-    parts.insert(F["max"], -ext[1])
-    return tf.stack(parts)
+    gathered = replica_context.all_gather(tf.expand_dims(stats, 0), axis=0)
+    return combine_stats(gathered)

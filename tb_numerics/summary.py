@@ -55,8 +55,12 @@ class _TagState:
         self.serialized_metadata = metadata.create_summary_metadata(info).SerializeToString()
         self._vars: dict[str, tf.Variable] = {}
 
-    def var(self, key: str, initial) -> tf.Variable:
-        """A state variable, created outside any function graph on first use."""
+    def var(self, key: str, initial: bool | np.ndarray | np.generic) -> tf.Variable:
+        """A state variable, created outside any function graph on first use.
+
+        ``initial`` is a Python or numpy value: a tensor made in a function
+        graph could not be used under ``init_scope``.
+        """
         v = self._vars.get(key)
         if v is None:
             with tf.init_scope():
@@ -162,8 +166,8 @@ def _write(st: _TagState, stats_vec: tf.Tensor, step: tf.Tensor) -> tf.Tensor:
 def _record(st: _TagState, stats_vec: tf.Tensor, step: tf.Tensor, every_n: int | None) -> tf.Tensor:
     if every_n is None:
         return _write(st, stats_vec, step)
-    prev_step = st.var("prev_step", tf.constant(-1, tf.int64))
-    prev_stats = st.var("prev_stats", tf.zeros([metadata.NUM_FIELDS], tf.float64))
+    prev_step = st.var("prev_step", np.int64(-1))
+    prev_stats = st.var("prev_stats", np.zeros(metadata.NUM_FIELDS, np.float64))
     latched = st.var("latched", False)
     nonfinite = tf.reduce_sum(tf.gather(stats_vec, _NONFINITE)) > 0
     first_bad = tf.logical_and(nonfinite, tf.logical_not(latched))

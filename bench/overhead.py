@@ -1,0 +1,366 @@
+"""What logging numerics costs a training step, side by side in one run.
+
+    python bench/overhead.py [--modes plain,numerics,histogram] [--steps 10] [--reps 15]
+
+Each mode is a training step (``tf.function``) of the same MLP: 6 Dense
+layers of 1024 units with ReLU, batch 512, SGD. The modes run interleaved,
+``--steps`` steps each per repetition, so that noise from other processes on
+the machine hits them alike; the figure per mode is the median over
+repetitions of the mean step time.
+
+Modes (add one with ``@mode("name")``: a function taking a ``Bench`` and
+returning a zero-argument callable that runs one step):
+
+* plain: no logging.
+* numerics: ``log_numerics`` on every layer's output and the loss, and
+  ``log_gradients`` on all gradients, every step.
+* histogram: ``tf.summary.histogram`` of the same tensors, every step.
+
+Printed: median step times, the ratio of each mode to plain, and the targets
+(numerics <= 1.10x plain; histograms' overhead, histogram - plain, at least
+3x numerics' overhead, numerics - plain), and the bytes on disk per record.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from typing import Callable
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+import keras  # noqa: E402
+
+import tb_numerics as tbn  # noqa: E402
+from tb_numerics import event_reader  # noqa: E402
+
+WIDTH = 1024
+DEPTH = 6
+BATCH = 512
+
+
+@dataclasses.dataclass
+class Bench:
+    """What a mode builds its step from: data, a fresh model, a logdir."""
+
+    x: tf.Tensor
+    y: tf.Tensor
+    root: str
+
+    def model(self) -> list[keras.layers.Dense]:
+        """Fresh layers with the same initial weights for every mode."""
+        keras.utils.set_random_seed(0)
+        layers = [keras.layers.Dense(WIDTH, activation="relu", name="dense%d" % i) for i in range(DEPTH)]
+        h = self.x
+        for layer in layers:
+            h = layer(h)
+        return layers
+
+    def logdir(self, name: str) -> str:
+        return os.path.join(self.root, name)
+
+
+MODES: dict[str, Callable[[Bench], Callable[[], object]]] = {}
+
+
+def mode(name: str):
+    """Registers a mode under ``name``."""
+
+    def register(fn):
+        MODES[name] = fn
+        return fn
+
+    return register
+
+
+def _train_step(b: Bench, log_forward, log_grads):
+    """A tf.function step calling ``log_forward(name, h)`` on each layer
+    output and the loss, and ``log_grads(grads, variables)``."""
+    layers = b.model()
+    variables = [v for layer in layers for v in layer.trainable_variables]
+    opt = keras.optimizers.SGD(learning_rate=1e-4)
+    opt.build(variables)
+
+    @tf.function
+    def step(x, y):
+        with tf.GradientTape() as tape:
+            h = x
+            for layer in layers:
+                h = layer(h)
+                log_forward(layer.name + "/output", h)
+            loss = tf.reduce_mean(tf.square(h - y))
+            log_forward("loss", loss)
+        grads = tape.gradient(loss, variables)
+        log_grads(grads, variables)
+        opt.apply(grads, variables)
+        return loss
+
+    return step
+
+
+def _with_writer(b: Bench, name: str, step_fn):
+    writer = tf.summary.create_file_writer(b.logdir(name), max_queue=1000)
+    counter = tf.Variable(0, dtype=tf.int64)
+
+    def run():
+        with writer.as_default(step=counter):
+            out = step_fn(b.x, b.y)
+        counter.assign_add(1)
+        return out
+
+    run.writer = writer
+    return run
+
+
+@mode("plain")
+def plain(b: Bench):
+    step = _train_step(b, lambda name, h: None, lambda g, v: None)
+    return lambda: step(b.x, b.y)
+
+
+@mode("numerics")
+def numerics(b: Bench):
+    return _with_writer(b, "numerics", _train_step(b, tbn.log_numerics, tbn.log_gradients))
+
+
+@mode("histogram")
+def histogram(b: Bench):
+    def grads_hist(grads, variables):
+        for g, v in zip(grads, variables):
+            tf.summary.histogram("gradients/" + v.path, g)
+
+    return _with_writer(
+        b, "histogram", _train_step(b, lambda name, h: tf.summary.histogram(name, h), grads_hist)
+    )
+
+
+def _sync(out) -> None:
+    if isinstance(out, tf.Tensor):
+        out.numpy()
+
+
+def bytes_per_record(logdir: str) -> tuple[float, int]:
+    """(bytes on disk per numerics record, record count) of a logdir."""
+    runs = event_reader.read_logdir(logdir)
+    records = sum(len(s.steps) for rr in runs for s in rr.series)
+    size = sum(
+        os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(logdir) for f in fs
+    )
+    return (size / records if records else float("nan")), records
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--modes", default="plain,numerics,histogram",
+                   help="comma-separated, from: %s" % ", ".join(MODES))
+    p.add_argument("--steps", type=int, default=10, help="steps per mode per repetition")
+    p.add_argument("--reps", type=int, default=15, help="interleaved repetitions")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per mode first")
+    args = p.parse_args(argv)
+    names = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in names if m not in MODES]
+    if unknown:
+        p.error("unknown mode(s) %s; known: %s" % (", ".join(unknown), ", ".join(MODES)))
+
+    root = tempfile.mkdtemp(prefix="tbn_bench_")
+    try:
+        rng = np.random.default_rng(0)
+        b = Bench(
+            x=tf.constant(rng.standard_normal((BATCH, WIDTH)).astype(np.float32)),
+            y=tf.constant(rng.standard_normal((BATCH, WIDTH)).astype(np.float32)),
+            root=root,
+        )
+        steps = {name: MODES[name](b) for name in names}
+        for name, fn in steps.items():
+            for _ in range(args.warmup):
+                _sync(fn())
+        times: dict[str, list[float]] = {name: [] for name in names}
+        for _ in range(args.reps):
+            for name, fn in steps.items():
+                t0 = time.perf_counter()
+                for _ in range(args.steps):
+                    out = fn()
+                _sync(out)
+                times[name].append((time.perf_counter() - t0) / args.steps * 1e3)
+        for fn in steps.values():
+            if hasattr(fn, "writer"):
+                fn.writer.flush()
+        med = {name: statistics.median(t) for name, t in times.items()}
+        print("median step time over %d interleaved repetitions of %d steps (%d cores):"
+              % (args.reps, args.steps, os.cpu_count() or 0))
+        base = med.get("plain")
+        for name in names:
+            ratio = "" if base is None else "  %.3fx plain" % (med[name] / base)
+            print("  %-12s %8.2f ms%s" % (name, med[name], ratio))
+        if base is not None and "numerics" in med:
+            ratio = med["numerics"] / base
+            print("numerics / plain = %.3f (target <= 1.10): %s"
+                  % (ratio, "MET" if ratio <= 1.10 else "NOT MET"))
+            if "histogram" in med:
+                ours = med["numerics"] - base
+                theirs = med["histogram"] - base
+                factor = theirs / ours if ours > 0 else float("inf")
+                print("overhead: numerics %+.2f ms, histogram %+.2f ms per step; histogram "
+                      "overhead / numerics overhead = %.1f (target >= 3): %s"
+                      % (ours, theirs, factor, "MET" if factor >= 3 else "NOT MET"))
+        if "numerics" in steps:
+            bpr, n = bytes_per_record(b.logdir("numerics"))
+            print("numerics records on disk: %d records, %.1f bytes per record "
+                  "(whole event file / records; target <= 150)" % (n, bpr))
+        for report in REPORTS:
+            report(med, steps)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+# ------------------------------------------------------------------------
+# Op-level mode (tbn.op_numerics) against TensorFlow's own op-level tools.
+#
+# The op-level modes wrap the plain step's Python function in
+# op_numerics under its tf.function. TensorFlow's tools are process-wide op
+# callbacks (enable_check_numerics, enable_dump_debug_info), so each runs the
+# plain step in its own subprocess: the parent's other modes never see them,
+# and one request over a pipe (well under 1 ms) runs one step there.
+
+OP_FLIGHT_WINDOW = 8
+
+
+def _counted(run, logdir: str):
+    """``run`` that counts its calls, so the report can give bytes per step."""
+
+    def counted():
+        counted.calls += 1
+        return run()
+
+    counted.calls = 0
+    counted.writer = run.writer
+    counted.bytes = lambda: _dir_bytes(logdir)
+    return counted
+
+
+def _dir_bytes(path: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(path) for f in fs)
+
+
+def _op_level(b: Bench, name: str, **kwargs):
+    plain_step = _train_step(b, lambda n, h: None, lambda g, v: None)
+    step = tf.function(tbn.op_numerics(**kwargs)(plain_step.python_function))
+    return _counted(_with_writer(b, name, step), b.logdir(name))
+
+
+@mode("op_full")
+def op_full(b: Bench):
+    """op_numerics(): every float op output of the step, written every step."""
+    return _op_level(b, "op_full")
+
+
+@mode("op_flight")
+def op_flight(b: Bench):
+    """op_numerics(flight_recorder=8): the last 8 steps kept on the device, written at the first NaN/Inf."""
+    return _op_level(b, "op_flight", flight_recorder=OP_FLIGHT_WINDOW)
+
+
+def _tool_worker(conn, tool: str, dump_root: str, x: np.ndarray, y: np.ndarray) -> None:
+    """Subprocess: the plain step with one of TensorFlow's tools enabled."""
+    b = Bench(x=tf.constant(x), y=tf.constant(y), root=dump_root)
+    if tool == "check_numerics":
+        tf.debugging.enable_check_numerics()
+    elif tool == "dump_debug_info":
+        tf.debugging.experimental.enable_dump_debug_info(
+            dump_root, tensor_debug_mode="CONCISE_HEALTH", circular_buffer_size=-1)
+    step = _train_step(b, lambda n, h: None, lambda g, v: None)
+    while conn.recv():
+        step(b.x, b.y).numpy()
+        conn.send(True)
+    if tool == "check_numerics":
+        tf.debugging.disable_check_numerics()
+    elif tool == "dump_debug_info":
+        tf.debugging.experimental.disable_dump_debug_info()  # flushes the dump files
+    conn.send(_dir_bytes(dump_root) if os.path.isdir(dump_root) else 0)
+
+
+def _tool(b: Bench, tool: str):
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("spawn")  # no fork of a process running TensorFlow
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_tool_worker, daemon=True,
+                       args=(child, tool, b.logdir(tool), b.x.numpy(), b.y.numpy()))
+    proc.start()
+
+    def run():
+        run.calls += 1
+        parent.send(True)
+        return parent.recv()
+
+    def stop() -> int:
+        parent.send(False)
+        written = parent.recv()
+        proc.join(timeout=60)
+        return written
+
+    run.calls = 0
+    run.bytes = stop
+    return run
+
+
+@mode("plain_subprocess")
+def plain_subprocess(b: Bench):
+    """The plain step in a subprocess like the tools': the baseline of their overhead."""
+    return _tool(b, "plain")
+
+
+@mode("check_numerics")
+def check_numerics(b: Bench):
+    """tf.debugging.enable_check_numerics(), in a subprocess."""
+    return _tool(b, "check_numerics")
+
+
+@mode("dump_debug_info")
+def dump_debug_info(b: Bench):
+    """tf.debugging.experimental.enable_dump_debug_info(CONCISE_HEALTH, no circular buffer), in a subprocess."""
+    return _tool(b, "dump_debug_info")
+
+
+def _report_op_level(med: dict[str, float], steps: dict[str, Callable]) -> None:
+    """Ratios, the op-level targets and bytes written per step."""
+    names = [n for n in ("op_full", "op_flight", "plain_subprocess", "check_numerics", "dump_debug_info")
+             if n in steps]
+    if not names:
+        return
+    for name in names:
+        fn = steps[name]
+        print("%-15s bytes written per step: %.0f" % (name, fn.bytes() / max(fn.calls, 1)))
+    base = med.get("plain")
+    if base is None:
+        return
+    for tool in ("check_numerics", "dump_debug_info"):
+        if tool in med and "plain_subprocess" in med:
+            print("%s / plain_subprocess = %.3f" % (tool, med[tool] / med["plain_subprocess"]))
+    if "op_flight" in med:
+        ratio = med["op_flight"] / base
+        print("op_flight / plain = %.3f (target <= 1.5): %s" % (ratio, "MET" if ratio <= 1.5 else "NOT MET"))
+    if "op_full" in med and "dump_debug_info" in med:
+        # TensorFlow's tools run in a subprocess: measure them against the same step there.
+        theirs_base = med.get("plain_subprocess", base)
+        ours, theirs = med["op_full"] - base, med["dump_debug_info"] - theirs_base
+        share = ours / theirs if theirs > 0 else float("inf")
+        print("overhead: op_full %+.2f ms, dump_debug_info %+.2f ms per step; op_full overhead / "
+              "dump_debug_info overhead = %.2f (target <= 0.5): %s"
+              % (ours, theirs, share, "MET" if share <= 0.5 else "NOT MET"))
+
+
+REPORTS: list[Callable[[dict, dict], None]] = [_report_op_level]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
