@@ -41,7 +41,11 @@ export class Dashboard {
     });
     const reload = el("button", { type: "button", title: "Read the logdir again", onclick: () => this.load() }, "Reload");
     this.busy = el("div", { class: "loading-line", role: "status" });
-    this.status = el("div", { class: "status loading", role: "status" }, "Loading numerics…");
+    this.status = el(
+      "div",
+      { class: "status loading", role: "status" },
+      "Loading numerics… (the first look at a long run reads every record; later looks are fast)"
+    );
     this.banners = el("div", { class: "banners" });
     this.timelineHost = el("div", {});
     this.selectedName = el("h2", { class: "selected-name" });
@@ -133,7 +137,12 @@ export class Dashboard {
   async loadRuns(gen = ++this.generation) {
     const { runs, params } = this.state;
     this.busy.textContent = "Loading…";
-    const items = await Promise.all(
+    // Summaries and timelines are asked for together: the timeline needs only
+    // the run and its width, which the (empty) timeline block gives.
+    this.main.hidden = false;
+    replace(this.banners);
+    this.buildTimelines();
+    const summaries = Promise.all(
       runs.map((run) =>
         api.summary(run, params).then(
           (summary) => ({ run, summary }),
@@ -141,23 +150,18 @@ export class Dashboard {
         )
       )
     );
+    const timelines = this.loadTimelines(gen, summaries);
+    const items = await summaries;
     if (gen !== this.generation) return;
-    const failed = items.find((i) => i.error && /safe|must|needs/.test(i.error));
-    if (failed) {
-      this.busy.textContent = "";
-      return this.fail(new Error(failed.error));
-    }
     this.summaries = new Map(items.filter((i) => i.summary).map((i) => [i.run, i.summary]));
     this.status.hidden = true;
-    this.main.hidden = false;
     renderBanners(this.banners, items, (run, tensor, step) => this.showMe(run, tensor, step));
     if (!this.summaries.has(this.state.focus)) {
       const withAnomaly = runs.find((r) => this.summaries.get(r)?.first_anomaly);
       // A link's tensor is kept when the new focus run has it (pickDefaultSelection checks).
       this.state.focus = withAnomaly || runs.find((r) => this.summaries.has(r)) || null;
     }
-    this.buildTimelines();
-    await this.loadTimelines(gen);
+    await timelines;
     if (gen !== this.generation) return;
     this.busy.textContent = "";
     this.pickDefaultSelection();
@@ -168,7 +172,6 @@ export class Dashboard {
     this.timelines = new Map();
     const blocks = [];
     for (const run of this.state.runs) {
-      if (!this.summaries.has(run)) continue;
       const tl = new Timeline(run, {
         onSelect: (row, col) => this.selectCell(run, row, col),
         describeCell: (row, col) => this.describeCell(run, row, col),
@@ -189,17 +192,19 @@ export class Dashboard {
     replace(this.timelineHost, blocks);
   }
 
-  async loadTimelines(gen) {
+  /** Fills every timeline; the first anomaly's cell comes from the summaries once they are in. */
+  async loadTimelines(gen, summaries = null) {
     const range = { start: this.state.start, end: this.state.end };
     await Promise.all(
       [...this.timelines].map(async ([run, tl]) => {
         const width = Math.min(10000, tl.plotWidth());
         try {
           const data = await api.timeline(run, width, range, this.state.params);
+          await summaries;
           if (gen !== this.generation) return;
           tl.requestedWidth = width;
           tl.errorLine.hidden = true;
-          const a = this.summaries.get(run).first_anomaly;
+          const a = this.summaries.get(run)?.first_anomaly;
           tl.setData(data, a ? a.row : null, a ? a.step : null);
         } catch (e) {
           tl.errorLine.hidden = false;
@@ -329,13 +334,21 @@ export class Dashboard {
       info ? ` · ${[info.op_type, info.phase, info.role, info.dtype].filter(Boolean).join(", ")}` : "",
       this.state.runs.length > 1 ? ` · run ${run}` : ""
     );
-    const global = tl.data.rows.find((r) => r.role === "global_norm");
     const range = { start: start ?? undefined, end: end ?? undefined };
+    const globalOf = (r) => {
+      const row = this.timelines.get(r)?.data?.rows.find((x) => x.role === "global_norm");
+      return row ? this.getSeries(r, row.tensor, range) : null;
+    };
+    // Up to three other selected runs that logged this tensor, to compare.
+    const otherRuns = this.state.runs.filter((r) => r !== run && this.timelines.get(r)?.rowOf(tensor) >= 0).slice(0, 3);
+    const others = Promise.all(
+      otherRuns.map(async (r) => {
+        const [series, globalSeries] = await Promise.all([this.getSeries(r, tensor, range), globalOf(r)]).catch(() => [null, null]);
+        return { run: r, series, globalSeries };
+      })
+    );
     try {
-      const [series, globalSeries] = await Promise.all([
-        this.getSeries(run, tensor, range),
-        global ? this.getSeries(run, global.tensor, range) : null,
-      ]);
+      const [series, globalSeries, compared] = await Promise.all([this.getSeries(run, tensor, range), globalOf(run), others]);
       if (gen !== this.chartGeneration) return;
       this.charts.set({
         series,
@@ -344,6 +357,7 @@ export class Dashboard {
         anomalyStep: s.first_anomaly ? s.first_anomaly.step : null,
         selectedStep: step,
         log,
+        others: compared,
       });
     } catch (e) {
       if (gen === this.chartGeneration) this.charts.message(`Error: ${e.message}`);

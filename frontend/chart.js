@@ -20,6 +20,18 @@ export function niceTicks(lo, hi, n) {
   return ticks;
 }
 
+/** Index of the step nearest to `step` in a sorted array. */
+function nearest(steps, step) {
+  let lo = 0;
+  let hi = steps.length - 1;
+  while (lo < hi) {
+    const mid = (lo + hi) >> 1;
+    if (steps[mid] < step) lo = mid + 1;
+    else hi = mid;
+  }
+  return lo > 0 && step - steps[lo - 1] < steps[lo] - step ? lo - 1 : lo;
+}
+
 export class Chart {
   constructor(title, { onZoom, extra } = {}) {
     this.onZoom = onZoom;
@@ -62,7 +74,7 @@ export class Chart {
   }
 
   /**
-   * data: {steps, stepEnd, domain:[x0,x1], lines:[{label, colour, ys, dash}],
+   * data: {steps, stepEnd, domain:[x0,x1], lines:[{label, colour, ys, dash, steps?}],
    *        bars:[{label, colour, ys}], band:{lo, hi}, health, markers:[{step, colour, label}], log}
    */
   set(data) {
@@ -217,7 +229,8 @@ export class Chart {
   }
 
   drawLine(ctx, x, y, s) {
-    const { steps } = this.data;
+    // A line of another run brings its own steps.
+    const steps = s.steps || this.data.steps;
     ctx.strokeStyle = color(s.colour);
     ctx.lineWidth = 1.5;
     ctx.setLineDash(s.dash || []);
@@ -356,18 +369,14 @@ export class Chart {
       this.draw();
       return;
     }
-    // The nearest point (steps are sorted).
-    let lo = 0;
-    let hi = steps.length - 1;
-    while (lo < hi) {
-      const mid = (lo + hi) >> 1;
-      if (steps[mid] < step) lo = mid + 1;
-      else hi = mid;
-    }
-    const i = lo > 0 && step - steps[lo - 1] < steps[lo] - step ? lo - 1 : lo;
+    const i = nearest(steps, step);
     this.hoverX = Math.round(x.toPx(steps[i]));
     const end = this.data.stepEnd ? this.data.stepEnd[i] : steps[i];
-    const parts = [...(this.data.lines || []), ...(this.data.bars || [])].map((s) => `${s.label} ${fmt.number(s.ys[i])}`);
+    const parts = [...(this.data.lines || []), ...(this.data.bars || [])].map((s) => {
+      const j = s.steps ? nearest(s.steps, steps[i]) : i;
+      const off = s.steps && s.steps[j] !== steps[i] ? ` (step ${fmt.count(s.steps[j])})` : "";
+      return `${s.label} ${fmt.number(s.ys[j])}${off}`;
+    });
     if (this.data.band) parts.push(`${this.data.band.label} ${fmt.number(this.data.band.std[i])}`);
     this.readout.textContent = `${end !== steps[i] ? "Steps" : "Step"} ${fmt.steps(steps[i], end)}: ${parts.join(" · ")}`;
     this.draw();

@@ -1,7 +1,8 @@
 // The charts of the selected tensor (SPEC section 2): min / max / max |x|
 // (linear, or max |x| on a log scale), mean ± std, NaN/Inf counts, L2 norm,
 // and the run's global gradient norm, all over the same step range with the
-// first anomaly and the selected step marked.
+// first anomaly and the selected step marked. Other selected runs that logged
+// the same tensor are drawn as dashed lines to compare.
 
 import { Chart } from "./chart.js";
 import { el } from "./dom.js";
@@ -22,9 +23,14 @@ export class TensorCharts {
   /**
    * series: /series of the selected tensor (decoded); globalSeries: /series of
    * the global_norm row or null; domain: [first, last] step; anomalyStep and
-   * selectedStep: markers (or null).
+   * selectedStep: markers (or null); others: [{run, series, globalSeries}]
+   * of the other selected runs.
    */
-  set({ series, globalSeries, domain, anomalyStep, selectedStep, log }) {
+  set({ series, globalSeries, domain, anomalyStep, selectedStep, log, others = [] }) {
+    const compare = (field, label, pick = (o) => o.series) =>
+      others
+        .filter((o) => pick(o))
+        .map((o, k) => ({ label: `${label} · ${o.run}`, colour: `compare-${k + 1}`, dash: [2, 3], steps: pick(o).steps, ys: pick(o).fields[field] }));
     this.logButton.setAttribute("aria-pressed", String(log));
     const markers = [
       { step: anomalyStep, colour: "nonfinite", label: anomalyStep === null ? "" : "first anomaly" },
@@ -35,17 +41,20 @@ export class TensorCharts {
     this.range.set({
       ...base,
       log,
-      lines: log
-        ? [{ label: "max |x|", colour: "series-3", ys: f.max_abs }]
-        : [
-            { label: "min", colour: "series-1", ys: f.min },
-            { label: "max", colour: "series-2", ys: f.max },
-            { label: "max |x|", colour: "series-3", ys: f.max_abs, dash: [5, 3] },
-          ],
+      lines: [
+        ...(log
+          ? [{ label: "max |x|", colour: "series-3", ys: f.max_abs }]
+          : [
+              { label: "min", colour: "series-1", ys: f.min },
+              { label: "max", colour: "series-2", ys: f.max },
+              { label: "max |x|", colour: "series-3", ys: f.max_abs, dash: [5, 3] },
+            ]),
+        ...compare("max_abs", "max |x|"),
+      ],
     });
     this.moments.set({
       ...base,
-      lines: [{ label: "mean", colour: "series-1", ys: f.mean }],
+      lines: [{ label: "mean", colour: "series-1", ys: f.mean }, ...compare("mean", "mean")],
       band: { label: "± std", lo: f.mean.map((m, i) => m - f.std[i]), hi: f.mean.map((m, i) => m + f.std[i]), std: f.std },
     });
     this.counts.set({
@@ -57,7 +66,7 @@ export class TensorCharts {
         { label: "-Inf", colour: "series-4", ys: f.neginf },
       ],
     });
-    this.norm.set({ ...base, lines: [{ label: "L2", colour: "series-1", ys: f.l2 }] });
+    this.norm.set({ ...base, lines: [{ label: "L2", colour: "series-1", ys: f.l2 }, ...compare("l2", "L2")] });
     if (globalSeries) {
       // A global_norm record is a scalar: its max is the norm.
       this.global.set({
@@ -66,7 +75,10 @@ export class TensorCharts {
         domain,
         health: globalSeries.health,
         markers,
-        lines: [{ label: "global norm", colour: "series-2", ys: globalSeries.fields.max }],
+        lines: [
+          { label: "global norm", colour: "series-2", ys: globalSeries.fields.max },
+          ...compare("max", "global norm", (o) => o.globalSeries),
+        ],
       });
     } else {
       this.global.message("No global gradient norm in this run: tb_numerics.log_gradients(grads, variables) records it.");

@@ -258,6 +258,14 @@ def test_a_link_restores_tensor_zoom_and_runs(open_page, tb):
     assert not page.locator('.runs input[value="healthy"]').is_checked()
 
 
+def test_two_runs_are_compared_in_the_charts(open_page, tb):
+    page = dashboard(open_page, tb, "#run=diverging&run=healthy&tensor=dense1%2Foutput").page
+    assert page.locator(".banner-row").count() == 2
+    assert page.locator(".timeline-run").count() == 2
+    legend = page.locator(".chart").first.locator(".chart-legend")
+    page.wait_for_function("l => l.innerText.includes('max |x| · healthy')", arg=legend.element_handle())
+
+
 def test_a_malformed_parameter_shows_the_servers_message(open_page, tb):
     p = open_page()
     p.page.goto(tb.url + ENTRY + "#max_abs=abc")

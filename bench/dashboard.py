@@ -1,0 +1,125 @@
+"""First paint of the Numerics dashboard in Chromium, on bench/backend.py's long run.
+
+Writes (or reuses) the 100,000-step x 50-tensor run of ``bench/backend.py``,
+starts ``tensorboard``, waits until TensorBoard has loaded every record, then
+opens the dashboard's page in Debian's Chromium and times, from navigation:
+
+* banner: the first anomaly's words are on screen (the first paint that matters);
+* timeline: the health timeline of the run is drawn;
+* charts: the selected tensor's charts are drawn.
+
+"cold" is the first page after loading (the plugin analyses the run for it);
+"warm" is a second page (the plugin's per-run cache answers).
+
+    .venv/bin/python bench/dashboard.py                  # full size
+    .venv/bin/python bench/dashboard.py --steps 10000    # quick
+    .venv/bin/python bench/dashboard.py --logdir /tmp/bench-logs   # reuse a written run
+
+Target: banner <= 1.5 s after TensorBoard has loaded the data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+import urllib.parse
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, os.pardir, "tests"))
+sys.path.insert(0, HERE)
+import backend  # noqa: E402 - bench/backend.py: the long run's writer
+import tb_process  # noqa: E402
+
+CHROMIUM = "/usr/lib/chromium/chromium"
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+FIRST_PAINT_TARGET_S = 1.5
+
+# Each waits for a part of the page to hold data, then reads the page's own clock
+# (milliseconds since navigation started).
+MILESTONES = {
+    "banner": "() => (document.querySelector('.banner .headline')?.innerText || '') !== ''",
+    "timeline": "() => document.querySelector('.timeline .label.row') !== null",
+    "charts": "() => document.querySelector('.chart canvas:not([hidden])') !== null"
+    " && document.querySelector('.chart .chart-legend span') !== null",
+}
+
+
+def first_paint(browser, url: str) -> dict[str, float]:
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    try:
+        page.goto(url, wait_until="commit")
+        out = {}
+        for name, predicate in MILESTONES.items():
+            page.wait_for_function(predicate, timeout=120_000, polling=10)
+            out[name] = round(page.evaluate("performance.now()") / 1000, 3)
+        out["banner_text"] = page.locator(".banner .headline").first.inner_text()
+        return out
+    finally:
+        page.close()
+
+
+def main() -> int:
+    from playwright.sync_api import sync_playwright
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--steps", type=int, default=100_000)
+    p.add_argument("--tensors", type=int, default=50)
+    p.add_argument("--logdir", help="reuse (or write once into) this logdir")
+    p.add_argument("--load-fast", choices=("true", "false"), default="true")
+    p.add_argument("--processes", type=int, default=max(1, min(4, os.cpu_count() or 1)))
+    args = p.parse_args()
+
+    logdir = args.logdir or tempfile.mkdtemp(prefix="tbn-dash-bench-")
+    run_dir = os.path.join(logdir, backend.RUN)
+    try:
+        if not os.path.isdir(run_dir):
+            t = time.perf_counter()
+            backend.write_run(logdir, args.steps, args.tensors, args.processes)
+            print("wrote %d records in %.1f s" % (args.steps * args.tensors, time.perf_counter() - t))
+        q = urllib.parse.quote
+        t_start = time.perf_counter()
+        with tb_process.tensorboard(logdir, load_fast=args.load_fast == "true", reload_interval=5) as tb:
+            marker = "/data/plugin/scalars/scalars?run=%s&tag=%s" % (q(backend.RUN), q(backend.MARKER_TAG))
+            tb_process.wait_for(lambda: tb.get_json(marker), timeout=1800, interval=0.2)
+            loaded = time.perf_counter() - t_start
+            url = tb.url + "/data/plugin_entry.html?name=numerics"
+            with sync_playwright() as pw:
+                browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+                try:
+                    cold = first_paint(browser, url)
+                    warm = first_paint(browser, url)
+                finally:
+                    browser.close()
+        results = {
+            "records": args.steps * args.tensors,
+            "load_fast": args.load_fast,
+            "tensorboard_loaded_s": round(loaded, 2),
+            "cold_s": cold,
+            "warm_s": warm,
+        }
+        print(json.dumps(results, indent=1))
+        for name, value in (("first paint (cold)", cold["banner"]), ("first paint (warm)", warm["banner"])):
+            verdict = "ok" if value <= FIRST_PAINT_TARGET_S else "MISSED"
+            print("%-20s %7.3fs  target <= %gs  %s" % (name, value, FIRST_PAINT_TARGET_S, verdict))
+        return 0
+    finally:
+        if not args.logdir:
+            shutil.rmtree(logdir, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
