@@ -1,0 +1,171 @@
+"""NumericsCallback on real Keras 3 training: records, stop_on_anomaly, allowlist."""
+
+import json
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+keras = pytest.importorskip("keras")
+
+from tb_numerics import analysis, cli, event_reader
+from tb_numerics.keras import NumericsCallback
+
+
+def _analysis(logdir, **params):
+    (run,) = event_reader.read_logdir(str(logdir))
+    return analysis.analyze_run(run.run, run.series, analysis.parse_safe_range(params))
+
+
+def _tags(ra, role):
+    return [h.series.tag for h in ra.health if h.series.info.role == role]
+
+
+def _data(n=64, d=8, seed=0):
+    rs = np.random.RandomState(seed)
+    return rs.randn(n, d).astype("float32"), rs.randn(n, 4).astype("float32")
+
+
+@pytest.mark.parametrize("kind", ["sequential", "functional"])
+def test_per_layer_records_in_layer_order(tmp_path, kind):
+    keras.utils.set_random_seed(0)
+    if kind == "sequential":
+        model = keras.Sequential(
+            [keras.Input((8,)), keras.layers.Dense(16, activation="relu", name="a"),
+             keras.layers.Dense(8, activation="tanh", name="b"), keras.layers.Dense(4, name="c")],
+            name="net",
+        )
+    else:
+        inp = keras.Input((8,), name="x")
+        h = keras.layers.Dense(16, activation="relu", name="a")(inp)
+        h = keras.layers.Dense(8, activation="tanh", name="b")(h)
+        model = keras.Model(inp, keras.layers.Dense(4, name="c")(h), name="net")
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    x, y = _data()
+    history = model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[NumericsCallback(str(tmp_path))])
+    assert history.history["loss"][0] > 0  # the loss metric still works
+
+    ra = _analysis(tmp_path)
+    assert _tags(ra, "activation") == ["a/output", "b/output", "c/output"]
+    # Variable paths: a Sequential model prefixes its name, a functional one does not.
+    prefix = "net/" if kind == "sequential" else ""
+    assert _tags(ra, "loss") == ["loss"]
+    # Backward order, as backpropagation runs (and as log_gradients writes).
+    assert _tags(ra, "gradient") == [
+        "gradients/%s%s/%s" % (prefix, l, w) for l in "cba" for w in ("bias", "kernel")
+    ]
+    assert _tags(ra, "global_norm") == ["gradients/global_norm"]
+    assert _tags(ra, "weight") == [
+        "%s%s/%s" % (prefix, l, w) for l in "abc" for w in ("kernel", "bias")
+    ] + ["update_ratio/%s" % l for l in "abc"]
+    # Every step of optimizer.iterations (0..7) is recorded for every tensor.
+    for h in ra.health:
+        assert h.series.steps.tolist() == list(range(8)), h.series.tag
+    # The first recorded weight is the initial kernel; the update ratio is ||dw|| / ||w||.
+    a = ra.find(prefix + "a/kernel").series.values
+    assert a[0, 0] == 8 * 16
+    ratio = ra.find("update_ratio/a").series.values[:, 5]
+    assert np.all((ratio > 0) & (ratio < 1))
+    assert analysis.first_anomaly(ra) is None
+    # The model is left as it was: no wrapper outlives fit.
+    assert "call" not in vars(model.get_layer("a"))
+    assert "apply" not in vars(model.optimizer) and "train_step" not in vars(model)
+
+
+def test_every_n_steps_keeps_first_bad_step_and_the_step_before(tmp_path):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, activation="tanh", name="d")], name="net")
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    x, y = _data()
+    x[5 * 8 + 3, 2] = np.nan  # batch 5 of 8
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
+              callbacks=[NumericsCallback(str(tmp_path), every_n_steps=4)])
+    ra = _analysis(tmp_path)
+    assert ra.find("d/output").series.steps.tolist() == [0, 4, 5]
+    a = analysis.first_anomaly(ra)
+    assert (a["step"], a["tensor"], a["nan"]) == (5, "d/output", 4)
+    assert a["last_healthy_step"] == 4
+
+
+def test_stop_on_anomaly_stops_at_the_first_nonfinite_step_and_layer(tmp_path, capsys):
+    # A learning rate far too large: the weights grow until a layer overflows.
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential(
+        [keras.Input((8,)), keras.layers.Dense(32, name="d1"), keras.layers.Dense(32, name="d2"),
+         keras.layers.Dense(4, name="d3")],
+        name="net",
+    )
+    model.compile(optimizer=keras.optimizers.SGD(50.0), loss="mse")
+    x, y = _data(n=512)
+    cb = NumericsCallback(str(tmp_path), stop_on_anomaly=True)
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[cb])
+    a = cb.anomaly
+    assert a is not None
+    step = a["step"]
+    # Training stopped right after the bad step, not at the end of the epoch.
+    assert int(model.optimizer.iterations) == step + 1 < 32
+    # It is the first non-finite record of the run, and the one the CLI reports.
+    ra = _analysis(tmp_path)
+    assert analysis.first_anomaly(ra)["tensor"] == a["tensor"]
+    assert ra.steps.max() == step
+    out = capsys.readouterr().err
+    assert "step %d" % step in out and a["tensor"] in out and a["description"] in out
+
+    # Independently: the same training without the callback, then the layers
+    # run on the bad batch. The first non-finite layer output (or loss) is the one reported.
+    keras.utils.set_random_seed(0)
+    ref = keras.Sequential(
+        [keras.Input((8,)), keras.layers.Dense(32, name="d1"), keras.layers.Dense(32, name="d2"),
+         keras.layers.Dense(4, name="d3")],
+        name="net",
+    )
+    ref.compile(optimizer=keras.optimizers.SGD(50.0), loss="mse")
+    for i in range(step):
+        ref.train_on_batch(x[16 * i:16 * (i + 1)], y[16 * i:16 * (i + 1)])
+    h = x[16 * step:16 * (step + 1)]
+    first_bad = None
+    for layer in ref.layers:
+        h = layer(h)
+        if first_bad is None and not np.all(np.isfinite(h)):
+            first_bad = "%s/output" % layer.name
+    loss = keras.losses.MeanSquaredError()(y[16 * step:16 * (step + 1)], h)
+    if first_bad is None and not np.isfinite(loss):
+        first_bad = "loss"  # the outputs were finite, their squares overflowed
+    if a["phase"] == "forward":
+        assert a["tensor"] == first_bad
+    else:  # the forward pass was finite; the gradients overflowed first
+        assert first_bad is None and a["role"] in ("gradient", "global_norm")
+
+
+def _masked_model():
+    mask = tf.constant([0.0, 0.0, -np.inf, -np.inf])
+    inp = keras.Input((4,))
+    h = keras.layers.Lambda(lambda t: t + mask, name="mask")(inp)
+    h = keras.layers.Softmax(name="attn")(h)
+    return keras.Model(inp, keras.layers.Dense(2, name="out")(h), name="net")
+
+
+def test_allowlisted_neginf_is_not_an_anomaly_but_nan_in_it_is(tmp_path, capsys):
+    keras.utils.set_random_seed(0)
+    model = _masked_model()
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    rs = np.random.RandomState(0)
+    x, y = rs.randn(32, 4).astype("float32"), rs.randn(32, 2).astype("float32")
+    x[3 * 8, 0] = np.nan  # batch 3: a NaN in the masked tensor itself
+    cb = NumericsCallback(str(tmp_path), stop_on_anomaly=True, allow_neginf=["mask/output"])
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[cb])
+    # Steps 0-2 carried the intended -inf and went on; the NaN at step 3 stopped it.
+    assert (cb.anomaly["step"], cb.anomaly["tensor"], cb.anomaly["nan"]) == (3, "mask/output", 1)
+    mask = _analysis(tmp_path, allow_neginf="mask/output").find("mask/output")
+    assert mask.series.values[:3, 3].tolist() == [16.0] * 3  # 2 of 4 columns x 8 rows are -inf
+    assert mask.codes.tolist() == [analysis.HEALTHY] * 3 + [analysis.NONFINITE]
+
+    # The same through the CLI: with the allowlist the first anomaly is the NaN,
+    # without it the -inf of step 0.
+    capsys.readouterr()
+    assert cli.main(["report", "--json", "--allow-neginf", "mask/output", str(tmp_path)]) == 1
+    (run,) = json.loads(capsys.readouterr().out)["runs"]
+    assert (run["first_anomaly"]["step"], run["first_anomaly"]["nan"]) == (3, 1)
+    assert cli.main(["report", "--json", str(tmp_path)]) == 1
+    (run,) = json.loads(capsys.readouterr().out)["runs"]
+    assert (run["first_anomaly"]["step"], run["first_anomaly"]["neginf"]) == (0, 16)
