@@ -103,7 +103,9 @@ def py_record_reader(path: str, buf: Buffer) -> RecordReader:
 def _default_reader(path: str, buf: Buffer) -> RecordReader:
     try:
         return tf_record_reader(path, buf)
-    except ImportError:
+    except (ImportError, TypeError):
+        # No TensorFlow, or a path it cannot take (a directory name that is
+        # not UTF-8 reaches it as a str with surrogates).
         return py_record_reader(path, buf)
 
 
