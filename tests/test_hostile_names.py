@@ -138,3 +138,58 @@ def test_tensorboard_serves_every_name_as_data(served) -> None:
         for tag in TAGS:
             series = tb.get_json("/data/plugin/numerics/series?run=%s&tensor=%s" % (_q(name), _q(tag)))
             assert series["tensor"] == tag and len(series["steps"]) == 6
+
+
+CHROMIUM = "/usr/lib/chromium/chromium"
+ENTRY = "/data/plugin_entry.html?name=numerics"
+
+# Elements or attributes that would mean a name was parsed as markup.
+INJECTED = """() => {
+  const all = [...document.querySelectorAll('*')];
+  return {
+    elements: document.querySelectorAll('img, iframe, object, embed, b, svg script, .numerics script').length,
+    handlers: all.filter(e => [...e.attributes].some(a => a.name.startsWith('on'))).map(e => e.tagName),
+    scripts: [...document.scripts].filter(s => s.textContent.includes('alert')).length,
+    overflow: document.documentElement.scrollWidth - document.documentElement.clientWidth,
+    banners: [...document.querySelectorAll('.banner')].map(b => b.getBoundingClientRect().right),
+    viewport: window.innerWidth,
+    text: document.body.innerText,
+  };
+}"""
+
+
+@pytest.mark.skipif(not os.path.exists(CHROMIUM), reason="Debian's chromium is not installed")
+def test_dashboard_shows_hostile_names_as_inert_text(served) -> None:
+    from playwright.sync_api import sync_playwright
+
+    tb, _ = served
+    runs = [r["run"] for r in tb.get_json("/data/plugin/numerics/runs")["runs"]]
+    hash_ = "#" + urllib.parse.urlencode([("run", r) for r in runs] + [("tensor", XSS_IMG)])
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=["--headless", "--no-sandbox", "--disable-gpu"])
+        try:
+            page = browser.new_page(viewport={"width": 1280, "height": 900})
+            page.set_default_timeout(20_000)
+            dialogs: list[str] = []
+            errors: list[str] = []
+            page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+            page.on("pageerror", lambda e: errors.append(str(e)))
+            page.goto(tb.url + ENTRY + hash_)
+            page.wait_for_function("n => document.querySelectorAll('.banner-row').length === n", arg=len(runs))
+            page.locator(".timeline canvas").first.wait_for()
+            # Hover and click through the hostile names: the banners' buttons, the timeline.
+            for button in page.locator("button.show-anomaly").all():
+                button.click()
+            box = page.locator(".timeline canvas").first.bounding_box()
+            for fx in (0.3, 0.6, 0.9):
+                page.mouse.move(box["x"] + box["width"] * fx, box["y"] + box["height"] / 2)
+            page.wait_for_timeout(300)
+            seen = page.evaluate(INJECTED)
+        finally:
+            browser.close()
+    assert dialogs == [] and errors == []
+    assert (seen["elements"], seen["handlers"], seen["scripts"]) == (0, [], 0)
+    assert seen["overflow"] <= 0 and max(seen["banners"]) <= seen["viewport"]
+    # The names are there, as the characters they are.
+    for name in (XSS_IMG, XSS_SCRIPT, "&amp;<!--\"'"):
+        assert name in seen["text"]
