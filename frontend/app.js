@@ -21,7 +21,6 @@ const EMPTY_MESSAGE =
 export class Dashboard {
   constructor(root) {
     this.state = store.read();
-    this.runs = [];
     this.summaries = new Map(); // run -> /summary
     this.timelines = new Map(); // run -> Timeline
     this.series = new Map(); // request key -> Promise of /series
@@ -112,7 +111,6 @@ export class Dashboard {
     }
     if (gen !== this.generation) return;
     this.safeForm.set(this.state.params);
-    this.runs = runs;
     if (!runs.length) {
       this.busy.textContent = "";
       this.main.hidden = true;

@@ -160,13 +160,18 @@ export class Chart {
     ctx.font = "11px Roboto, Arial, sans-serif";
     const x = this.xScale();
     const y = this.yRange();
-    this.drawHealth(ctx, x);
-    this.drawAxes(ctx, x, y);
-    if (y) {
+    const clip = () => {
       ctx.save();
       ctx.beginPath();
       ctx.rect(M.left, M.top - 1, this.width - M.left - M.right, this.plotH + 2);
       ctx.clip();
+    };
+    clip();
+    this.drawHealth(ctx, x);
+    ctx.restore();
+    this.drawAxes(ctx, x, y);
+    if (y) {
+      clip();
       if (this.data.band) this.drawBand(ctx, x, y);
       if (this.data.bars) this.drawBars(ctx, x, y);
       for (const s of this.data.lines || []) this.drawLine(ctx, x, y, s);
@@ -199,8 +204,10 @@ export class Chart {
     ctx.lineWidth = 1;
     ctx.textBaseline = "middle";
     if (y) {
+      // Log: every k-th power of ten, k chosen for at most ~6 labels, aligned on 10^0.
+      const k = Math.max(1, Math.ceil((y.hi - y.lo + 1) / 6));
       const ticks = this.data.log
-        ? Array.from({ length: y.hi - y.lo + 1 }, (_, i) => 10 ** (y.lo + i)).filter((_, i, a) => a.length <= 6 || i % Math.ceil(a.length / 6) === 0)
+        ? Array.from({ length: y.hi - y.lo + 1 }, (_, i) => y.lo + i).filter((p) => p % k === 0).map((p) => 10 ** p)
         : niceTicks(y.lo, y.hi, 4);
       ctx.textAlign = "right";
       for (const t of ticks) {

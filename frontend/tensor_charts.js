@@ -1,5 +1,7 @@
 // The charts of the selected tensor (SPEC section 2): min / max / max |x|
-// (linear, or max |x| on a log scale), mean ± std, NaN/Inf counts, L2 norm,
+// (linear, or max |x| on a log scale: the log toggle also puts the L2 and
+// global norms on one, as growth towards overflow spans decades), mean ± std,
+// NaN/Inf counts, L2 norm,
 // and the run's global gradient norm, all over the same step range with the
 // first anomaly and the selected step marked. Other selected runs that logged
 // the same tensor are drawn as dashed lines to compare.
@@ -9,7 +11,7 @@ import { el } from "./dom.js";
 
 export class TensorCharts {
   constructor({ onZoom, onLogChange }) {
-    this.logButton = el("button", { type: "button", class: "log-toggle", "aria-pressed": "false", title: "Draw max |x| on a log scale" }, "log |x|");
+    this.logButton = el("button", { type: "button", class: "log-toggle", "aria-pressed": "false", title: "Draw max |x|, the L2 norm and the global gradient norm on a log scale" }, "log |x|");
     this.logButton.addEventListener("click", () => onLogChange(this.logButton.getAttribute("aria-pressed") !== "true"));
     this.range = new Chart("Range: min, max, max |x|", { onZoom, extra: this.logButton });
     this.moments = new Chart("Mean ± std", { onZoom });
@@ -66,7 +68,7 @@ export class TensorCharts {
         { label: "-Inf", colour: "series-4", ys: f.neginf },
       ],
     });
-    this.norm.set({ ...base, lines: [{ label: "L2", colour: "series-1", ys: f.l2 }, ...compare("l2", "L2")] });
+    this.norm.set({ ...base, log, lines: [{ label: "L2", colour: "series-1", ys: f.l2 }, ...compare("l2", "L2")] });
     if (globalSeries) {
       // A global_norm record is a scalar: its max is the norm.
       this.global.set({
@@ -75,6 +77,7 @@ export class TensorCharts {
         domain,
         health: globalSeries.health,
         markers,
+        log,
         lines: [
           { label: "global norm", colour: "series-2", ys: globalSeries.fields.max },
           ...compare("max", "global norm", (o) => o.globalSeries),
