@@ -85,6 +85,7 @@ class LoadResult:
     statuses: dict[str, int]
     invalid: list[str]  # answers that were not 200 + JSON
     latency_ms: dict[str, float]
+    route_p95_ms: dict[str, float]
     records_written: int
     last_step: int
     records_served: int
@@ -214,12 +215,16 @@ def live_load(logdir: str, seconds: float, clients: int = 50, load_fast: bool = 
     statuses = collections.Counter(str(s) for _, s, _, _ in flat)
     invalid = ["%s -> %s" % (u, s) for u, s, ok, _ in flat if s != 200 or not ok]
     lat = np.array([t for *_, t in flat]) * 1000
+    by_route: dict[str, list[float]] = collections.defaultdict(list)
+    for u, _, _, t in flat:
+        by_route[urllib.parse.urlsplit(u).path.rsplit("/", 1)[1]].append(t * 1000)
     cli = cli_report(logdir)[LIVE_RUN]
     return LoadResult(
         requests=len(flat),
         statuses=dict(statuses),
         invalid=invalid,
         latency_ms={"p50": float(np.percentile(lat, 50)), "p95": float(np.percentile(lat, 95)), "max": float(lat.max())},
+        route_p95_ms={k: float(np.percentile(v, 95)) for k, v in sorted(by_route.items())},
         records_written=written,
         last_step=writer.steps - 1,
         records_served=summary["records"],
@@ -342,6 +347,7 @@ def scale(
 def print_live(r: LoadResult) -> None:
     print("live appends: %d requests by the clients; statuses %s" % (r.requests, r.statuses))
     print("  latency ms: p50 %.1f, p95 %.1f, max %.1f" % (r.latency_ms["p50"], r.latency_ms["p95"], r.latency_ms["max"]))
+    print("  p95 ms by route: %s" % ", ".join("%s %.0f" % kv for kv in r.route_p95_ms.items()))
     print("  records written %d (steps 0-%d), served %d (last step %s)" % (
         r.records_written, r.last_step, r.records_served, r.last_step_served))
     print("  first anomaly: server %s, CLI %s" % (
