@@ -500,6 +500,10 @@ _GROWTH_HINT = (
     "Values grew steadily over the preceding steps until they overflowed: the learning rate is "
     "likely too large. Lower it, clip gradients, or normalise the layer."
 )
+_SPIKE_HINT = (
+    "The gradient norm spiked just before the first non-finite value: the learning rate is likely "
+    "too large for this loss surface. Lower it, or clip gradients (clip_by_global_norm)."
+)
 _OVERFLOW_HINT = (
     "Values were already beyond the safe range before the first non-finite value: look at the "
     "likely cause below (a large input or a layer whose values overflow)."
@@ -514,15 +518,21 @@ def _op_family(tag: str, op_type: str) -> str | None:
     return None
 
 
-def cause_hint(tag: str, info: metadata.TensorInfo, grew: bool, overflowed: bool) -> str:
-    """A short plain-language hint for a first anomaly, or "" if none fits."""
+def cause_hint(tag: str, info: metadata.TensorInfo, warnings_before: set[str]) -> str:
+    """A short plain-language hint for a first anomaly, or "" if none fits.
+
+    The op type (or a token of the tag) decides first; otherwise the kinds of
+    warning that came before the anomaly do.
+    """
     family = _op_family(tag, info.op_type)
     if family is not None:
         phase = "backward" if info.phase == "backward" else "forward"
         return _HINTS[(family, phase)]
-    if grew:
+    if "growth" in warnings_before:
         return _GROWTH_HINT
-    if overflowed:
+    if warnings_before & {"gradient_spike", "exploding_gradient"}:
+        return _SPIKE_HINT
+    if "overflow_risk" in warnings_before:
         return _OVERFLOW_HINT
     return ""
 
@@ -547,7 +557,7 @@ def warning_detail(h: SeriesHealth, i: int, sr: SafeRange) -> str:
         return "global gradient norm %.3g beyond the limit %.3g" % (v[F["max"]], sr.grad_norm_limit)
     if kind == "gradient_spike":
         med = _rolling_median_before(h.series.values[: i + 1, F["max"]], sr.spike_window)[-1]
-        return "global gradient norm %.3g is %.1fx the median %.3g of the previous %d records" % (
+        return "global gradient norm %.3g is %.3gx the median %.3g of the previous %d records" % (
             v[F["max"]], v[F["max"]] / med, med, sr.spike_window,
         )
     if kind == "vanishing_gradient":
@@ -599,10 +609,8 @@ def first_anomaly(ra: RunAnalysis) -> dict[str, Any] | None:
     last_healthy = int(h.series.steps[healthy_before[-1]]) if healthy_before.size else None
     earlier_kinds = {WARNING_KINDS[k - 1] for k in np.unique(h.kinds[:i]) if k}
     cause = likely_cause(ra, cell)
-    grew = "growth" in earlier_kinds or (cause is not None and cause["kind"] == "growth")
-    overflowed = "overflow_risk" in earlier_kinds or (
-        cause is not None and cause["kind"] == "overflow_risk"
-    )
+    if cause is not None:
+        earlier_kinds.add(cause["kind"])
     return {
         "step": step,
         "tensor": h.series.tag,
@@ -617,7 +625,7 @@ def first_anomaly(ra: RunAnalysis) -> dict[str, Any] | None:
         "size": int(v[F["count"]]),
         "description": describe_nonfinite(v),
         "last_healthy_step": last_healthy,
-        "hint": cause_hint(h.series.tag, h.series.info, grew, overflowed),
+        "hint": cause_hint(h.series.tag, h.series.info, earlier_kinds),
         "likely_cause": cause,
         "row": row,
     }

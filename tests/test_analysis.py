@@ -245,3 +245,12 @@ def test_safe_range_parse_errors_name_the_parameter(params, match):
 def test_safe_range_parse_accepts_strings_and_none():
     sr = analysis.parse_safe_range({"max_abs": "1e3", "spike_factor": 4, "grad_norm_limit": "none", "other": "x"})
     assert sr.max_abs == 1e3 and sr.spike_factor == 4 and sr.grad_norm_limit is None
+
+
+def test_a_gradient_spike_before_the_anomaly_gives_the_learning_rate_hint():
+    norms = norm_series([1.0, 1.2, 0.9, 1.1, 1.0, 4e3, 1.0])
+    act = series("dense/output", {s: healthy() if s < 6 else with_values(healthy(), a=np.inf) for s in range(7)})
+    a = analysis.first_anomaly(analysis.analyze_run("r", [act, norms]))
+    assert a["step"] == 6 and a["likely_cause"]["kind"] == "gradient_spike"
+    assert "learning rate" in a["hint"] and "clip" in a["hint"]
+    assert "4e+03x the median" in a["likely_cause"]["detail"]
