@@ -107,13 +107,38 @@ def tensor_stats(x: tf.Tensor, name: str) -> tf.Tensor:
         s_min, s_max = tf.reduce_min(signed), tf.reduce_max(signed)
         u_min, u_max = tf.reduce_min(unsigned), tf.reduce_max(unsigned)
 
+        # Counts are summed in the magnitude's own integer type: int32 for
+        # float32 bits where the static size is below 2**31 (exact, and
+        # cheaper than int64), else int64.
+        size = x.shape.num_elements()
+        count_t = tf.int32 if int_t == tf.int32 and size is not None and size < 2**31 else tf.int64
+
         def zeros_and_underflow(mag_min=None) -> tf.Tensor:
-            """[zeros, underflow], counted from the magnitude bits."""
+            """[zeros, underflow], counted from the magnitude bits.
+
+            Two elementwise passes where an underflow is absent: the
+            magnitude bits are the signed view itself where no sign bit is
+            set (ReLU outputs), zeros are the elements with min(mag, 1) = 0,
+            and the smallest nonzero magnitude (min of mag - 1 viewed
+            unsigned, where 0 wraps to the largest value) tells whether the
+            exact underflow count is needed at all.
+            """
 
             def count() -> tf.Tensor:
-                mag = tf.bitwise.bitwise_and(signed, tf.constant(magnitude_mask, int_t))
-                zeros = _count(tf.equal(mag, 0))
-                return tf.stack([zeros, _count(tf.less(mag, tiny_bits)) - zeros])
+                mag = tf.cond(
+                    u_max < sign_bit,
+                    lambda: signed,
+                    lambda: tf.bitwise.bitwise_and(signed, tf.constant(magnitude_mask, int_t)),
+                )
+                nonzero = tf.reduce_sum(tf.cast(tf.minimum(mag, 1), count_t))
+                zeros = tf.cast(tf.size(flat, out_type=count_t) - nonzero, tf.float64)
+                smallest_nonzero = tf.reduce_min(tf.bitcast(mag - 1, uint_t)) + 1
+                underflow = tf.cond(
+                    smallest_nonzero < tiny_bits,
+                    lambda: tf.cast(tf.reduce_sum(tf.cast(tf.less(mag, tiny_bits), count_t)), tf.float64) - zeros,
+                    lambda: tf.constant(0.0, tf.float64),
+                )
+                return tf.stack([zeros, underflow])
 
             if mag_min is None:
                 return count()

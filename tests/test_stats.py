@@ -99,6 +99,17 @@ def test_subnormals_are_underflow_not_zeros(dtype):
         assert_matches(got, want, dtype)
 
 
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "function"])
+def test_nonnegative_tensor_with_zeros_and_subnormals(graph):
+    # No sign bit set: the counts take the ReLU-output path.
+    values = np.array([0.0, 1e-40, 3.0, 0.0, 1e-45, 2e-38], np.float32)
+    fn = _stats_fn if graph else stats.tensor_stats
+    got = fn(tf.constant(values), "relu").numpy()
+    want = numpy_stats(values)
+    assert want[F["zeros"]] == 2 and want[F["underflow"]] == 2
+    assert_matches(got, want, "float32")
+
+
 def test_float16_underflow_and_overflow_margin():
     values = np.array([1e-6, -3e-5, 0.0, 1.0, 2000.0, -60000.0, 6.2e-5], np.float16)
     got = stats.tensor_stats(tf.constant(values), "h").numpy()
