@@ -123,8 +123,8 @@ def write_run(logdir: str, steps: int, n_tensors: int, processes: int) -> str:
     return run_dir
 
 
-def _tree_rss_bytes(pid: int) -> int:
-    """VmRSS of ``pid`` and all its descendants (TensorBoard + data server)."""
+def _tree_rss_bytes(pid: int) -> dict[str, int]:
+    """VmRSS of ``pid`` and each descendant (TensorBoard + data server), by name."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -135,18 +135,19 @@ def _tree_rss_bytes(pid: int) -> int:
         except (OSError, IndexError, ValueError):
             continue
         children.setdefault(ppid, []).append(int(entry))
-    total, todo = 0, [pid]
+    rss: dict[str, int] = {}
+    todo = [pid]
     while todo:
         p = todo.pop()
         todo.extend(children.get(p, []))
         try:
             with open("/proc/%d/status" % p) as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        total += int(line.split()[1]) * 1024
+                fields = dict(line.split(":", 1) for line in f if ":" in line)
         except OSError:
-            pass
-    return total
+            continue
+        name = "%s[%d]" % (fields["Name"].strip(), p)
+        rss[name] = int(fields.get("VmRSS", "0 kB").split()[0]) * 1024
+    return rss
 
 
 def _timed(tb, path: str) -> tuple[float, object]:
@@ -191,7 +192,8 @@ def main() -> int:
                 "/data/plugin/numerics/series?run=%s&tensor=%s&start=%d&end=%d"
                 % (q(RUN), q(tag), max(0, NAN_STEP - 500), NAN_STEP + 500),
             )
-            rss = _tree_rss_bytes(tb.proc.pid)
+            rss_by_process = _tree_rss_bytes(tb.proc.pid)
+            rss = sum(rss_by_process.values())
         results = {
             "records": summary["records"],
             "raw_record_bytes": raw,
@@ -206,6 +208,10 @@ def main() -> int:
             "series_points": len(series["steps"]),
             "series_zoom_s": round(t_series_zoom, 3),
             "rss_bytes": rss,
+            "rss_bytes_by_process": rss_by_process,
+            # What the plugin itself keeps per record: 11 float64 fields, the
+            # int64 step, the health code and warning kind.
+            "plugin_cache_bytes_est": summary["records"] * (8 * 11 + 8 + 2),
             "rss_over_raw": round(rss / raw, 2),
         }
         print(json.dumps(results, indent=1))

@@ -177,14 +177,13 @@ class _TagData:
 class _RunCache:
     """Decoded records of one run, and analyses of them by safe range.
 
-    ``generation`` changes whenever any tag's records change; an analysis is
-    reused only while its generation is current.
+    The analyses are dropped whenever any tag's records change, so one that
+    is here is current (and old records are not kept alive by it).
     """
 
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
     tags: dict[str, _TagData] = dataclasses.field(default_factory=dict)
-    generation: int = 0
-    analyses: "collections.OrderedDict[analysis.SafeRange, tuple[int, analysis.RunAnalysis]]" = (
+    analyses: "collections.OrderedDict[analysis.SafeRange, analysis.RunAnalysis]" = (
         dataclasses.field(default_factory=collections.OrderedDict)
     )
 
@@ -357,7 +356,7 @@ class NumericsPlugin(base_plugin.TBPlugin):
                     series = analysis.make_series(tag, info, steps, values, problems)
                     cache.tags[tag] = _TagData(version, series, problems)
             if changed:
-                cache.generation += 1
+                cache.analyses.clear()
         return cache
 
     def _read_tags(self, ctx, experiment: str, run: str, tags: list[str]) -> tuple[dict, dict[str, str]]:
@@ -401,9 +400,9 @@ class NumericsPlugin(base_plugin.TBPlugin):
         cache = self._refresh(ctx, experiment, run, listing)
         with cache.lock:
             hit = cache.analyses.get(sr)
-            if hit is not None and hit[0] == cache.generation:
+            if hit is not None:
                 cache.analyses.move_to_end(sr)
-                return hit[1]
+                return hit
             problems = [p for t in cache.tags.values() for p in t.problems]
             if self._sample_limit:
                 problems.append(
@@ -413,7 +412,7 @@ class NumericsPlugin(base_plugin.TBPlugin):
                 )
             series = [t.series for t in cache.tags.values() if t.series is not None]
             ra = analysis.analyze_run(run, series, sr, problems)
-            cache.analyses[sr] = (cache.generation, ra)
+            cache.analyses[sr] = ra
             cache.analyses.move_to_end(sr)
             while len(cache.analyses) > _ANALYSES_PER_RUN:
                 cache.analyses.popitem(last=False)
@@ -432,6 +431,9 @@ class NumericsPlugin(base_plugin.TBPlugin):
     def runs_impl(self, ctx, experiment: str, sr: analysis.SafeRange) -> dict[str, Any]:
         """Every run with numerics records and its headline health."""
         listing = self._listing(ctx, experiment, None)
+        with self._caches_lock:  # forget runs that left the logdir
+            for key in [k for k in self._caches if k[0] == experiment and k[1] not in listing]:
+                del self._caches[key]
         runs = []
         for run in sorted(listing):
             if not listing[run]:
