@@ -55,15 +55,19 @@ def run_name(raw: bytes) -> str:
 def write_logdir(root: str, runs: list[bytes] = RUNS) -> str:
     for raw in runs:
         r = RUNS.index(raw)
-        path = os.path.join(os.fsencode(root), raw)
-        os.makedirs(path, exist_ok=True)
-        with NumericsRecordWriter(os.fsdecode(path)) as w:
+        # Written under a plain name, then renamed: TensorFlow's record writer
+        # (used once TensorFlow is imported) cannot open a non-UTF-8 path.
+        tmp = os.path.join(root, "tmp-run")
+        with NumericsRecordWriter(tmp) as w:
             for step in range(6):
                 for i, tag in enumerate(TAGS):
                     x = np.linspace(-1, 1, 32, dtype=np.float32)
                     if step == NAN_STEP and i == r % len(TAGS):
                         x[:3] = np.nan
                     w.write(tag, step, numpy_stats(x), INFO[i])
+        path = os.path.join(os.fsencode(root), raw)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        os.rename(os.fsencode(tmp), path)
     return root
 
 
