@@ -57,6 +57,8 @@ def _table(summaries: list[dict]) -> str:
             op = " (%s)" % _safe_text(a["op_type"]) if a["op_type"] else ""
             lines.append("  first anomaly: step %d, %s%s, %s: %s" % (
                 a["step"], _safe_text(a["tensor"]), op, a["phase"], a["description"]))
+            if a.get("tensor_description"):
+                lines.append("    tensor: %s" % _safe_text(a["tensor_description"]))
             lines.append("    last healthy step: %s" % a["last_healthy_step"])
             if a["hint"]:
                 lines.append("    hint: %s" % a["hint"])

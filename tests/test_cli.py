@@ -117,3 +117,14 @@ def test_control_characters_in_names_are_escaped_in_the_table(tmp_path):
     code, out, _ = run_cli("report", str(tmp_path))
     assert code == 1
     assert "\x1b" not in out and "evil\\x1b[31mred\\x0aname" in out
+
+
+def test_the_table_names_where_the_anomalous_tensor_was_created(tmp_path):
+    info = metadata.TensorInfo(dtype="float32", role="gradient", op_type="SqrtGrad",
+                               description="model.py:57 (loss)")
+    with NumericsRecordWriter(str(tmp_path / "r")) as w:
+        w.write("ops/gradient_tape/SqrtGrad", 0, numpy_stats(x(a=np.inf)), info)
+    code, out, _ = run_cli("report", str(tmp_path))
+    assert code == 1
+    assert "first anomaly: step 0, ops/gradient_tape/SqrtGrad (SqrtGrad), backward" in out
+    assert "    tensor: model.py:57 (loss)" in out
