@@ -25,7 +25,7 @@ export function nonfiniteCounts({ nan, posinf, neginf, size }) {
   if (nan) parts.push(`${count(nan)} NaN`);
   if (posinf) parts.push(`${count(posinf)} +Inf`);
   if (neginf) parts.push(`${count(neginf)} -Inf`);
-  return `${parts.join(", ") || "no non-finite values"} of ${count(size)} values`;
+  return `${parts.join(", ") || "no non-finite values"} of ${count(size)} value${size === 1 ? "" : "s"}`;
 }
 
 /** "overflow_risk" -> "overflow risk". */

@@ -43,7 +43,8 @@ export class Timeline {
     this.labels = el("div", { class: "labels" });
     this.canvas = el("canvas", {
       tabindex: "0",
-      role: "img",
+      // A custom keyboard widget: arrows move, Enter selects; the live region reads each cell.
+      role: "application",
       "aria-label": `Health timeline of run ${run}: arrow keys move, Enter selects`,
     });
     this.live = el("div", { class: "sr-only", "aria-live": "polite" });
@@ -249,6 +250,7 @@ export class Timeline {
     if (moves[e.key]) {
       moves[e.key]();
       this.cursor = { row, col };
+      this.scrollToRow(row);
       this.draw();
       this.showCell(this.cursor, null);
       e.preventDefault();
@@ -256,6 +258,14 @@ export class Timeline {
       this.choose({ row, col });
       e.preventDefault();
     }
+  }
+
+  /** Keeps a row inside the timeline's scroll box (long runs have many rows). */
+  scrollToRow(row) {
+    const box = this.element;
+    const top = this.rowY[row];
+    if (top < box.scrollTop) box.scrollTop = top - GROUP_H;
+    else if (top + ROW_H > box.scrollTop + box.clientHeight) box.scrollTop = top + ROW_H - box.clientHeight + 4;
   }
 
   hover(e) {

@@ -225,6 +225,35 @@ def test_keyboard_moves_the_selection_in_the_timeline(open_page, tb):
     assert name.inner_text() == data.LONG_TAG
 
 
+def test_dragging_on_a_chart_zooms_timeline_and_charts_to_that_step_range(open_page, tb):
+    page = dashboard(open_page, tb, "#run=diverging").page
+    chart = page.locator(".chart").first.locator("canvas")
+    chart.scroll_into_view_if_needed()
+    page.locator(".chart .chart-legend span").first.wait_for()
+    box = chart.bounding_box()
+    y = box["y"] + box["height"] / 2
+    page.mouse.move(box["x"] + box["width"] * 0.4, y)
+    page.mouse.down()
+    page.mouse.move(box["x"] + box["width"] * 0.6, y, steps=5)
+    page.mouse.up()
+    page.wait_for_function("() => /start=\\d+&end=\\d+/.test(location.hash)")
+    start, end = map(int, re.search(r"start=(\d+)&end=(\d+)", page.evaluate("location.hash")).groups())
+    assert 40 < start < end < 160, (start, end)
+    assert page.get_by_label("First step").input_value() == str(start)
+    assert page.get_by_label("Last step").input_value() == str(end)
+    # The timeline was asked again for that range: its first column is the range's first step.
+    block = page.locator('.timeline-run[data-run="diverging"]')
+    block.scroll_into_view_if_needed()
+    label = block.locator(".label.row", has_text="input").first.bounding_box()
+    canvas = block.locator("canvas").bounding_box()
+    page.mouse.move(canvas["x"] + 1, label["y"] + label["height"] / 2)
+    tip = block.locator(".tooltip")
+    page.wait_for_function("t => !t.hidden", arg=tip.element_handle())
+    assert tip.inner_text().split("\n")[1].startswith("Step %d ·" % start)
+    page.get_by_role("button", name="All steps").click()
+    page.wait_for_function("() => !location.hash.includes('start=')")
+
+
 def test_lowering_max_abs_moves_the_first_warning_and_is_kept_in_the_link(open_page, tb):
     page = dashboard(open_page, tb).page
     warning = banner_row(page, data.NAN_RUN).locator(".banner.warning .headline")
