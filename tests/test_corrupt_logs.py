@@ -16,6 +16,7 @@ import re
 import struct
 import subprocess
 import sys
+from typing import Callable
 
 import numpy as np
 import pytest
@@ -57,11 +58,11 @@ def stats(step: int) -> np.ndarray:
     return numpy_stats(v)
 
 
-def good_run(path: str, tag: str = "t") -> str:
-    """A healthy-until-NAN_STEP run of STEPS records; returns its file."""
+def good_run(path: str) -> str:
+    """Tag "t" over STEPS steps, non-finite at NAN_STEP; returns its file."""
     with NumericsRecordWriter(path) as w:
         for step in range(STEPS):
-            w.write(tag, step, stats(step), INFO)
+            w.write("t", step, stats(step), INFO)
     return w.path
 
 
@@ -74,7 +75,8 @@ def record_offsets(data: bytes) -> list[int]:
     return offsets
 
 
-def rewrite(path: str, fn) -> None:
+def rewrite(path: str, fn: Callable[[bytearray, list[int]], bytearray]) -> None:
+    """Replaces a file's bytes with ``fn(bytes, record offsets)``."""
     with open(path, "rb") as f:
         data = bytearray(f.read())
     with open(path, "wb") as f:
@@ -134,7 +136,9 @@ def _undecodable_tensor(root: str) -> None:
         f.write(frame(event_bytes("u", 2, bad, None)))
 
 
-def _metadata_case(content: bytes):
+def _metadata_case(content: bytes) -> Callable[[str], None]:
+    """A run whose second tag "other" has ``content`` as its plugin metadata."""
+
     def make(root: str) -> None:
         path = good_run(root)
         with open(path, "ab") as f:
