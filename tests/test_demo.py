@@ -29,6 +29,10 @@ ANOMALIES = {
     # One logit gap passes ~87 at step 16: softmax gives 0, log gives -Inf.
     "softmax_log": dict(step=16, tensor="log_probs", phase="forward",
                         nan=0, posinf=0, neginf=1, size=512, last_healthy_step=15),
+    # The head's output grows ~1.6x a step (0.11 at step 0, 1.3e3 at 14,
+    # 5.3e4 at 22) and passes the float16 maximum 65504 at step 23.
+    "repeated_bn_fp16": dict(step=23, tensor="head/output", phase="forward",
+                             nan=0, posinf=7, neginf=0, size=32, last_healthy_step=22),
     # tower_a's smallest norm shrinks 0.039, 0.024, 0.012, 0.0016, then 0
     # at step 23: one cosine is 0/0.
     "cosine_zero_tower": dict(step=23, tensor="cosine/similarity", phase="forward",
@@ -102,6 +106,22 @@ def test_exploding_lr_warns_before_the_anomaly(demo):
     warning = runs["exploding_lr"]["first_warning"]
     assert warning["step"] == 3 < runs["exploding_lr"]["first_anomaly"]["step"]
     assert (warning["tensor"], warning["kind"]) == ("gradients/global_norm", "gradient_spike")
+
+
+def test_repeated_bn_fp16_warns_long_before_the_overflow(demo):
+    """The global gradient norm (2.3, 3.8, 7.4, 16, 29, 42, 92, 163) passes
+    10x its running median at step 7, 16 steps before the +Inf (the head's
+    steady growth would warn at step 9 too); by the anomaly, the middle
+    passes are beyond float16's margin (1023.5) as well."""
+    _, _, runs = demo
+    run = runs["repeated_bn_fp16"]
+    warning = run["first_warning"]
+    assert (warning["step"], warning["tensor"], warning["kind"]) == (
+        7, "gradients/global_norm", "gradient_spike")
+    cause = run["first_anomaly"]["likely_cause"]
+    assert (cause["step"], cause["tensor"], cause["kind"]) == (23, "block/pass_6", "overflow_risk")
+    assert "float16 margin" in cause["detail"]
+    assert "grew steadily" in run["first_anomaly"]["hint"]
 
 
 def test_bad_input_points_at_the_input(demo):

@@ -10,7 +10,7 @@ too, next to the hand-written loops they mirror.
 import dataclasses
 from typing import Callable
 
-from demo.stories import cosine_zero_tower, gru_sqrt_loss, regression, softmax_log
+from demo.stories import cosine_zero_tower, gru_sqrt_loss, regression, repeated_bn_fp16, softmax_log
 
 
 @dataclasses.dataclass(frozen=True)
@@ -33,6 +33,13 @@ STORIES = (
         softmax_log.run,
         cause="log of a softmax that saturated to exactly 0 at a too-high learning rate",
         fix="use tf.nn.softmax_cross_entropy_with_logits (or log_softmax), and a lower peak learning rate",
+    ),
+    Story(
+        repeated_bn_fp16.NAME,
+        repeated_bn_fp16.run,
+        cause="an MAE written without abs rewards ever larger outputs, and BatchNorm called without "
+        "training=True does not normalise: 8 passes compound the growth until float16 overflows",
+        fix="tf.abs in the loss (or keras.losses.MeanAbsoluteError), and call the model with training=True",
     ),
     Story(
         cosine_zero_tower.NAME,
