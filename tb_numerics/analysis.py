@@ -497,8 +497,9 @@ _HINTS = {
     "away from 0.",
 }
 _GROWTH_HINT = (
-    "Values grew steadily over the preceding steps until they overflowed: the learning rate is "
-    "likely too large. Lower it, clip gradients, or normalise the layer."
+    "Values grew steadily over the preceding steps until they overflowed: something keeps scaling "
+    "them up, most often a too-large learning rate, also a loss that rewards growth or a layer "
+    "that does not normalise. Lower the learning rate or clip gradients, and check the loss."
 )
 _SPIKE_HINT = (
     "The gradient norm spiked just before the first non-finite value: the learning rate is likely "
