@@ -11,7 +11,7 @@ holding a single non-finite step; prints the routes' response times and
 checks that the timeline still shows the bad step in its bucket.
 
     .venv/bin/python bench/load.py                  # both, full size
-    .venv/bin/python bench/load.py --live --seconds 10 --clients 20
+    .venv/bin/python bench/load.py --live --seconds 10 --clients 20   # or TBN_LOAD_SECONDS=10
     .venv/bin/python bench/load.py --scale --steps 100000 --tensors 200
     .venv/bin/python bench/load.py --load-fast false
 

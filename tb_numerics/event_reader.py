@@ -167,6 +167,8 @@ def _records(
                 yield data
             offset = end
     finally:
+        if isinstance(buf, mmap.mmap):
+            buf.close()
         if skipped:
             problems.append(
                 "%s: %d corrupt record(s) skipped (checksum mismatch) at byte offset %s"
