@@ -580,7 +580,8 @@ def describe_nonfinite(v: np.ndarray) -> str:
     for field, label in (("nan", "NaN"), ("posinf", "+Inf"), ("neginf", "-Inf")):
         if v[F[field]] > 0:
             parts.append("%s %s" % (format(int(v[F[field]]), ","), label))
-    return "%s of %s values" % (", ".join(parts), format(int(v[F["count"]]), ","))
+    count = int(v[F["count"]])
+    return "%s of %s value%s" % (", ".join(parts), format(count, ","), "" if count == 1 else "s")
 
 
 def _warning_json(ra: RunAnalysis, cell) -> dict[str, Any]:

@@ -8,6 +8,9 @@ too, next to the hand-written loops they mirror.
 """
 
 import dataclasses
+import os
+import shutil
+import time
 from typing import Callable
 
 from demo.stories import cosine_zero_tower, gru_sqrt_loss, regression, repeated_bn_fp16, softmax_log
@@ -66,3 +69,17 @@ STORIES = (
         fix="validate or clip inputs in the input pipeline",
     ),
 )
+
+
+def run_story(name: str, logdir: str) -> float:
+    """Runs story ``name`` afresh into ``logdir``; returns its seconds.
+
+    A run's directory belongs to the demo: it is removed first, so a rerun
+    does not add a second copy of every step. A module-level function, so
+    the runner can call it in worker processes.
+    """
+    story = next(s for s in STORIES if s.name == name)
+    shutil.rmtree(os.path.join(logdir, story.name), ignore_errors=True)
+    start = time.perf_counter()
+    story.run(logdir)
+    return time.perf_counter() - start
