@@ -53,7 +53,6 @@ class _TagState:
 
     def __init__(self, tag: str, info: metadata.TensorInfo):
         self.tag = tag
-        self.info = info
         self.serialized_metadata = metadata.create_summary_metadata(info).SerializeToString()
         self._vars: dict[str, tf.Variable] = {}
 
