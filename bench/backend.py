@@ -3,7 +3,10 @@
 Writes one run of 100,000 steps x 50 tensors (a NaN at step 77,777), starts
 ``tensorboard`` (the Rust data server by default), waits until TensorBoard has
 loaded every record, then times the routes a user's first look needs and
-reads TensorBoard's resident memory, data server included:
+reads TensorBoard's resident memory, data server included. The plugin warms
+its cache while TensorBoard loads, so the first /summary after loading may
+answer at once from records read earlier ("stale"); the benchmark reports
+that answer's time and completeness, and the time until a complete one:
 
     .venv/bin/python bench/backend.py                 # full size
     .venv/bin/python bench/backend.py --steps 10000   # quick
@@ -180,9 +183,18 @@ def main() -> int:
         with tb_process.tensorboard(logdir, load_fast=args.load_fast == "true", reload_interval=5) as tb:
             marker = "/data/plugin/scalars/scalars?run=%s&tag=%s" % (q(RUN), q(MARKER_TAG))
             tb_process.wait_for(lambda: tb.get_json(marker), timeout=1800, interval=0.2)
-            loaded = time.perf_counter() - t_start
-            t_summary, summary = _timed(tb, "/data/plugin/numerics/summary?run=%s" % q(RUN))
-            t_summary2, _ = _timed(tb, "/data/plugin/numerics/summary?run=%s" % q(RUN))
+            t_loaded = time.perf_counter()
+            loaded = t_loaded - t_start
+            summary_url = "/data/plugin/numerics/summary?run=%s" % q(RUN)
+            t_summary, first = _timed(tb, summary_url)
+            expected = args.steps * args.tensors
+            summary = tb_process.wait_for(
+                lambda: (s := tb.get_json(summary_url, timeout=1800))["records"] == expected
+                and not s["stale"] and s,
+                timeout=3600, interval=0.5,
+            )
+            t_complete = time.perf_counter() - t_loaded
+            t_summary2, _ = _timed(tb, summary_url)
             t_timeline, timeline = _timed(tb, "/data/plugin/numerics/timeline?run=%s&width=1000" % q(RUN))
             anomaly = summary["first_anomaly"] or {}
             tag = anomaly.get("tensor") or _tensors(args.tensors)[0][0]
@@ -200,7 +212,14 @@ def main() -> int:
             "load_fast": args.load_fast,
             "tensorboard_loaded_s": round(loaded, 2),
             "first_anomaly": {k: anomaly.get(k) for k in ("step", "tensor", "last_healthy_step")},
+            # The first /summary asked once TensorBoard had loaded everything.
             "summary_first_s": round(t_summary, 3),
+            "summary_first_stale": first["stale"],
+            "summary_first_records": first["records"],
+            "summary_first_as_of_step": first["as_of_step"],
+            "summary_first_anomaly_step": (first["first_anomaly"] or {}).get("step"),
+            # From "loaded" until /summary answered with every record.
+            "summary_complete_after_load_s": round(t_complete, 3),
             "summary_cached_s": round(t_summary2, 3),
             "timeline_w1000_s": round(t_timeline, 3),
             "timeline_columns": len(timeline["bucket_start"]),
@@ -215,14 +234,17 @@ def main() -> int:
             "rss_over_raw": round(rss / raw, 2),
         }
         print(json.dumps(results, indent=1))
+        # The first-anomaly target is met only by a complete answer in time.
+        first_note = "stale, records up to step %s" % first["as_of_step"] if first["stale"] else "complete"
         checks = [
-            ("first anomaly after load", t_summary, FIRST_ANOMALY_TARGET_S, "s"),
-            ("timeline width 1000", t_timeline, TIMELINE_TARGET_S, "s"),
-            ("memory / raw record bytes", rss / raw, MEMORY_TARGET_RATIO, "x"),
+            ("first /summary after load", t_summary, FIRST_ANOMALY_TARGET_S, "s", first_note, not first["stale"]),
+            ("complete /summary after load", t_complete, FIRST_ANOMALY_TARGET_S, "s", "", True),
+            ("timeline width 1000", t_timeline, TIMELINE_TARGET_S, "s", "", True),
+            ("memory / raw record bytes", rss / raw, MEMORY_TARGET_RATIO, "x", "", True),
         ]
-        for name, value, target, unit in checks:
-            verdict = "ok" if value <= target else "MISSED"
-            print("%-28s %8.3f%s  target <= %g%s  %s" % (name, value, unit, target, unit, verdict))
+        for name, value, target, unit, note, counts in checks:
+            verdict = "ok" if value <= target and counts else "MISSED"
+            print("%-30s %9.3f%s  target <= %g%s  %-6s %s" % (name, value, unit, target, unit, verdict, note))
         return 0
     finally:
         if not args.logdir:

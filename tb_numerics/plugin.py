@@ -22,6 +22,7 @@ import os
 import re
 import threading
 import time
+import weakref
 from typing import Any, Callable, Mapping
 
 import numpy as np
@@ -52,6 +53,12 @@ _READ_ALL = 2**31 - 1
 _RECORDS_PER_READ = 200_000
 # Analyses kept per run (one per distinct set of safe-range parameters).
 _ANALYSES_PER_RUN = 8
+# A request reads a grown run itself when that means at most this many
+# records (about 0.1-0.5 s); beyond, it answers from the previous records
+# ("stale") and leaves the read to the background refresher.
+_INLINE_READ_RECORDS = 20_000
+# A run whose background refresh failed is tried again after this long.
+_RETRY_AFTER_FAILURE_S = 30.0
 
 _STATIC_TYPES = {
     ".js": "text/javascript",
@@ -173,19 +180,118 @@ class _TagData:
     problems: list[str]
 
 
+def _version(ts: Any) -> tuple:
+    """What identifies a tag's records in TensorBoard's listing."""
+    return (ts.max_step, ts.max_wall_time, ts.plugin_content)
+
+
+class _Snapshot:
+    """A run's decoded records as of one listing, and analyses of them by safe range.
+
+    Never changed once built (a refresh builds a new one and shares the tags
+    that did not change), so requests use it without holding the run's lock.
+    """
+
+    def __init__(self, tags: dict[str, _TagData]):
+        self.tags = tags
+        self.as_of_step = max((int(t.version[0]) for t in tags.values()), default=None)
+        self._lock = threading.Lock()  # one analysis computed at a time
+        self._analyses: collections.OrderedDict[analysis.SafeRange, analysis.RunAnalysis] = (
+            collections.OrderedDict()
+        )
+
+    def matches(self, listing: Mapping[str, Any]) -> bool:
+        """Whether these are the records TensorBoard lists now."""
+        return len(listing) == len(self.tags) and all(
+            (t := self.tags.get(tag)) is not None and t.version == _version(ts) for tag, ts in listing.items()
+        )
+
+    def analysis(self, run: str, sr: analysis.SafeRange, extra_problems: list[str]) -> analysis.RunAnalysis:
+        """The analysis under ``sr``, computed once and kept (the last few)."""
+        with self._lock:
+            hit = self._analyses.get(sr)
+            if hit is not None:
+                self._analyses.move_to_end(sr)
+                return hit
+            problems = [p for t in self.tags.values() for p in t.problems] + extra_problems
+            series = [t.series for t in self.tags.values() if t.series is not None]
+            ra = analysis.analyze_run(run, series, sr, problems)
+            self._analyses[sr] = ra
+            while len(self._analyses) > _ANALYSES_PER_RUN:
+                self._analyses.popitem(last=False)
+            return ra
+
+
 @dataclasses.dataclass
 class _RunCache:
-    """Decoded records of one run, and analyses of them by safe range.
+    """A run's current snapshot and its refresh state, guarded by ``lock``.
 
-    The analyses are dropped whenever any tag's records change, so one that
-    is here is current (and old records are not kept alive by it).
+    At most one refresh of a run is in flight (``refreshing`` is set when it
+    ends); the lock is only held to read or swap these fields.
     """
 
     lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
-    tags: dict[str, _TagData] = dataclasses.field(default_factory=dict)
-    analyses: "collections.OrderedDict[analysis.SafeRange, analysis.RunAnalysis]" = (
-        dataclasses.field(default_factory=collections.OrderedDict)
+    snapshot: _Snapshot | None = None
+    refreshing: threading.Event | None = None
+    next_background: float = 0.0  # monotonic time before which the refresher leaves it
+    # Safe ranges asked for lately, most recent last: computed after a refresh.
+    recent: collections.OrderedDict[analysis.SafeRange, None] = dataclasses.field(
+        default_factory=collections.OrderedDict
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Answer:
+    """An analysis and how current it is."""
+
+    analysis: analysis.RunAnalysis
+    stale: bool  # TensorBoard holds newer records; a refresh is under way
+    as_of_step: int | None  # last step of the records analysed
+    latest_step: int | None  # last step TensorBoard holds
+
+    def freshness(self) -> dict[str, Any]:
+        return {"stale": self.stale, "as_of_step": self.as_of_step, "latest_step": self.latest_step}
+
+
+class _Refresher:
+    """The plugin's background refresher: one daemon thread, woken by requests.
+
+    Holds only a weak reference to the plugin, so the thread ends when the
+    plugin is gone (and, being a daemon, with the process).
+    """
+
+    def __init__(self, plugin: "NumericsPlugin"):
+        self._plugin = weakref.ref(plugin)
+        self._wake = threading.Event()
+        self._lock = threading.Lock()
+        self._jobs: dict[tuple[str, str], Any] = {}  # (experiment, run) -> request context
+        self._thread = threading.Thread(target=self._loop, name="numerics-refresher", daemon=True)
+        self._thread.start()
+
+    def request(self, ctx, experiment: str, run: str) -> None:
+        """Asks for ``run`` to be refreshed soon (at most once per run)."""
+        with self._lock:
+            self._jobs[(experiment, run)] = ctx
+        self._wake.set()
+
+    def _take_jobs(self) -> dict[tuple[str, str], Any]:
+        with self._lock:
+            jobs, self._jobs = self._jobs, {}
+        return jobs
+
+    def _loop(self) -> None:
+        while True:
+            plugin = self._plugin()
+            if plugin is None:
+                return
+            self._wake.clear()
+            try:
+                plugin._background_round(self._take_jobs())
+            except Exception:  # noqa: BLE001 - the refresher must outlive any failure
+                logger.exception("numerics: background refresh failed")
+            period = plugin._refresh_period()
+            del plugin
+            self._wake.wait(period)
 
 
 def _decode(data: list) -> tuple[np.ndarray, np.ndarray | list]:
@@ -250,11 +356,16 @@ class NumericsPlugin(base_plugin.TBPlugin):
         self._sample_limit = hint if hint else None
         self._caches: dict[tuple[str, str], _RunCache] = {}
         self._listings: dict[tuple, tuple[float, dict]] = {}
+        reload_interval = max(0.0, float(getattr(context.flags, "reload_interval", 5.0) or 0))
         # Half TensorBoard's reload interval, at most 1 s (0: always re-list).
-        reload_interval = getattr(context.flags, "reload_interval", 5.0)
-        self._listing_ttl = min(1.0, max(0.0, float(reload_interval or 0)) / 2)
+        self._listing_ttl = min(1.0, reload_interval / 2)
+        # The refresher looks for new records once per reload, at most once a second.
+        self._reload_interval = max(1.0, reload_interval)
+        self._listing_seconds = 0.0  # how long listing every run took last time
         self._caches_lock = threading.Lock()
         self._frontend_dir = _frontend_dir()
+        # Started now so that caches are warm by the time the tab is opened.
+        self._refresher = _Refresher(self) if self._data_provider is not None else None
 
     # ---------------------------------------------------------- TBPlugin
 
@@ -310,6 +421,8 @@ class NumericsPlugin(base_plugin.TBPlugin):
             run_tag_filter=provider.RunTagFilter(runs=runs),
         )
         with self._caches_lock:
+            if runs is None:
+                self._listing_seconds = time.monotonic() - now
             if len(self._listings) > 1000:
                 self._listings.clear()
             self._listings[key] = (now, listing)
@@ -319,45 +432,82 @@ class NumericsPlugin(base_plugin.TBPlugin):
         with self._caches_lock:
             return self._caches.setdefault((experiment, run), _RunCache())
 
-    def _refresh(self, ctx, experiment: str, run: str, listing: Mapping[str, Any]) -> _RunCache:
-        """Brings a run's cached records up to date with the provider's listing.
+    def _forget_missing(self, experiment: str, listing: Mapping[str, Any]) -> None:
+        """Drops the caches of runs that left the logdir."""
+        with self._caches_lock:
+            for key in [k for k in self._caches if k[0] == experiment and k[1] not in listing]:
+                del self._caches[key]
 
-        Only tags whose listing entry (last step, last wall time, metadata)
-        changed are read again; a run that did not grow costs one listing.
+    def _refresh_period(self) -> float:
+        """Seconds between the refresher's rounds: TensorBoard's reload
+        interval, and at least 4x the cost of listing (so that watching a
+        huge logdir takes at most a fifth of a core)."""
+        return max(self._reload_interval, 4 * self._listing_seconds)
+
+    def _extra_problems(self) -> list[str]:
+        if not self._sample_limit:
+            return []
+        return [
+            "TensorBoard keeps only %d records per tensor (--samples_per_plugin "
+            "numerics=%d): the first anomaly may be missing; restart TensorBoard "
+            "without that setting to keep every record" % (self._sample_limit, self._sample_limit)
+        ]
+
+    def _run_refresh(
+        self, ctx, experiment: str, run: str, cache: _RunCache, old: _Snapshot | None,
+        listing: Mapping[str, Any], done: threading.Event,
+    ) -> _Snapshot:
+        """Reads what changed since ``old`` and makes it the run's snapshot.
+
+        The caller has claimed the refresh (``cache.refreshing is done``);
+        it is released here whatever happens.
         """
-        cache = self._cache(experiment, run)
-        with cache.lock:
-            changed = False
-            for tag in [t for t in cache.tags if t not in listing]:
-                del cache.tags[tag]
-                changed = True
-            to_read: dict[str, tuple[tuple, metadata.TensorInfo]] = {}
-            for tag, ts in listing.items():
-                version = (ts.max_step, ts.max_wall_time, ts.plugin_content)
-                old = cache.tags.get(tag)
-                if old is not None and old.version == version:
+        try:
+            snap = self._read_snapshot(ctx, experiment, run, old, listing)
+            with cache.lock:
+                cache.snapshot = snap
+                cache.next_background = time.monotonic() + self._reload_interval
+            return snap
+        except Exception:
+            with cache.lock:
+                cache.next_background = time.monotonic() + _RETRY_AFTER_FAILURE_S
+            raise
+        finally:
+            with cache.lock:
+                cache.refreshing = None
+            done.set()
+
+    def _read_snapshot(
+        self, ctx, experiment: str, run: str, old: _Snapshot | None, listing: Mapping[str, Any]
+    ) -> _Snapshot:
+        """A snapshot of ``listing``: tags unchanged since ``old`` are shared,
+        the others read again (whole: the data provider has no "steps after N")."""
+        tags: dict[str, _TagData] = {}
+        to_read: dict[str, tuple[tuple, metadata.TensorInfo]] = {}
+        for tag, ts in listing.items():
+            version = _version(ts)
+            prev = old.tags.get(tag) if old is not None else None
+            if prev is not None and prev.version == version:
+                tags[tag] = prev
+                continue
+            try:
+                info = metadata.parse_plugin_metadata(ts.plugin_content, ts.description or "")
+            except metadata.FormatError as e:
+                tags[tag] = _TagData(version, None, ["%s: %s" % (tag, e)])
+                continue
+            to_read[tag] = (version, info)
+        for batch in _batches(to_read, listing):
+            data, unreadable = self._read_tags(ctx, experiment, run, batch)
+            for tag in batch:
+                version, info = to_read[tag]
+                if tag in unreadable:
+                    tags[tag] = _TagData(version, None, [unreadable[tag]])
                     continue
-                changed = True
-                try:
-                    info = metadata.parse_plugin_metadata(ts.plugin_content, ts.description or "")
-                except metadata.FormatError as e:
-                    cache.tags[tag] = _TagData(version, None, ["%s: %s" % (tag, e)])
-                    continue
-                to_read[tag] = (version, info)
-            for batch in _batches(to_read, listing):
-                data, unreadable = self._read_tags(ctx, experiment, run, batch)
-                for tag in batch:
-                    version, info = to_read[tag]
-                    if tag in unreadable:
-                        cache.tags[tag] = _TagData(version, None, [unreadable[tag]])
-                        continue
-                    problems: list[str] = []
-                    steps, values = _decode(data.get(tag, []))
-                    series = analysis.make_series(tag, info, steps, values, problems)
-                    cache.tags[tag] = _TagData(version, series, problems)
-            if changed:
-                cache.analyses.clear()
-        return cache
+                problems: list[str] = []
+                steps, values = _decode(data.pop(tag, []))
+                series = analysis.make_series(tag, info, steps, values, problems)
+                tags[tag] = _TagData(version, series, problems)
+        return _Snapshot(tags)
 
     def _read_tags(self, ctx, experiment: str, run: str, tags: list[str]) -> tuple[dict, dict[str, str]]:
         """Every record of ``tags``, and a problem for each tag that cannot be read.
@@ -389,34 +539,82 @@ class NumericsPlugin(base_plugin.TBPlugin):
                 logger.warning("numerics: run %r: %s", run, unreadable[tag])
         return data, unreadable
 
-    def _analysis(
+    def _answer(
         self, ctx, experiment: str, run: str, sr: analysis.SafeRange, listing: Mapping | None = None
-    ) -> analysis.RunAnalysis:
-        """The run's analysis under ``sr``, recomputed only when the run grew."""
+    ) -> _Answer:
+        """The run's analysis under ``sr``: current, or the previous one while a long refresh runs.
+
+        - The snapshot matches TensorBoard's listing: its (cached) analysis.
+        - It is out of date and refreshing would be quick, or there is none
+          yet: this request reads (or waits for the refresh under way).
+        - It is out of date and a refresh is under way or would be long: the
+          previous analysis at once, marked stale; the refresher catches up.
+        """
         if listing is None:
             listing = self._listing(ctx, experiment, [run]).get(run)
             if not listing:
                 raise _not_found("no numerics data for run %r" % run)
-        cache = self._refresh(ctx, experiment, run, listing)
+        latest = max(int(ts.max_step) for ts in listing.values())
+        cache = self._cache(experiment, run)
+        while True:
+            with cache.lock:
+                cache.recent[sr] = None
+                cache.recent.move_to_end(sr)
+                while len(cache.recent) > _ANALYSES_PER_RUN:
+                    cache.recent.popitem(last=False)
+                snap, in_flight, claim = cache.snapshot, cache.refreshing, None
+                fresh = snap is not None and snap.matches(listing)
+                if not fresh and in_flight is None and (
+                    snap is None or _read_cost(snap, listing) <= _INLINE_READ_RECORDS
+                ):
+                    claim = cache.refreshing = threading.Event()
+            if claim is not None:
+                snap = self._run_refresh(ctx, experiment, run, cache, snap, listing, claim)
+                fresh = True
+            elif not fresh and snap is None:
+                in_flight.wait()  # no records yet: the refresh under way reads them
+                continue
+            elif not fresh and in_flight is None:
+                self._refresher.request(ctx, experiment, run)
+            ra = snap.analysis(run, sr, self._extra_problems())
+            return _Answer(ra, not fresh, snap.as_of_step, latest)
+
+    def _background_round(self, jobs: Mapping[tuple[str, str], Any]) -> None:
+        """One round of the refresher: the runs requests asked for, then every
+        run of TensorBoard's experiment whose records changed."""
+        for (experiment, run), ctx in jobs.items():
+            listing = self._listing(ctx, experiment, [run]).get(run)
+            if listing:
+                self._refresh_in_background(ctx, experiment, run, listing, asked=True)
+        ctx = tb_context.RequestContext()
+        listing = self._listing(ctx, "", None)
+        self._forget_missing("", listing)
+        for run, tags in sorted(listing.items()):
+            if tags:
+                self._refresh_in_background(ctx, "", run, tags, asked=False)
+
+    def _refresh_in_background(
+        self, ctx, experiment: str, run: str, listing: Mapping[str, Any], asked: bool
+    ) -> None:
+        """Refreshes a run that changed, unless a refresh of it is under way or
+        (when no request asked) it was refreshed less than a reload ago; then
+        computes the analyses asked for lately so that the next request is instant.
+        A failure is logged and retried later."""
+        cache = self._cache(experiment, run)
         with cache.lock:
-            hit = cache.analyses.get(sr)
-            if hit is not None:
-                cache.analyses.move_to_end(sr)
-                return hit
-            problems = [p for t in cache.tags.values() for p in t.problems]
-            if self._sample_limit:
-                problems.append(
-                    "TensorBoard keeps only %d records per tensor (--samples_per_plugin "
-                    "numerics=%d): the first anomaly may be missing; restart TensorBoard "
-                    "without that setting to keep every record" % (self._sample_limit, self._sample_limit)
-                )
-            series = [t.series for t in cache.tags.values() if t.series is not None]
-            ra = analysis.analyze_run(run, series, sr, problems)
-            cache.analyses[sr] = ra
-            cache.analyses.move_to_end(sr)
-            while len(cache.analyses) > _ANALYSES_PER_RUN:
-                cache.analyses.popitem(last=False)
-            return ra
+            old = cache.snapshot
+            if cache.refreshing is not None or (old is not None and old.matches(listing)):
+                return
+            if not asked and time.monotonic() < cache.next_background:
+                return
+            done = cache.refreshing = threading.Event()
+            recent = list(cache.recent)[-1:]
+        try:
+            snap = self._run_refresh(ctx, experiment, run, cache, old, listing, done)
+            for sr in dict.fromkeys([analysis.SafeRange(), *recent]):
+                snap.analysis(run, sr, self._extra_problems())
+        except Exception:  # noqa: BLE001 - one bad run must not stop the others
+            logger.exception("numerics: background refresh of run %r failed", run)
 
     # ---------------------------------------------------------- impls
 
@@ -431,14 +629,13 @@ class NumericsPlugin(base_plugin.TBPlugin):
     def runs_impl(self, ctx, experiment: str, sr: analysis.SafeRange) -> dict[str, Any]:
         """Every run with numerics records and its headline health."""
         listing = self._listing(ctx, experiment, None)
-        with self._caches_lock:  # forget runs that left the logdir
-            for key in [k for k in self._caches if k[0] == experiment and k[1] not in listing]:
-                del self._caches[key]
+        self._forget_missing(experiment, listing)
         runs = []
         for run in sorted(listing):
             if not listing[run]:
                 continue
-            s = analysis.run_summary(self._analysis(ctx, experiment, run, sr, listing[run]))
+            answer = self._answer(ctx, experiment, run, sr, listing[run])
+            s = analysis.run_summary(answer.analysis)
             runs.append(
                 {
                     "run": run,
@@ -449,14 +646,17 @@ class NumericsPlugin(base_plugin.TBPlugin):
                     "first_anomaly_step": (s["first_anomaly"] or {}).get("step"),
                     "first_warning_step": (s["first_warning"] or {}).get("step"),
                     "problems": s["problems"],
+                    **answer.freshness(),
                 }
             )
         return {"runs": runs}
 
     def summary_impl(self, ctx, experiment: str, run: str, sr: analysis.SafeRange) -> dict[str, Any]:
         """The run's first anomaly and first warning (as ``report --json``)."""
-        summary = analysis.run_summary(self._analysis(ctx, experiment, run, sr))
+        answer = self._answer(ctx, experiment, run, sr)
+        summary = analysis.run_summary(answer.analysis)
         summary["safe_range"] = analysis.safe_range_to_json(sr)
+        summary.update(answer.freshness())
         return summary
 
     def timeline_impl(
@@ -470,8 +670,10 @@ class NumericsPlugin(base_plugin.TBPlugin):
         end: int | None,
     ) -> dict[str, Any]:
         """Worst health per tensor and step bucket, rows in execution order."""
-        out = analysis.timeline(self._analysis(ctx, experiment, run, sr), width, start, end)
+        answer = self._answer(ctx, experiment, run, sr)
+        out = analysis.timeline(answer.analysis, width, start, end)
         out["legend"] = {str(c): analysis.health_name(c) for c in (-1, 0, 1, 2)}
+        out.update(answer.freshness())
         return out
 
     def series_impl(
@@ -486,8 +688,8 @@ class NumericsPlugin(base_plugin.TBPlugin):
         max_points: int,
     ) -> dict[str, Any]:
         """One tensor's statistics over a step range, bucketed to ``max_points``."""
-        ra = self._analysis(ctx, experiment, run, sr)
-        h = ra.find(tag)
+        answer = self._answer(ctx, experiment, run, sr)
+        h = answer.analysis.find(tag)
         if h is None:
             raise _not_found("no numerics data for tensor %r in run %r" % (tag, run))
         st = h.series.steps
@@ -498,6 +700,7 @@ class NumericsPlugin(base_plugin.TBPlugin):
             "tensor": tag,
             "info": h.series.info.to_json(),
             **_series_points(st[lo:hi], h.series.values[lo:hi], h.codes[lo:hi], h.kinds[lo:hi], max_points),
+            **answer.freshness(),
         }
 
     # ---------------------------------------------------------- routes
@@ -601,6 +804,15 @@ def _batches(to_read: Mapping[str, Any], listing: Mapping[str, Any]) -> list[lis
             batches.append([tag])
             size = est
     return batches
+
+
+def _read_cost(snap: _Snapshot, listing: Mapping[str, Any]) -> int:
+    """Records to read to bring ``snap`` up to ``listing`` (estimated as in ``_batches``)."""
+    return sum(
+        max(1, int(ts.max_step) + 1)
+        for tag, ts in listing.items()
+        if (t := snap.tags.get(tag)) is None or t.version != _version(ts)
+    )
 
 
 def _series_points(

@@ -188,6 +188,7 @@ def test_summary_matches_the_cli_report(tb, logdir):
     for run in ("bad", "good"):
         got = tb.ok(P + "/summary", run=run, max_abs="1.2")
         assert got.pop("safe_range")["max_abs"] == 1.2
+        assert (got.pop("stale"), got.pop("as_of_step"), got.pop("latest_step")) == (False, *[expected[run]["last_step"]] * 2)
         assert got == json.loads(json.dumps(expected[run]))
 
 
@@ -319,15 +320,17 @@ def test_run_growth_is_picked_up_on_reload(tmp_path):
     assert live.ok(P + "/summary", run="live")["first_anomaly"] is None
     ctx = (RequestContext(), "")
     plug = live.plugin
-    first = plug._analysis(*ctx, "live", analysis.SafeRange())
-    assert plug._analysis(*ctx, "live", analysis.SafeRange()) is first  # cached: nothing re-read
+    first = plug._answer(*ctx, "live", analysis.SafeRange()).analysis
+    assert plug._answer(*ctx, "live", analysis.SafeRange()).analysis is first  # cached: nothing re-read
 
     write_steps(w, range(20, 40), 33)
     w.close()
     live.reload()
+    # A small growth is read by the request itself: the answer is complete at once.
     s = live.ok(P + "/summary", run="live")
     assert (s["last_step"], s["first_anomaly"]["step"]) == (39, 33)
-    assert plug._analysis(*ctx, "live", analysis.SafeRange()) is not first
+    assert (s["stale"], s["as_of_step"], s["latest_step"]) == (False, 39, 39)
+    assert plug._answer(*ctx, "live", analysis.SafeRange()).analysis is not first
 
 
 def _raw_numerics_event(tag: str, step: int, content: bytes, vec: np.ndarray) -> event_pb2.Event:

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
+import time
 import urllib.parse
 
 import numpy as np
@@ -24,6 +26,8 @@ from tb_process import tensorboard, wait_for
 P = "/data/plugin/numerics"
 STEPS = 10_000
 NAN_STEP = 7_777
+# Keys a route adds to the CLI's summary: the parameters, and how current the answer is.
+FRESHNESS = ("safe_range", "stale", "as_of_step", "latest_step")
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +73,8 @@ def test_first_anomaly_of_a_long_run_in_real_tensorboard(logdir, cli_report, loa
         a = summary["first_anomaly"]
         assert (a["step"], a["tensor"], a["last_healthy_step"]) == (NAN_STEP, "loss", NAN_STEP - 1)
         assert summary["problems"] == []
-        assert {k: v for k, v in summary.items() if k != "safe_range"} == cli_report["long"]
+        assert summary["stale"] is False
+        assert {k: v for k, v in summary.items() if k not in FRESHNESS} == cli_report["long"]
 
         runs = tb.get_json(P + "/runs")["runs"]
         assert [(r["run"], r["first_anomaly_step"]) for r in runs] == [("long", NAN_STEP)]
@@ -108,3 +113,62 @@ def test_run_written_while_tensorboard_runs_appears_on_reload(tmp_path, load_fas
         w.close()
         s = wait_for(lambda: (s := tb.get_json(P + "/summary?run=a"))["last_step"] == 11 and s)
         assert s["first_anomaly"]["step"] == 9 and s["first_anomaly"]["last_healthy_step"] == 8
+
+
+@pytest.mark.parametrize("load_fast", [True, False], ids=["rust", "python"])
+def test_grown_run_is_served_stale_then_fresh(tmp_path, load_fast):
+    """A big run grows: while it is read again, answers come at once from the
+    previous records, marked stale; then the complete answer, equal to the CLI's."""
+    logdir = str(tmp_path / "logs")
+    steps, tags = 40_000, 5  # 200,000 records: reading them takes seconds, not milliseconds
+    infos = [(f"layer{i}/output", metadata.TensorInfo(role="activation", order=i)) for i in range(tags)]
+    healthy = numpy_stats(np.float32([0.5, -1.0]))
+    w = NumericsRecordWriter(os.path.join(logdir, "grow"))
+    for step in range(steps):
+        for tag, info in infos:
+            w.write(tag, step, healthy, info)
+    w.flush()
+    with tensorboard(logdir, load_fast=load_fast, reload_interval=1) as tb:
+        # No cache yet: the first complete answer is read by the request (or waits for the refresher).
+        first = wait_for(lambda: (s := tb.get_json(P + "/summary?run=grow", timeout=300))["records"] == steps * tags and s,
+                         timeout=300)
+        assert (first["stale"], first["as_of_step"], first["first_anomaly"]) == (False, steps - 1, None)
+
+        nan_step = steps + 2
+        for step in range(steps, steps + 5):
+            for tag, info in infos:
+                x = [np.nan, 1.0] if (step, tag) == (nan_step, "layer3/output") else [0.5, -1.0]
+                w.write(tag, step, numpy_stats(np.float32(x)), info)
+        w.close()
+
+        answers, timelines = [], []
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            s = tb.get_json(P + "/summary?run=grow", timeout=300)
+            answers.append(s)
+            if s["stale"] and not timelines:
+                timelines.append(tb.get_json(P + "/timeline?run=grow&width=10", timeout=300))
+            if not s["stale"] and s["last_step"] == steps + 4:
+                break
+            time.sleep(0.05)
+        stale = [a for a in answers if a["stale"]]
+        assert stale, "no answer was served while the grown run was read again"
+        for a in stale:  # the previous analysis, saying how far it goes
+            assert (a["as_of_step"], a["last_step"], a["records"]) == (steps - 1, steps - 1, steps * tags)
+            assert a["latest_step"] == steps + 4 and a["first_anomaly"] is None
+        t = timelines[0]
+        assert t["bucket_end"][-1] == steps - 1 and (not t["stale"] or t["as_of_step"] == steps - 1)
+        # Complete answers on the old records (TensorBoard had not reloaded yet),
+        # then stale ones, then the complete answer on every record: in that order.
+        kinds = "".join("s" if a["stale"] else ("o" if a["last_step"] == steps - 1 else "n") for a in answers)
+        assert re.fullmatch("o*s+n", kinds), kinds
+        final = answers[-1]
+        assert (final["stale"], final["as_of_step"], final["latest_step"]) == (False, steps + 4, steps + 4)
+        assert final["first_anomaly"]["step"] == nan_step
+
+    out = subprocess.run(
+        [sys.executable, "-m", "tb_numerics.cli", "report", "--json", logdir],
+        capture_output=True, text=True, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+    )
+    (cli_run,) = json.loads(out.stdout)["runs"]
+    assert {k: v for k, v in final.items() if k not in FRESHNESS} == cli_run
