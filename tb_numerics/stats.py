@@ -72,12 +72,13 @@ def tensor_stats(x: tf.Tensor, name: str) -> tf.Tensor:
     sum, sum of squares) are over the finite elements; min and max are NaN
     where there are none (an empty or all-NaN tensor).
 
-    How: six reductions and no elementwise pass over the tensor in the
-    healthy case (elementwise ops, which write a tensor-sized result, cost
+    How: at most six reductions and no elementwise pass over the tensor in
+    the healthy case (elementwise ops, which write a tensor-sized result, cost
     far more here than reductions): the sum; the sum of squares as a dot
     product (which is finite exactly when no element is NaN or Inf and no
     square overflows); and min and max of the tensor's bits viewed as signed
-    and as unsigned integers (free views). Those four give the exact float
+    and as unsigned integers (free views; a tensor with no sign bit set, such
+    as a ReLU output, needs only two of them). They give the exact float
     min and max (also with subnormals, which float compares on a
     denormals-are-zero CPU do not see) and the smallest magnitude: only a
     tensor whose smallest magnitude is below the smallest normal (it holds a
@@ -104,8 +105,7 @@ def tensor_stats(x: tf.Tensor, name: str) -> tf.Tensor:
         total_sq = tf.reshape(tf.matmul(row, row, transpose_b=True), [])
         signed = tf.bitcast(flat, int_t)
         unsigned = tf.bitcast(flat, uint_t)
-        s_min, s_max = tf.reduce_min(signed), tf.reduce_max(signed)
-        u_min, u_max = tf.reduce_min(unsigned), tf.reduce_max(unsigned)
+        u_max = tf.reduce_max(unsigned)
 
         # Counts are summed in the magnitude's own integer type: int32 for
         # float32 bits where the static size is below 2**31 (exact, and
@@ -148,14 +148,28 @@ def tensor_stats(x: tf.Tensor, name: str) -> tf.Tensor:
         def healthy() -> tf.Tensor:
             # Unsigned order: +0 < positives < -0 < negatives by magnitude;
             # signed order: negatives by decreasing magnitude < +0 < positives.
-            # An empty tensor yields NaN bit patterns for both.
-            lo_bits = tf.where(u_max >= sign_bit, u_max, tf.bitcast(s_min, uint_t))
-            hi_bits = tf.where(s_max >= 0, tf.bitcast(s_max, uint_t), u_min)
-            lo_hi = _bits_to_float64(tf.stack([lo_bits, hi_bits]), acc)
-            mag_min = tf.minimum(
-                tf.bitwise.bitwise_and(s_min, tf.constant(magnitude_mask, int_t)),
-                tf.bitwise.bitwise_and(tf.bitcast(u_min, int_t), tf.constant(magnitude_mask, int_t)),
-            )
+            mask = tf.constant(magnitude_mask, int_t)
+
+            def nonnegative():
+                # No sign bit set (e.g. ReLU outputs): both orders are the
+                # float order, and the min is the smallest magnitude. An
+                # empty tensor has s_min = the largest int, a NaN pattern.
+                s_min = tf.reduce_min(signed)
+                lo_bits = tf.bitcast(s_min, uint_t)
+                hi_bits = tf.where(lo_bits <= u_max, u_max, lo_bits)
+                return tf.stack([lo_bits, hi_bits]), s_min
+
+            def mixed():
+                s_min, s_max, u_min = tf.reduce_min(signed), tf.reduce_max(signed), tf.reduce_min(unsigned)
+                hi_bits = tf.where(s_max >= 0, tf.bitcast(s_max, uint_t), u_min)
+                mag_min = tf.minimum(
+                    tf.bitwise.bitwise_and(s_min, mask),
+                    tf.bitwise.bitwise_and(tf.bitcast(u_min, int_t), mask),
+                )
+                return tf.stack([u_max, hi_bits]), mag_min
+
+            lo_hi_bits, mag_min = tf.cond(u_max < sign_bit, nonnegative, mixed)
+            lo_hi = _bits_to_float64(lo_hi_bits, acc)
             small = zeros_and_underflow(mag_min)
             if dtype == "float16":
                 # The only dtype whose margin lies below the largest value
