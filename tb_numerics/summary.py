@@ -297,7 +297,8 @@ def _gated_compute(fn) -> tf.Tensor:
     return smart_cond.smart_cond(tf.summary.should_record_summaries(), fn, lambda: tf.constant(False))
 
 
-def _gradient_tag(variable) -> str:
+def gradient_tag(variable) -> str:
+    """The tag of a variable's gradient: ``gradients/<variable path>``."""
     path = getattr(variable, "path", None)  # Keras 3 variables
     if not path:
         path = variable.name
@@ -335,7 +336,7 @@ def log_gradients(grads: Sequence, variables: Sequence, step=None, *, every_n_st
             continue
         if isinstance(g, tf.IndexedSlices):
             g = g.values
-        tag = _gradient_tag(v)
+        tag = gradient_tag(v)
         g = tf.convert_to_tensor(g)
         pairs.append((tag, g, stats.check_dtype(g, tag)))
     writer = _default_writer()
@@ -352,15 +353,19 @@ def log_gradients(grads: Sequence, variables: Sequence, step=None, *, every_n_st
 
     def compute_and_emit() -> tf.Tensor:
         vecs = [_combine(stats.tensor_stats(g, tag)) for tag, g, _ in pairs]
-        norm = _global_norm(tf.stack(vecs), norm_dtype)
+        norm = global_norm_of_stats(tf.stack(vecs), norm_dtype)
         records = list(zip(states, vecs)) + [(norm_state, stats.tensor_stats(norm, "global_norm"))]
         return _emit(records, step, every_n)
 
     return _gated_compute(compute_and_emit)
 
 
-def _global_norm(vecs: tf.Tensor, dtype: str) -> tf.Tensor:
-    """sqrt of the summed squares; NaN if any element is NaN, else Inf if any is Inf."""
+def global_norm_of_stats(vecs: tf.Tensor, dtype: str) -> tf.Tensor:
+    """The global L2 norm of tensors from their records ``vecs`` [n, F].
+
+    sqrt of the summed squares; NaN if any element is NaN, else Inf if any
+    is Inf (as ``tf.linalg.global_norm``), with no extra pass over the data.
+    """
     nan = tf.reduce_sum(vecs[:, F["nan"]])
     inf = tf.reduce_sum(vecs[:, F["posinf"]] + vecs[:, F["neginf"]])
     norm = tf.sqrt(tf.reduce_sum(vecs[:, F["sum_sq"]]))

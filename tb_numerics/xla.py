@@ -75,11 +75,11 @@ class CompiledStats:
                 continue
             if isinstance(g, tf.IndexedSlices):
                 g = g.values
-            named[summary._gradient_tag(v)] = g  # pylint: disable=protected-access
+            named[summary.gradient_tag(v)] = g
         out = self.collect(named, role="gradient")
         if out:
             norm_dtype = "float64" if any(self._infos[t].dtype == "float64" for t in out) else "float32"
-            norm = summary._global_norm(tf.stack(list(out.values())), norm_dtype)  # pylint: disable=protected-access
+            norm = summary.global_norm_of_stats(tf.stack(list(out.values())), norm_dtype)
             out.update(self.collect({"gradients/global_norm": norm}, role="global_norm"))
         return out
 
