@@ -318,6 +318,13 @@ def _decode(data: list) -> tuple[np.ndarray, np.ndarray | list]:
     return steps, rows
 
 
+def _log_new_problems(run: str, prev: "_TagData | None", problems: list[str]) -> None:
+    """Logs a tag's problems to the server log once: those its previous read had not."""
+    for p in problems:
+        if prev is None or p not in prev.problems:
+            logger.warning("numerics: run %r: %s", run, p)
+
+
 def _route(impl: Callable) -> Callable:
     """Wraps a handler: JSON errors for bad requests, never a traceback."""
 
@@ -494,6 +501,7 @@ class NumericsPlugin(base_plugin.TBPlugin):
                 info = metadata.parse_plugin_metadata(ts.plugin_content, ts.description or "")
             except metadata.FormatError as e:
                 tags[tag] = _TagData(version, None, ["%s: %s" % (tag, e)])
+                _log_new_problems(run, prev, tags[tag].problems)
                 continue
             to_read[tag] = (version, info)
         for batch in _batches(to_read, listing):
@@ -507,6 +515,7 @@ class NumericsPlugin(base_plugin.TBPlugin):
                 steps, values = _decode(data.pop(tag, []))
                 series = analysis.make_series(tag, info, steps, values, problems)
                 tags[tag] = _TagData(version, series, problems)
+                _log_new_problems(run, old.tags.get(tag) if old is not None else None, problems)
         return _Snapshot(tags)
 
     def _read_tags(self, ctx, experiment: str, run: str, tags: list[str]) -> tuple[dict, dict[str, str]]:

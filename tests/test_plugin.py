@@ -9,6 +9,7 @@ the flags (running ``NumericsLoader.fix_flags``), TensorBoard's
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import subprocess
@@ -344,7 +345,7 @@ def _raw_numerics_event(tag: str, step: int, content: bytes, vec: np.ndarray) ->
     return event_pb2.Event(step=step, summary=summary_pb2.Summary(value=[value]))
 
 
-def test_unreadable_metadata_is_skipped_and_reported(tmp_path):
+def test_unreadable_metadata_is_skipped_and_reported(tmp_path, caplog):
     run_dir = str(tmp_path / "run")
     write_run(run_dir, range(10), 7)
     w = EventFileWriter(run_dir, filename_suffix=".other")
@@ -358,6 +359,14 @@ def test_unreadable_metadata_is_skipped_and_reported(tmp_path):
     assert s["first_anomaly"]["step"] == 7 and s["tensors"] == 3
     assert any(p.startswith("from_the_future:") and "newer" in p for p in s["problems"])
     assert any(p.startswith("garbage:") for p in s["problems"])
+    # The server log says it too, once, however often the run is asked for.
+    caplog.clear()
+    tb = TB(str(tmp_path))
+    with caplog.at_level(logging.WARNING, logger="tb_numerics.plugin"):
+        for _ in range(3):
+            tb.ok(P + "/summary", run="run")
+    logged = [r.getMessage() for r in caplog.records if "from_the_future" in r.getMessage()]
+    assert len(logged) == 1 and "newer" in logged[0]
 
 
 # ------------------------------------------------------------- frontend files
