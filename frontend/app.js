@@ -14,6 +14,8 @@ import { Timeline, legend } from "./timeline.js";
 
 // Runs shown when the link names none: enough to compare, few enough to stay fast.
 const DEFAULT_RUNS = 4;
+// How often to ask again while the server is still reading a grown run.
+const STALE_POLL_MS = 2000;
 const EMPTY_MESSAGE =
   "No numerics in this logdir yet: call tb_numerics.log_numerics(...) in your training step " +
   "and point TensorBoard at its logdir.";
@@ -164,6 +166,23 @@ export class Dashboard {
     this.busy.textContent = "";
     this.pickDefaultSelection();
     this.applySelection();
+    this.followStale(gen, items);
+  }
+
+  /**
+   * A big run that grew is answered from its previous records while the
+   * server reads the new ones ("stale"): say so, and ask again until the
+   * answer is complete, unless the user has moved on (a newer generation).
+   */
+  followStale(gen, items) {
+    const stale = items.filter((i) => i.summary && i.summary.stale);
+    if (!stale.length) return;
+    this.busy.textContent = "Updating: " + stale
+      .map((i) => `${i.run} read up to step ${fmt.count(i.summary.as_of_step ?? 0)} of ${fmt.count(i.summary.latest_step ?? 0)}`)
+      .join("; ") + "…";
+    setTimeout(() => {
+      if (gen === this.generation) this.loadRuns();
+    }, STALE_POLL_MS);
   }
 
   buildTimelines() {
