@@ -450,10 +450,19 @@ def fit_callback_n100(b: Bench):
     return _fit_loop(b, [NumericsCallback(b.logdir("fit_callback_n100"), every_n_steps=100)])
 
 
+@mode("fit_callback_lean")
+def fit_callback_lean(b: Bench):
+    """NumericsCallback(weights=False, update_ratios=False): layer outputs and gradients only,
+    the same tensors as the "numerics" mode, to separate the callback's cost from the weights'."""
+    from tb_numerics.keras import NumericsCallback
+
+    return _fit_loop(b, [NumericsCallback(b.logdir("fit_callback_lean"), weights=False, update_ratios=False)])
+
+
 def _report_fit(med: dict[str, float], steps: dict[str, Callable]) -> None:
     if "fit" not in med:
         return
-    for name in ("fit_callback", "fit_callback_n100"):
+    for name in ("fit_callback", "fit_callback_n100", "fit_callback_lean"):
         if name in med:
             ratio = med[name] / med["fit"]
             print("%s / fit = %.3f (target <= 1.10): %s" % (name, ratio, "MET" if ratio <= 1.10 else "NOT MET"))

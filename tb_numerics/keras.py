@@ -85,6 +85,17 @@ def _layer_of_variables(model: keras.Model) -> dict[int, int]:
     return owner
 
 
+def _sq_norm(x: tf.Tensor) -> tf.Tensor:
+    """||x||^2 as float64, from one dot product (a single pass over x).
+
+    Half-precision inputs are widened first so that the sum cannot overflow.
+    """
+    flat = tf.reshape(x, [1, -1])
+    if flat.dtype in (tf.float16, tf.bfloat16):
+        flat = tf.cast(flat, tf.float32)
+    return tf.cast(tf.matmul(flat, flat, transpose_b=True)[0, 0], tf.float64)
+
+
 class NumericsCallback(keras.callbacks.Callback):
     """Logs per-layer activations, gradients, weights and update ratios during ``fit``.
 
@@ -193,8 +204,9 @@ class NumericsCallback(keras.callbacks.Callback):
         self._slots = max(1, int(getattr(model, "steps_per_execution", 1) or 1))
         s = self._slots
         self._stats_var = tf.Variable(tf.zeros([s, k, metadata.NUM_FIELDS], tf.float64), trainable=False)
-        # Per slot: _NUM_AUX numbers, then ||dw||^2 and ||w_old||^2 of each variable.
-        aux0 = np.zeros([s, _NUM_AUX + 2 * nv])
+        # Per slot: _NUM_AUX numbers, then (with update ratios) ||dw||^2 and
+        # ||w_old||^2 of each variable.
+        aux0 = np.zeros([s, _NUM_AUX + (2 * nv if self.update_ratios else 0)])
         aux0[:, 0] = -1
         self._aux_var = tf.Variable(aux0, dtype=tf.float64, trainable=False)
         self._calls = tf.Variable(0, dtype=tf.int64, trainable=False)
@@ -318,10 +330,11 @@ class NumericsCallback(keras.callbacks.Callback):
         skipped = tf.cast(tf.equal(its_after, its_before), tf.int64)
         step = its_before + self._skipped.read_value()
         norms = []
-        for s, v in zip(self._snapshots, self._vars):
-            new = tf.cast(tf.convert_to_tensor(v), tf.float64)
-            old = tf.cast(s.read_value(), tf.float64)
-            norms += [tf.reduce_sum(tf.square(new - old)), tf.reduce_sum(tf.square(old))]
+        for j, (s, v) in enumerate(zip(self._snapshots, self._vars)):
+            old = s.read_value()
+            # ||w_old||^2 is the weights record's sum of squares when there is one.
+            w2 = rows[self._weight_row0 + j][F["sum_sq"]] if self.weights else _sq_norm(old)
+            norms += [_sq_norm(tf.convert_to_tensor(v) - old), w2]
         call = self._calls.read_value()
         aux = tf.concat(
             [

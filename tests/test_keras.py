@@ -66,10 +66,26 @@ def test_per_layer_records_in_layer_order(tmp_path, kind):
     assert a[0, 0] == 8 * 16
     ratio = ra.find("update_ratio/a").series.values[:, 5]
     assert np.all((ratio > 0) & (ratio < 1))
+    # With SGD, dw = -lr * g: the ratio is lr * ||g|| / ||w|| from the same step's records.
+    sq = lambda tag: ra.find(prefix + tag).series.values[:, 7]  # noqa: E731  sum of squares
+    g2 = ra.find("gradients/%sa/kernel" % prefix).series.values[:, 7] + ra.find("gradients/%sa/bias" % prefix).series.values[:, 7]
+    np.testing.assert_allclose(ratio, 0.01 * np.sqrt(g2 / (sq("a/kernel") + sq("a/bias"))), rtol=1e-4)
     assert analysis.first_anomaly(ra) is None
     # The model is left as it was: no wrapper outlives fit.
     assert "call" not in vars(model.get_layer("a"))
     assert "apply" not in vars(model.optimizer) and "train_step" not in vars(model)
+
+
+def test_callback_without_weights_or_update_ratios(tmp_path):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, name="a")])
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = _data()
+    cb = NumericsCallback(str(tmp_path), weights=False, update_ratios=False)
+    model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[cb])
+    ra = _analysis(tmp_path)
+    assert _tags(ra, "activation") == ["a/output"] and _tags(ra, "weight") == []
+    assert len(_tags(ra, "gradient")) == 2 and ra.find("gradients/global_norm") is not None
 
 
 def test_every_n_steps_keeps_first_bad_step_and_the_step_before(tmp_path):
