@@ -786,14 +786,24 @@ def _ids(request: wrappers.Request) -> tuple:
 
 
 def _frontend_dir() -> str | None:
-    """The folder of the installed ``tb_numerics.frontend`` package."""
+    """The folder of the dashboard's files.
+
+    Installed, that is the package ``tb_numerics.frontend``. When
+    ``tb_numerics`` is imported from a source checkout instead (``python -m
+    demo`` run from the repository's top shadows the installed package), the
+    files are in ``frontend/`` beside it.
+    """
     try:
         from tb_numerics import frontend
 
         return os.path.realpath(list(frontend.__path__)[0])
-    except Exception:  # noqa: BLE001 - no frontend: the routes still work
-        logger.warning("numerics: the frontend package is missing", exc_info=True)
-        return None
+    except ImportError:
+        pass
+    checkout = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "frontend")
+    if os.path.isfile(os.path.join(checkout, "index.js")):
+        return os.path.realpath(checkout)
+    logger.warning("numerics: the dashboard's files are missing: only the HTTP routes are served")
+    return None
 
 
 def _batches(to_read: Mapping[str, Any], listing: Mapping[str, Any]) -> list[list[str]]:

@@ -49,3 +49,24 @@ print("ok")
     p = subprocess.run([py, "-c", check], capture_output=True, text=True, timeout=120, env=env, cwd=str(tmp_path))
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "ok"
+
+
+def test_a_source_checkout_that_shadows_the_wheel_still_serves_the_dashboard(wheel, tmp_path):
+    """``python -m demo`` from the repository's top imports tb_numerics from the
+    checkout, where the frontend is not a subpackage: the plugin must still
+    find the dashboard's files (the README's first command does exactly this)."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
+    py = str(venv / "bin" / "python")
+    subprocess.run([py, "-m", "pip", "install", "--quiet", "--no-deps", wheel], check=True, timeout=300)
+    check = r"""
+import os, tb_numerics.plugin as p
+assert p.__file__.startswith(os.getcwd()), p.__file__
+d = p._frontend_dir()
+assert d and os.path.isfile(os.path.join(d, "index.js")), d
+print("ok")
+"""
+    env = dict(os.environ, PYTHONPATH=sysconfig.get_paths()["purelib"], TF_CPP_MIN_LOG_LEVEL="2")
+    p = subprocess.run([py, "-c", check], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "ok"
