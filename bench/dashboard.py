@@ -34,19 +34,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, os.pardir, "tests"))
 sys.path.insert(0, HERE)
 import backend  # noqa: E402 - bench/backend.py: the long run's writer
+import chromium  # noqa: E402 - tests/chromium.py: Debian's Chromium
 import tb_process  # noqa: E402
 
-CHROMIUM = "/usr/lib/chromium/chromium"
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 FIRST_PAINT_TARGET_S = 1.5
 
 # Each waits for a part of the page to hold data, then reads the page's own clock
@@ -99,7 +89,7 @@ def main() -> int:
             loaded = time.perf_counter() - t_start
             url = tb.url + "/data/plugin_entry.html?name=numerics"
             with sync_playwright() as pw:
-                browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+                browser = chromium.launch(pw)
                 try:
                     # The plugin reads and analyses every record for the first page.
                     cold = first_paint(browser, url, timeout_s=1800)

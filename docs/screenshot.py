@@ -11,9 +11,8 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, os.pardir, "tests"))
-sys.path.insert(0, os.path.join(HERE, os.pardir, "bench"))
+import chromium  # noqa: E402 - tests/chromium.py: Debian's Chromium
 import tb_process  # noqa: E402
-from dashboard import CHROMIUM, CHROMIUM_ARGS  # noqa: E402 - bench/dashboard.py
 
 # The exploding learning rate next to the same model trained sanely, max |x| on a log scale.
 VIEW = "#run=exploding_lr&run=healthy&log=1"
@@ -25,7 +24,7 @@ def main() -> int:
     logdir = sys.argv[1] if len(sys.argv) > 1 else "demo_logs"
     out = os.path.join(HERE, "dashboard.png")
     with tb_process.tensorboard(logdir) as tb, sync_playwright() as pw:
-        browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        browser = chromium.launch(pw)
         page = browser.new_page(viewport={"width": 1400, "height": 1000}, color_scheme="light")
         page.goto(tb.url + "/data/plugin_entry.html?name=numerics" + VIEW)
         page.wait_for_function("() => document.querySelector('.chart .chart-legend span') !== null", timeout=60_000)

@@ -18,25 +18,14 @@ import pytest
 
 playwright_api = pytest.importorskip("playwright.sync_api")
 
+import chromium  # noqa: E402
 import dashboard_logdir as data  # noqa: E402
 import tb_process  # noqa: E402
 
-CHROMIUM = "/usr/lib/chromium/chromium"
-CHROMIUM_ARGS = [
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 ENTRY = "/data/plugin_entry.html?name=numerics"
 TIMEOUT_MS = 20_000
 
-if not os.path.exists(CHROMIUM):
-    pytest.skip("Debian's chromium is not installed (apt-get install chromium)", allow_module_level=True)
+chromium.require()
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +40,7 @@ def tb(tmp_path_factory):
 @pytest.fixture(scope="module")
 def browser():
     with playwright_api.sync_playwright() as p:
-        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        b = chromium.launch(p)
         yield b
         b.close()
 

@@ -1,0 +1,35 @@
+"""Debian's Chromium for the dashboard's browser tests (never a downloaded browser)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+CHROMIUM = "/usr/lib/chromium/chromium"
+# Headless, and no background connections: this machine reaches no network.
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+def launch(playwright):
+    """A headless Chromium browser from Debian's package."""
+    return playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+
+
+def require() -> None:
+    """Skips browser tests where Chromium is missing, except in CI, where
+    scripts/test.sh installs it and a missing browser is a failure."""
+    if os.path.exists(CHROMIUM):
+        return
+    if os.environ.get("CI"):
+        pytest.fail("Debian's chromium is not installed at %s" % CHROMIUM, pytrace=False)
+    pytest.skip("Debian's chromium is not installed (apt-get install chromium)", allow_module_level=True)
