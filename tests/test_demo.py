@@ -40,6 +40,10 @@ ANOMALIES = {
     # The overshoot blows up: the last ReLU layer passes the float32 max.
     "exploding_lr": dict(step=5, tensor="dense_4/output", phase="forward",
                          nan=0, neginf=0, last_healthy_step=4),
+    # model.fit + NumericsCallback at lr 0.1: the gradient norm spikes 178x
+    # at step 5, 1e14x at 7, and the last hidden layer overflows at step 8.
+    "keras_fit": dict(step=8, tensor="dense_3/output", op_type="Dense", phase="forward",
+                      nan=0, posinf=192, neginf=0, size=4096, last_healthy_step=7),
     # The record holding 1e38 is read at step 20; its squared error is +Inf.
     "bad_input": dict(step=20, tensor="loss", phase="forward",
                       nan=0, posinf=1, neginf=0, size=1, last_healthy_step=19),
@@ -106,6 +110,14 @@ def test_exploding_lr_warns_before_the_anomaly(demo):
     warning = runs["exploding_lr"]["first_warning"]
     assert warning["step"] == 3 < runs["exploding_lr"]["first_anomaly"]["step"]
     assert (warning["tensor"], warning["kind"]) == ("gradients/global_norm", "gradient_spike")
+
+
+def test_keras_fit_warns_before_the_anomaly_and_hints_at_the_learning_rate(demo):
+    _, _, runs = demo
+    run = runs["keras_fit"]
+    assert run["first_warning"]["step"] == 5 < run["first_anomaly"]["step"]
+    assert (run["first_warning"]["tensor"], run["first_warning"]["kind"]) == ("gradients/global_norm", "gradient_spike")
+    assert "learning rate" in run["first_anomaly"]["hint"]
 
 
 def test_repeated_bn_fp16_warns_long_before_the_overflow(demo):

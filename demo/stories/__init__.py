@@ -13,7 +13,7 @@ import shutil
 import time
 from typing import Callable
 
-from demo.stories import cosine_zero_tower, gru_sqrt_loss, regression, repeated_bn_fp16, softmax_log
+from demo.stories import cosine_zero_tower, gru_sqrt_loss, keras_fit, regression, repeated_bn_fp16, softmax_log
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,6 +55,13 @@ STORIES = (
         regression.run_exploding_lr,
         cause="learning rate too large: each step overshoots more, the gradient norm spikes, activations overflow",
         fix="lower the learning rate (or clip gradients)",
+    ),
+    Story(
+        keras_fit.NAME,
+        keras_fit.run,
+        cause="the same too-large learning rate, trained with model.fit and NumericsCallback: "
+        "the gradient norm spikes, then a layer overflows",
+        fix="lower the learning rate, or clip gradients (clipnorm= on the optimizer)",
     ),
     Story(
         "healthy",
