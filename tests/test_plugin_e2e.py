@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 import time
@@ -153,15 +152,18 @@ def test_grown_run_is_served_stale_then_fresh(tmp_path, load_fast):
             time.sleep(0.05)
         stale = [a for a in answers if a["stale"]]
         assert stale, "no answer was served while the grown run was read again"
-        for a in stale:  # the previous analysis, saying how far it goes
-            assert (a["as_of_step"], a["last_step"], a["records"]) == (steps - 1, steps - 1, steps * tags)
-            assert a["latest_step"] == steps + 4 and a["first_anomaly"] is None
+        for a in stale:
+            # An earlier analysis, saying how far it goes. TensorBoard may see the
+            # append over two reloads, so it may already hold some new records.
+            assert steps - 1 <= a["as_of_step"] == a["last_step"] < a["latest_step"] <= steps + 4
+            assert steps * tags <= a["records"] < (steps + 5) * tags
+            assert a["first_anomaly"] is None or a["first_anomaly"]["step"] == nan_step
         t = timelines[0]
-        assert t["bucket_end"][-1] == steps - 1 and (not t["stale"] or t["as_of_step"] == steps - 1)
-        # Complete answers on the old records (TensorBoard had not reloaded yet),
-        # then stale ones, then the complete answer on every record: in that order.
-        kinds = "".join("s" if a["stale"] else ("o" if a["last_step"] == steps - 1 else "n") for a in answers)
-        assert re.fullmatch("o*s+n", kinds), kinds
+        assert t["bucket_end"][-1] < steps + 4 and (not t["stale"] or t["as_of_step"] == t["bucket_end"][-1])
+        # Answers never go back in time, and the old records come first.
+        records = [a["records"] for a in answers]
+        assert records == sorted(records)
+        assert answers[0]["last_step"] == steps - 1 or answers[0]["stale"]
         final = answers[-1]
         assert (final["stale"], final["as_of_step"], final["latest_step"]) == (False, steps + 4, steps + 4)
         assert final["first_anomaly"]["step"] == nan_step
