@@ -42,7 +42,7 @@ import tensorflow as tf
 from tensorflow.python.framework import smart_cond
 from tensorflow.python.ops import summary_ops_v2
 
-from tb_numerics import metadata, stats
+from tb_numerics import _tf_internal, metadata, stats
 
 F = metadata.FIELD_INDEX
 _NONFINITE = [F["nan"], F["posinf"], F["neginf"]]
@@ -64,15 +64,13 @@ class _TagState:
         """
         v = self._vars.get(key)
         if v is None:
-            with tf.init_scope():
-                v = tf.Variable(
-                    initial,
-                    trainable=False,
-                    name="tb_numerics_%s" % key,
-                    # Under tf.distribute every replica holds the same
-                    # (all-reduced) values; replica 0's update is kept.
-                    aggregation=tf.VariableAggregation.ONLY_FIRST_REPLICA,
-                )
+            # Not a tf.Variable seen by tf.function's creator scope: a retrace
+            # may meet new tags (an optimizer that builds its own variables on
+            # the first call makes tf.function trace again, with new ops for
+            # op_numerics), and tf.function refuses variables created on any
+            # trace but the first. The state is written once, outside the
+            # replicas (see _emit), so it needs no distributed variable either.
+            v = _tf_internal.untracked_variable(initial, "tb_numerics_%s" % key)
             self._vars[key] = v
         return v
 

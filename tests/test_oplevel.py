@@ -212,3 +212,30 @@ def test_eager_keras_layer_ops_are_recorded_at_the_user_line(tmp_path):
     (h,) = [h for h in _analysis(str(tmp_path)).health if h.series.info.op_type == "MatMul"]
     assert h.series.tag == "ops/d1/MatMul"
     assert h.series.info.description.endswith("test_oplevel.py:%d (body)" % _line_of("# KERAS"))
+
+
+def test_traced_step_whose_optimizer_builds_on_the_first_call(tmp_path):
+    """An optimizer that creates its variables on the first call makes
+    tf.function trace the step twice; the second trace has new ops, and their
+    records must not need tf.Variables created on a non-first trace."""
+    w = tf.Variable(tf.ones([3, 2]))
+    opt = tf.keras.optimizers.Adam(0.01)  # not built: its slots appear in the first call
+    recorder = tbn.op_numerics()
+
+    @tf.function
+    @recorder
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.sqrt(tf.square(x @ w)))
+        opt.apply_gradients([(tape.gradient(loss, w), w)])
+
+    writer = tf.summary.create_file_writer(str(tmp_path))
+    counter = tf.Variable(0, dtype=tf.int64)  # a traced step reads the step from a variable
+    with writer.as_default(step=counter):
+        for s in range(3):
+            counter.assign(s)
+            step(tf.constant([[1.0, 2.0, 3.0]]))
+    writer.close()
+    ra = _analysis(str(tmp_path))
+    assert any(h.series.info.op_type == "SqrtGrad" for h in ra.health)
+    assert all(h.series.steps.tolist() == [0, 1, 2] for h in ra.health if h.series.info.op_type == "Sqrt")
