@@ -159,13 +159,19 @@ def _timed(tb, path: str) -> tuple[float, object]:
     return time.perf_counter() - t, body
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_run_arguments(p: argparse.ArgumentParser) -> None:
+    """The long run's size, where it is written and how TensorBoard loads it
+    (shared with bench/dashboard.py, which times the same run in a browser)."""
     p.add_argument("--steps", type=int, default=100_000)
     p.add_argument("--tensors", type=int, default=50)
     p.add_argument("--logdir", help="reuse (or write once into) this logdir")
     p.add_argument("--load-fast", choices=("true", "false"), default="true")
     p.add_argument("--processes", type=int, default=max(1, min(4, os.cpu_count() or 1)))
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_run_arguments(p)
     args = p.parse_args()
     if args.steps <= NAN_STEP:
         print("note: --steps %d <= %d: the run has no NaN" % (args.steps, NAN_STEP))

@@ -67,11 +67,7 @@ def main() -> int:
     from playwright.sync_api import sync_playwright
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--steps", type=int, default=100_000)
-    p.add_argument("--tensors", type=int, default=50)
-    p.add_argument("--logdir", help="reuse (or write once into) this logdir")
-    p.add_argument("--load-fast", choices=("true", "false"), default="true")
-    p.add_argument("--processes", type=int, default=max(1, min(4, os.cpu_count() or 1)))
+    backend.add_run_arguments(p)
     args = p.parse_args()
 
     logdir = args.logdir or tempfile.mkdtemp(prefix="tbn-dash-bench-")
