@@ -194,7 +194,13 @@ class _Snapshot:
 
     def __init__(self, tags: dict[str, _TagData]):
         self.tags = tags
-        self.as_of_step = max((int(t.version[0]) for t in tags.values()), default=None)
+        # The last step actually read: TensorBoard may have loaded more records
+        # between its listing and the read.
+        self.as_of_step = max(
+            (int(t.series.steps[-1]) if t.series is not None and t.series.steps.size else int(t.version[0])
+             for t in tags.values()),
+            default=None,
+        )
         self._lock = threading.Lock()  # one analysis computed at a time
         self._analyses: collections.OrderedDict[analysis.SafeRange, analysis.RunAnalysis] = (
             collections.OrderedDict()
