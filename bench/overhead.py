@@ -436,15 +436,25 @@ def fit(b: Bench):
 
 @mode("fit_callback")
 def fit_callback(b: Bench):
-    """The same with NumericsCallback (activations, gradients, weights, update ratios), every step."""
+    """The same with NumericsCallback's defaults: activations, the loss and gradients
+    every step, weights and update ratios every 10th."""
     from tb_numerics.keras import NumericsCallback
 
     return _fit_loop(b, [NumericsCallback(b.logdir("fit_callback"))])
 
 
+@mode("fit_callback_w1")
+def fit_callback_w1(b: Bench):
+    """NumericsCallback(weights_every_n_steps=1): weights and update ratios every step too."""
+    from tb_numerics.keras import NumericsCallback
+
+    return _fit_loop(b, [NumericsCallback(b.logdir("fit_callback_w1"), weights_every_n_steps=1)])
+
+
 @mode("fit_callback_n100")
 def fit_callback_n100(b: Bench):
-    """NumericsCallback(every_n_steps=100): statistics every step, written every 100th."""
+    """NumericsCallback(every_n_steps=100): statistics every step (the first bad step and
+    the one before it are always written), written every 100th."""
     from tb_numerics.keras import NumericsCallback
 
     return _fit_loop(b, [NumericsCallback(b.logdir("fit_callback_n100"), every_n_steps=100)])
@@ -462,10 +472,13 @@ def fit_callback_lean(b: Bench):
 def _report_fit(med: dict[str, float], steps: dict[str, Callable]) -> None:
     if "fit" not in med:
         return
-    for name in ("fit_callback", "fit_callback_n100", "fit_callback_lean"):
+    for name in ("fit_callback", "fit_callback_w1", "fit_callback_n100", "fit_callback_lean"):
         if name in med:
             ratio = med[name] / med["fit"]
-            print("%s / fit = %.3f (target <= 1.10): %s" % (name, ratio, "MET" if ratio <= 1.10 else "NOT MET"))
+            if name == "fit_callback":  # the target is on the callback's defaults
+                print("%s / fit = %.3f (target <= 1.10): %s" % (name, ratio, "MET" if ratio <= 1.10 else "NOT MET"))
+            else:
+                print("%s / fit = %.3f" % (name, ratio))
 
 
 REPORTS.append(_report_fit)

@@ -23,6 +23,7 @@ code, outputs and training are unchanged.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import fnmatch
 import functools
@@ -36,7 +37,9 @@ import tensorflow as tf
 from tb_numerics import analysis, event_reader, metadata, record_writer, stats
 
 F = metadata.FIELD_INDEX
-_NUM_AUX = 3  # call index, step, loss scale
+_NONFINITE = slice(F["nan"], F["neginf"] + 1)
+_MAX_PENDING_WRITES = 8  # batches whose records may wait for the writer thread
+_NUM_AUX = 4  # call index, step, loss scale, whether weights were computed
 
 
 @dataclasses.dataclass
@@ -76,6 +79,12 @@ def _merged_stats(tensors: Sequence[tf.Tensor], name: str) -> tf.Tensor:
     return out
 
 
+def _may_be_anomaly(step_stats: np.ndarray, aux: np.ndarray) -> bool:
+    """Whether a step's records may hold an anomaly: a non-finite count, or a
+    non-finite update norm (an update that overflowed finite weights)."""
+    return bool(step_stats[:, _NONFINITE].any() or not np.isfinite(aux[_NUM_AUX:]).all())
+
+
 def _layer_of_variables(model: keras.Model) -> dict[int, int]:
     """id(variable) -> index of the top-level layer that owns it."""
     owner: dict[int, int] = {}
@@ -113,6 +122,12 @@ class NumericsCallback(keras.callbacks.Callback):
       the layer's trainable variables, an early sign of a too-large learning
       rate. It keeps one copy of the trainable weights (``update_ratios=False``
       to save that memory);
+
+    Weights change slowly and are as big as the gradients, so their records
+    and the update ratios are computed (and written) on every
+    ``weights_every_n_steps``-th step only, and on any step with a non-finite
+    activation, loss or gradient (so the first bad step has them); the
+    activations, the loss and the gradients every ``every_n_steps``.
     * ``loss_scale`` (under a ``LossScaleOptimizer``, e.g. with the
       ``mixed_float16`` policy): the scale the step used. A skipped step shows
       as non-finite gradients at a step with a loss-scale record, which the
@@ -122,6 +137,10 @@ class NumericsCallback(keras.callbacks.Callback):
       log_dir: where the event file goes (a TensorBoard run directory).
       every_n_steps: write every N-th step; the first step with a non-finite
         value and the step before it are written whatever N is.
+      weights_every_n_steps: the steps with weight and update-ratio records;
+        a multiple of ``every_n_steps``, by default ``10 * every_n_steps``.
+        ``1`` records them on every step, which about doubles the callback's
+        cost on a model whose weights are as large as its activations.
       activations, gradients, weights, update_ratios: what to record.
       stop_on_anomaly: stop training at the first step with a non-finite
         record (an allowlisted -Inf, or gradients of a step the loss-scale
@@ -137,6 +156,7 @@ class NumericsCallback(keras.callbacks.Callback):
         self,
         log_dir: str,
         every_n_steps: int = 1,
+        weights_every_n_steps: int | None = None,
         activations: bool = True,
         gradients: bool = True,
         weights: bool = True,
@@ -147,8 +167,21 @@ class NumericsCallback(keras.callbacks.Callback):
         super().__init__()
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
             raise ValueError("every_n_steps must be a positive integer, got %r" % (every_n_steps,))
+        if weights_every_n_steps is None:
+            weights_every_n_steps = 10 * every_n_steps
+        if (
+            isinstance(weights_every_n_steps, bool)
+            or not isinstance(weights_every_n_steps, int)
+            or weights_every_n_steps < 1
+            or weights_every_n_steps % every_n_steps
+        ):
+            raise ValueError(
+                "weights_every_n_steps must be a positive multiple of every_n_steps (%d), got %r"
+                % (every_n_steps, weights_every_n_steps)
+            )
         self.log_dir = log_dir
         self.every_n_steps = every_n_steps
+        self.weights_every_n_steps = weights_every_n_steps
         self.activations = activations
         self.gradients = gradients
         self.weights = weights
@@ -221,6 +254,10 @@ class NumericsCallback(keras.callbacks.Callback):
         self._latched = False
         self._infos: dict[str, metadata.TensorInfo] = {}
         self._writer = record_writer.NumericsRecordWriter(self.log_dir)
+        # Records are built and written by one thread beside training, off the
+        # step's critical path; a batch that may stop training is handled inline.
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tb_numerics_callback")
+        self._pending: list[concurrent.futures.Future] = []
 
         self._patch(model, "train_step", self._wrap_train_step(model.train_step))
         self._patch(opt, "scale_loss", self._wrap_scale_loss(opt.scale_loss))
@@ -244,8 +281,12 @@ class NumericsCallback(keras.callbacks.Callback):
             self._restore.pop()()
         self._trace = None
         if self._writer is not None:
-            self._writer.close()
-            self._writer = None
+            try:
+                self._wait_for_writes()
+            finally:
+                self._pool.shutdown()
+                self._writer.close()
+                self._writer = None
 
     # ------------------------------------------------------------ wrappers
 
@@ -297,8 +338,7 @@ class NumericsCallback(keras.callbacks.Callback):
         grad_of = {id(v): g for g, v in zip(grads, variables)}
         its_before = tf.cast(tf.convert_to_tensor(opt.iterations), tf.int64)
         scale = tf.cast(tf.convert_to_tensor(opt.dynamic_scale), tf.float32) if self._lso else tf.constant(1.0)
-        k = len(self._rows)
-        rows: list[tf.Tensor | None] = [None] * k
+        rows: list[tf.Tensor | None] = [None] * self._weight_row0  # computed before the weights
         for i, tensors in trace.outputs.items():
             if tensors:
                 r = self._act_rows[i]
@@ -310,31 +350,59 @@ class NumericsCallback(keras.callbacks.Callback):
             row = self._rows[self._loss_row]
             row.dtype, row.shape, row.present = trace.loss.dtype.base_dtype.name, tuple(trace.loss.shape), True
             rows[self._loss_row] = stats.tensor_stats(tf.stop_gradient(trace.loss), "loss")
-        for j, v in enumerate(self._vars):
-            if self.gradients:
+        if self.gradients:
+            for j, v in enumerate(self._vars):
                 r = self._grad_rows[j]
                 g = grad_of.get(id(v))
                 if isinstance(g, tf.IndexedSlices):
                     g = g.values  # the rows it touches, as log_gradients does
                 self._rows[r].present = g is not None
                 if g is not None:
-                    rows[r] = stats.tensor_stats(g / tf.cast(scale, g.dtype), self._rows[r].tag)
-            if self.weights:
-                rows[self._weight_row0 + j] = stats.tensor_stats(tf.convert_to_tensor(v), v.path)
+                    if self._lso:  # the gradients the update uses (no pass over them otherwise)
+                        g = g / tf.cast(scale, g.dtype)
+                    rows[r] = stats.tensor_stats(g, self._rows[r].tag)
         zero = tf.zeros([metadata.NUM_FIELDS], tf.float64)
-        stacked = tf.stack([zero if r is None else r for r in rows]) if rows else tf.zeros([0, metadata.NUM_FIELDS], tf.float64)
-        snaps = [s.assign(tf.convert_to_tensor(v)) for s, v in zip(self._snapshots, self._vars)]
-        with tf.control_dependencies([stacked] + snaps):
+        head = tf.stack([zero if r is None else r for r in rows[: self._weight_row0]])
+        step = its_before + self._skipped.read_value()
+        nv = len(self._vars)
+        nw = nv if self.weights else 0
+        # Weights (and the copy for the update ratios) only when due: every
+        # weights_every_n_steps-th step, and any step with a non-finite value.
+        due = tf.logical_or(
+            tf.equal(tf.math.floormod(step, self.weights_every_n_steps), 0),
+            tf.reduce_any(head[:, F["nan"] : F["neginf"] + 1] > 0),
+        ) if (self.weights or self.update_ratios) and nv else tf.constant(False)
+
+        def weights_before():
+            snaps = [s.assign(tf.convert_to_tensor(v)) for s, v in zip(self._snapshots, self._vars)]
+            with tf.control_dependencies(snaps):
+                if not nw:
+                    return tf.zeros([0, metadata.NUM_FIELDS], tf.float64)
+                return tf.stack([stats.tensor_stats(tf.convert_to_tensor(v), v.path) for v in self._vars])
+
+        weight_rows = tf.cond(due, weights_before, lambda: tf.zeros([nw, metadata.NUM_FIELDS], tf.float64))
+        stacked = tf.concat([head, weight_rows], 0)
+        # The update waits for the weights' statistics (taken before it), not
+        # for the others: it overlaps with the gradients' statistics.
+        with tf.control_dependencies([weight_rows]):
             result = apply(grads, variables)
         its_after = tf.cast(tf.convert_to_tensor(opt.iterations), tf.int64)
         skipped = tf.cast(tf.equal(its_after, its_before), tf.int64)
-        step = its_before + self._skipped.read_value()
-        norms = []
-        for j, (s, v) in enumerate(zip(self._snapshots, self._vars)):
-            old = s.read_value()
-            # ||w_old||^2 is the weights record's sum of squares when there is one.
-            w2 = rows[self._weight_row0 + j][F["sum_sq"]] if self.weights else _sq_norm(old)
-            norms += [_sq_norm(tf.convert_to_tensor(v) - old), w2]
+
+        def update_norms():
+            norms = []
+            for j, (s, v) in enumerate(zip(self._snapshots, self._vars)):
+                old = s.read_value()
+                # ||w_old||^2 is the weights record's sum of squares when there is one.
+                w2 = weight_rows[j, F["sum_sq"]] if nw else _sq_norm(old)
+                norms += [_sq_norm(tf.convert_to_tensor(v) - old), w2]
+            return tf.stack(norms)
+
+        norms = (
+            tf.cond(due, update_norms, lambda: tf.zeros([2 * nv], tf.float64))
+            if self.update_ratios and nv
+            else tf.zeros([0], tf.float64)
+        )
         call = self._calls.read_value()
         aux = tf.concat(
             [
@@ -343,9 +411,10 @@ class NumericsCallback(keras.callbacks.Callback):
                         tf.cast(call, tf.float64),
                         tf.cast(step, tf.float64),
                         tf.cast(scale, tf.float64),
+                        tf.cast(due, tf.float64),
                     ]
                 ),
-                tf.stack(norms) if norms else tf.zeros([0], tf.float64),
+                norms,
             ],
             0,
         )
@@ -361,20 +430,44 @@ class NumericsCallback(keras.callbacks.Callback):
     def on_train_batch_end(self, batch, logs=None) -> None:
         if self._writer is None:
             return
-        stats_np = self._stats_var.numpy()
+        stats_np = self._stats_var.numpy()  # copies: the next step may overwrite the variables
         aux_np = self._aux_var.numpy()
+        steps = []
         for slot in np.argsort(aux_np[:, 0], kind="stable"):
             call = int(aux_np[slot, 0])
-            if call <= self._last_call:
-                continue
-            self._last_call = call
-            if self._step_done(stats_np[slot], aux_np[slot]):
-                break
-        self._writer.flush()
+            if call > self._last_call:
+                self._last_call = call
+                steps.append((stats_np[slot], aux_np[slot]))
+        if not steps:
+            return
+        self._collect_writes(block=len(self._pending) >= _MAX_PENDING_WRITES)
+        if self.stop_on_anomaly and any(_may_be_anomaly(st, aux) for st, aux in steps):
+            self._wait_for_writes()
+            self._write_steps(steps)
+        else:
+            self._pending.append(self._pool.submit(self._write_steps, steps))
 
     def on_epoch_end(self, epoch, logs=None) -> None:
         if self._writer is not None:
-            self._writer.flush()
+            self._wait_for_writes()
+
+    def _write_steps(self, steps: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        for step_stats, aux in steps:
+            if self._step_done(step_stats, aux):
+                break
+        self._writer.flush()
+
+    def _collect_writes(self, block: bool = False) -> None:
+        """Forgets finished writes (waiting for the oldest when ``block``),
+        raising the error of one that failed."""
+        if block and self._pending:
+            self._pending[0].result()
+        while self._pending and self._pending[0].done():
+            self._pending.pop(0).result()
+
+    def _wait_for_writes(self) -> None:
+        while self._pending:
+            self._pending.pop(0).result()
 
     def _info(self, tag: str, role: str, dtype: str, shape, op_type: str = "", description: str = "") -> metadata.TensorInfo:
         info = self._infos.get(tag)
@@ -388,8 +481,9 @@ class NumericsCallback(keras.callbacks.Callback):
         """The step's records in execution order, host-derived ones included."""
         out = []
         grads = []
+        weights_due = aux[3] > 0
         for r, row in enumerate(self._rows):
-            if not row.present:
+            if not row.present or (r >= self._weight_row0 and not weights_due):
                 continue
             out.append((row.tag, step_stats[r], self._info(row.tag, row.role, row.dtype, row.shape, row.op_type)))
             if row.role == "gradient":
@@ -397,7 +491,7 @@ class NumericsCallback(keras.callbacks.Callback):
         if grads:
             last_grad = max(i for i, (_, _, info) in enumerate(out) if info.role == "gradient")
             out.insert(last_grad + 1, self._global_norm(grads))
-        if self.update_ratios:
+        if self.update_ratios and weights_due:
             norms = aux[_NUM_AUX:].reshape(-1, 2)
             for i, name in enumerate(self._layer_names):
                 mine = [j for j, l in enumerate(self._var_layer) if l == i]

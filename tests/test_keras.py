@@ -42,7 +42,9 @@ def test_per_layer_records_in_layer_order(tmp_path, kind):
         model = keras.Model(inp, keras.layers.Dense(4, name="c")(h), name="net")
     model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
     x, y = _data()
-    history = model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[NumericsCallback(str(tmp_path))])
+    kernel0 = model.get_layer("a").kernel.numpy()
+    cb = NumericsCallback(str(tmp_path), weights_every_n_steps=1)
+    history = model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[cb])
     assert history.history["loss"][0] > 0  # the loss metric still works
 
     ra = _analysis(tmp_path)
@@ -64,6 +66,8 @@ def test_per_layer_records_in_layer_order(tmp_path, kind):
     # The first recorded weight is the initial kernel; the update ratio is ||dw|| / ||w||.
     a = ra.find(prefix + "a/kernel").series.values
     assert a[0, 0] == 8 * 16
+    np.testing.assert_allclose(a[0, 4:8], [kernel0.min(), kernel0.max(), kernel0.sum(), np.square(kernel0).sum()],
+                               rtol=1e-5)
     ratio = ra.find("update_ratio/a").series.values[:, 5]
     assert np.all((ratio > 0) & (ratio < 1))
     # With SGD, dw = -lr * g: the ratio is lr * ||g|| / ||w|| from the same step's records.
@@ -86,6 +90,37 @@ def test_callback_without_weights_or_update_ratios(tmp_path):
     ra = _analysis(tmp_path)
     assert _tags(ra, "activation") == ["a/output"] and _tags(ra, "weight") == []
     assert len(_tags(ra, "gradient")) == 2 and ra.find("gradients/global_norm") is not None
+
+
+def test_weights_are_recorded_every_weights_every_n_steps_and_at_a_bad_step(tmp_path):
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, activation="tanh", name="d")], name="net")
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    x, y = _data()
+    x[5 * 8 + 3, 2] = np.nan  # batch 5 of 8
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
+              callbacks=[NumericsCallback(str(tmp_path), weights_every_n_steps=3)])
+    ra = _analysis(tmp_path)
+    assert ra.find("d/output").series.steps.tolist() == list(range(8))
+    # Every 3rd step, and the steps with a NaN: step 5's batch, then every
+    # step after it (its update made the weights NaN).
+    for tag in ("net/d/kernel", "net/d/bias"):
+        assert ra.find(tag).series.steps.tolist() == [0, 3, 5, 6, 7], tag
+    # An update ratio needs finite weights before the update.
+    assert ra.find("update_ratio/d").series.steps.tolist() == [0, 3, 5]
+    assert ra.find("net/d/kernel").series.values[:3, 1].tolist() == [0, 0, 0]
+    assert ra.find("net/d/kernel").series.values[3, 1] == 8 * 4  # NaN weights at step 6
+    # The update ratio of a recorded step is that step's ||dw|| / ||w||: with SGD, lr * ||g|| / ||w||.
+    sq = lambda tag: ra.find(tag).series.values[:, 7]  # noqa: E731  sum of squares
+    g2 = np.array([sq("gradients/net/d/kernel")[s] + sq("gradients/net/d/bias")[s] for s in (0, 3)])
+    ratio = ra.find("update_ratio/d").series.values[:2, 5]
+    np.testing.assert_allclose(ratio, 0.01 * np.sqrt(g2 / (sq("net/d/kernel")[:2] + sq("net/d/bias")[:2])), rtol=1e-4)
+
+
+@pytest.mark.parametrize("every_n, weights_every_n", [(1, 0), (4, 6), (2, 2.0), (1, True)])
+def test_weights_every_n_steps_must_be_a_multiple_of_every_n_steps(tmp_path, every_n, weights_every_n):
+    with pytest.raises(ValueError, match="weights_every_n_steps must be a positive multiple of every_n_steps"):
+        NumericsCallback(str(tmp_path), every_n_steps=every_n, weights_every_n_steps=weights_every_n)
 
 
 def test_every_n_steps_keeps_first_bad_step_and_the_step_before(tmp_path):
