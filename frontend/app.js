@@ -36,10 +36,12 @@ export class Dashboard {
       onZoom: (a, b) => this.setZoom(a, b),
       onLogChange: (log) => {
         this.state.log = log;
+        this.charts.setLog(log);
         store.write(this.state);
         this.loadCharts();
       },
     });
+    this.charts.setLog(this.state.log);
     const reload = el("button", { type: "button", title: "Read the logdir again", onclick: () => this.load() }, "Reload");
     this.busy = el("div", { class: "loading-line", role: "status" });
     this.status = el(
@@ -76,6 +78,7 @@ export class Dashboard {
       // A pasted or edited link: take its state as a whole.
       this.state = store.read();
       this.safeForm.set(this.state.params);
+      this.charts.setLog(this.state.log);
       this.load();
     });
     let lastWidth = 0;

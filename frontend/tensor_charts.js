@@ -22,6 +22,11 @@ export class TensorCharts {
     this.element = el("div", { class: "charts" }, this.all.map((c) => c.element));
   }
 
+  /** Shows whether the log scale is on, before the charts have data to draw. */
+  setLog(log) {
+    this.logButton.setAttribute("aria-pressed", String(log));
+  }
+
   /**
    * series: /series of the selected tensor (decoded); globalSeries: /series of
    * the global_norm row or null; domain: [first, last] step; anomalyStep and
@@ -33,7 +38,7 @@ export class TensorCharts {
       others
         .filter((o) => pick(o))
         .map((o, k) => ({ label: `${label} · ${o.run}`, colour: `compare-${k + 1}`, dash: [2, 3], steps: pick(o).steps, ys: pick(o).fields[field] }));
-    this.logButton.setAttribute("aria-pressed", String(log));
+    this.setLog(log);
     const markers = [
       { step: anomalyStep, colour: "nonfinite", label: anomalyStep === null ? "" : "first anomaly" },
       { step: selectedStep, colour: "accent", dash: [4, 3], label: selectedStep === null ? "" : "selected step" },
