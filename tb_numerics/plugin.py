@@ -240,6 +240,7 @@ class _RunCache:
     snapshot: _Snapshot | None = None
     refreshing: threading.Event | None = None
     next_background: float = 0.0  # monotonic time before which the refresher leaves it
+    listed: tuple | None = None  # the run's listing at the refresher's last round
     # Safe ranges asked for lately, most recent last: computed after a refresh.
     recent: collections.OrderedDict[analysis.SafeRange, None] = dataclasses.field(
         default_factory=collections.OrderedDict
@@ -618,9 +619,17 @@ class NumericsPlugin(base_plugin.TBPlugin):
         cache = self._cache(experiment, run)
         with cache.lock:
             old = cache.snapshot
+            if not asked:
+                listed = tuple(sorted((tag, _version(ts)) for tag, ts in listing.items()))
+                settling, cache.listed = listed != cache.listed, listed
             if cache.refreshing is not None or (old is not None and old.matches(listing)):
                 return
             if not asked and time.monotonic() < cache.next_background:
+                return
+            if not asked and settling and _read_cost(old, listing) > _INLINE_READ_RECORDS:
+                # A big run TensorBoard is still loading: read it once its
+                # listing holds still for a round (or when a request asks),
+                # not now and again in full when loading ends.
                 return
             done = cache.refreshing = threading.Event()
             recent = list(cache.recent)[-1:]
@@ -831,12 +840,13 @@ def _batches(to_read: Mapping[str, Any], listing: Mapping[str, Any]) -> list[lis
     return batches
 
 
-def _read_cost(snap: _Snapshot, listing: Mapping[str, Any]) -> int:
-    """Records to read to bring ``snap`` up to ``listing`` (estimated as in ``_batches``)."""
+def _read_cost(snap: _Snapshot | None, listing: Mapping[str, Any]) -> int:
+    """Records to read to bring ``snap`` (None: nothing read yet) up to
+    ``listing`` (estimated as in ``_batches``)."""
     return sum(
         max(1, int(ts.max_step) + 1)
         for tag, ts in listing.items()
-        if (t := snap.tags.get(tag)) is None or t.version != _version(ts)
+        if snap is None or (t := snap.tags.get(tag)) is None or t.version != _version(ts)
     )
 
 

@@ -334,6 +334,45 @@ def test_run_growth_is_picked_up_on_reload(tmp_path):
     assert plug._answer(*ctx, "live", analysis.SafeRange()).analysis is not first
 
 
+class _NoRefresherThread:
+    """Stands in for the refresher's thread, so that a test runs its rounds itself."""
+
+    def __init__(self, plugin):
+        pass
+
+    def request(self, ctx, experiment, run):
+        pass
+
+
+def test_refresher_waits_for_a_big_run_to_stop_loading(tmp_path, monkeypatch):
+    # While TensorBoard loads a big run, its listing changes every round: reading
+    # it then would be thrown away and read again in full when loading ends.
+    monkeypatch.setattr(plugin, "_Refresher", _NoRefresherThread)
+    monkeypatch.setattr(plugin, "_INLINE_READ_RECORDS", 30)  # "big": more than 30 records to read
+    w = NumericsRecordWriter(str(tmp_path / "big"))
+    write_steps(w, range(20), None)  # 60 records
+    w.flush()
+    write_run(str(tmp_path / "small"), range(5), None)  # 15 records
+    live = TB(str(tmp_path))
+    plug = live.plugin
+    snapshot = lambda run: plug._cache("", run).snapshot  # noqa: E731
+
+    plug._background_round({})
+    assert snapshot("big") is None  # first seen: maybe still loading
+    assert snapshot("small").as_of_step == 4  # small: read at once
+
+    write_steps(w, range(20, 30), 25)
+    w.close()
+    live.reload()
+    plug._background_round({})
+    assert snapshot("big") is None  # it changed since the last round
+
+    plug._background_round({})  # it held still for a round: read now, whole
+    assert snapshot("big").as_of_step == 29
+    s = live.ok(P + "/summary", run="big")
+    assert (s["stale"], s["first_anomaly"]["step"]) == (False, 25)
+
+
 def _raw_numerics_event(tag: str, step: int, content: bytes, vec: np.ndarray) -> event_pb2.Event:
     from tb_numerics.record_writer import stats_tensor_proto
 
