@@ -102,8 +102,8 @@ def test_weights_are_recorded_every_weights_every_n_steps_and_at_a_bad_step(tmp_
               callbacks=[NumericsCallback(str(tmp_path), weights_every_n_steps=3)])
     ra = _analysis(tmp_path)
     assert ra.find("d/output").series.steps.tolist() == list(range(8))
-    # Every 3rd step, and the steps with a NaN: step 5's batch, then every
-    # step after it (its update made the weights NaN).
+    # Every 3rd step, and the steps whose loss is NaN: step 5's batch, then
+    # every step after it (its update made the weights NaN).
     for tag in ("net/d/kernel", "net/d/bias"):
         assert ra.find(tag).series.steps.tolist() == [0, 3, 5, 6, 7], tag
     # An update ratio needs finite weights before the update.
