@@ -386,10 +386,11 @@ class NumericsCallback(keras.callbacks.Callback):
 
         weight_rows = tf.cond(due, weights_before, lambda: tf.zeros([nw, metadata.NUM_FIELDS], tf.float64))
         stacked = tf.concat([head, weight_rows], 0)
-        # The update waits for the weights' statistics (taken before it), not
-        # for the others: it overlaps with the gradients' statistics.
-        with tf.control_dependencies([weight_rows]):
-            result = apply(grads, variables)
+        # No explicit control dependency: tf.function's automatic ones already
+        # run the weights' reads (and the copy) before the update writes them,
+        # and an explicit one made the update wait for the whole tf.cond
+        # (measured: 1.11-1.12x plain fit with it, 1.08x without).
+        result = apply(grads, variables)
         its_after = tf.cast(tf.convert_to_tensor(opt.iterations), tf.int64)
         skipped = tf.cast(tf.equal(its_after, its_before), tf.int64)
 
