@@ -256,10 +256,15 @@ export class Dashboard {
     this.state.step = pick ? pick.step : null;
   }
 
-  applySelection(charts = true) {
-    store.write(this.state);
+  /** The step range in the zoom form, with the run's whole range as placeholders. */
+  showZoom() {
     const s = this.summaries.get(this.state.focus);
     this.zoom.set(this.state.start, this.state.end, s ? [s.first_step, s.last_step] : []);
+  }
+
+  applySelection(charts = true) {
+    store.write(this.state);
+    this.showZoom();
     for (const [run, tl] of this.timelines) {
       tl.select(run === this.state.focus ? this.state.tensor : null, this.state.step);
     }
@@ -408,6 +413,7 @@ export class Dashboard {
     if (start !== null && start < 0) start = 0;
     Object.assign(this.state, { start, end });
     store.write(this.state);
+    this.showZoom(); // at once, with the link: the timelines follow when read
     const gen = ++this.generation;
     this.busy.textContent = "Loading…";
     await this.loadTimelines(gen);
