@@ -148,6 +148,11 @@ class NumericsCallback(keras.callbacks.Callback):
       allow_neginf: tag patterns (fnmatch) where -Inf is intended, e.g.
         ``"attention*/output"`` for masks; a NaN there still counts.
 
+    Under a ``tf.distribute`` strategy with several replicas, each record is
+    that of all replicas' values together (one record per step, a NaN on any
+    replica is seen); a gradient record is of the replicas' own gradients,
+    before the optimizer combines them.
+
     After training, ``anomaly`` holds the first anomaly (as in
     ``tb-numerics report --json``) when ``stop_on_anomaly`` stopped it.
     """
@@ -363,6 +368,11 @@ class NumericsCallback(keras.callbacks.Callback):
                     rows[r] = stats.tensor_stats(g, self._rows[r].tag)
         zero = tf.zeros([metadata.NUM_FIELDS], tf.float64)
         head = tf.stack([zero if r is None else r for r in rows[: self._weight_row0]])
+        ctx = stats.replica_context()
+        if ctx is not None:
+            # Several replicas: each record becomes that of all replicas' values
+            # together (the weights are the same on every replica).
+            head = stats.all_reduce_many_stats(head, ctx)
         step = its_before + self._skipped.read_value()
         nv = len(self._vars)
         nw = nv if self.weights else 0
@@ -373,6 +383,8 @@ class NumericsCallback(keras.callbacks.Callback):
         # step waiting for those costs 3-6 ms more).
         loss_row = rows[self._loss_row]
         loss_bad = tf.reduce_any(loss_row[_NONFINITE] > 0) if loss_row is not None else tf.constant(False)
+        if ctx is not None:  # every replica must take the same branch
+            loss_bad = ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.cast(loss_bad, tf.float32)) > 0
         due = tf.logical_or(
             tf.equal(tf.math.floormod(step, self.weights_every_n_steps), 0), loss_bad
         ) if (self.weights or self.update_ratios) and nv else tf.constant(False)
@@ -423,12 +435,22 @@ class NumericsCallback(keras.callbacks.Callback):
             ],
             0,
         )
-        slot = call % self._slots
+        if ctx is None:
+            self._store(stacked, aux, skipped)
+        else:  # once, not once per replica: all replicas hold the same values
+            ctx.merge_call(
+                lambda strategy, *values: self._store(*(strategy.experimental_local_results(v)[0] for v in values)),
+                args=(stacked, aux, skipped),
+            )
+        return result
+
+    def _store(self, stacked: tf.Tensor, aux: tf.Tensor, skipped: tf.Tensor) -> None:
+        """Keeps a step's records for ``on_train_batch_end``."""
+        slot = tf.cast(aux[0], tf.int64) % self._slots
         self._stats_var[slot].assign(stacked)
         self._aux_var[slot].assign(aux)
         self._skipped.assign_add(skipped)
         self._calls.assign_add(1)
-        return result
 
     # ------------------------------------------------------------ host side
 

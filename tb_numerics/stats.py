@@ -265,6 +265,14 @@ def combine_stats(records: tf.Tensor) -> tf.Tensor:
     return tf.stack(parts)
 
 
+def replica_context() -> tf.distribute.ReplicaContext | None:
+    """The replica context when inside ``strategy.run`` with several replicas, else None."""
+    ctx = tf.distribute.get_replica_context()
+    if ctx is not None and ctx.num_replicas_in_sync > 1:
+        return ctx
+    return None
+
+
 def all_reduce_stats(stats: tf.Tensor, replica_context: tf.distribute.ReplicaContext) -> tf.Tensor:
     """Combines each replica's record into the record of all their values.
 
@@ -273,5 +281,10 @@ def all_reduce_stats(stats: tf.Tensor, replica_context: tf.distribute.ReplicaCon
     replica context's all-reduce has only SUM and MEAN, and min and max need
     their own rule) and combined by ``combine_stats``.
     """
-    gathered = replica_context.all_gather(tf.expand_dims(stats, 0), axis=0)
-    return combine_stats(gathered)
+    return all_reduce_many_stats(tf.expand_dims(stats, 0), replica_context)[0]
+
+
+def all_reduce_many_stats(records: tf.Tensor, replica_context: tf.distribute.ReplicaContext) -> tf.Tensor:
+    """``all_reduce_stats`` of each row of ``[k, F]`` records, in one collective."""
+    gathered = replica_context.all_gather(tf.expand_dims(records, 0), axis=0)  # [replicas, k, F]
+    return tf.stack([combine_stats(gathered[:, i]) for i in range(records.shape[0])])

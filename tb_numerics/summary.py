@@ -142,14 +142,6 @@ def _info_for(x: tf.Tensor, role: str, description: str | None, dtype: str):
     return make
 
 
-def _replica_context():
-    """The replica context when inside ``strategy.run`` with several replicas."""
-    ctx = tf.distribute.get_replica_context()
-    if ctx is not None and ctx.num_replicas_in_sync > 1:
-        return ctx
-    return None
-
-
 def _write(st: _TagState, stats_vec: tf.Tensor, step: tf.Tensor) -> tf.Tensor:
     """One record of ``st.tag``; metadata with the tag's first record only."""
     pending = st.var("metadata_pending", True)
@@ -193,7 +185,7 @@ def _record(st: _TagState, stats_vec: tf.Tensor, step: tf.Tensor, every_n: int |
 
 def _combine(vec: tf.Tensor) -> tf.Tensor:
     """The record of all replicas' values inside ``strategy.run``; else ``vec``."""
-    ctx = _replica_context()
+    ctx = stats.replica_context()
     return vec if ctx is None else stats.all_reduce_stats(vec, ctx)
 
 
@@ -212,7 +204,7 @@ def _emit(records: list[tuple[_TagState, tf.Tensor]], step: tf.Tensor, every_n: 
             tf.summary.should_record_summaries(), run, lambda: tf.constant(False)
         )
 
-    ctx = _replica_context()
+    ctx = stats.replica_context()
     if ctx is None:
         return write_all([v for _, v in records])
 
@@ -290,7 +282,7 @@ def _gated_compute(fn) -> tf.Tensor:
     """Runs ``fn`` only when summaries are recorded, so that a disabled
     ``record_if`` costs nothing. Under several replicas every replica must
     join the all-reduce, so there the gate is left to the write itself."""
-    if _replica_context() is not None:
+    if stats.replica_context() is not None:
         return fn()
     return smart_cond.smart_cond(tf.summary.should_record_summaries(), fn, lambda: tf.constant(False))
 

@@ -1,6 +1,10 @@
-"""NumericsCallback on real Keras 3 training: records, stop_on_anomaly, allowlist."""
+"""NumericsCallback on real Keras 3 training: records, stop_on_anomaly, allowlist, tf.distribute."""
 
 import json
+import os
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -220,3 +224,54 @@ def test_allowlisted_neginf_is_not_an_anomaly_but_nan_in_it_is(tmp_path, capsys)
     assert cli.main(["report", "--json", str(tmp_path)]) == 1
     (run,) = json.loads(capsys.readouterr().out)["runs"]
     assert (run["first_anomaly"]["step"], run["first_anomaly"]["neginf"]) == (0, 16)
+
+
+_MIRRORED_FIT = textwrap.dedent(
+    """
+    import json, sys
+    import numpy as np
+    import tensorflow as tf
+    cpu = tf.config.list_physical_devices("CPU")[0]
+    tf.config.set_logical_device_configuration(
+        cpu, [tf.config.LogicalDeviceConfiguration(), tf.config.LogicalDeviceConfiguration()])
+    import keras
+    from tb_numerics import event_reader
+    from tb_numerics.keras import NumericsCallback
+    from tb_numerics.record_writer import numpy_stats
+
+    keras.utils.set_random_seed(0)
+    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
+    with strategy.scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, name="d")], name="net")
+        model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    rs = np.random.RandomState(0)
+    x, y = rs.randn(32, 8).astype("float32"), rs.randn(32, 4).astype("float32")
+    x[16 + 11, 2] = np.nan  # batch 1, in the half replica 1 gets
+    kernel, bias = (w.numpy() for w in model.get_layer("d").weights)
+    first_batch = numpy_stats(x[:16] @ kernel + bias)
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0,
+              callbacks=[NumericsCallback(sys.argv[1], weights_every_n_steps=1)])
+    (run,) = event_reader.read_logdir(sys.argv[1])
+    got = {s.tag: (s.steps.tolist(), s.values.tolist()) for s in run.series}
+    print(json.dumps({"got": got, "first_batch": first_batch.tolist(), "kernel": numpy_stats(kernel).tolist()}))
+    """
+)
+
+
+def test_callback_under_mirrored_strategy_records_all_replicas_once(tmp_path):
+    out = subprocess.run(
+        [sys.executable, "-c", _MIRRORED_FIT, str(tmp_path)],
+        capture_output=True, text=True, timeout=300, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    got = res["got"]
+    steps, values = got["d/output"]
+    assert steps == [0, 1]  # one record per step, not one per replica
+    # Step 0: the layer's output over the whole batch of 16 (8 rows on each replica).
+    np.testing.assert_allclose(values[0], res["first_batch"], rtol=1e-5)
+    # Step 1: the NaN row lives on replica 1 only, and is seen.
+    assert values[1][0] == 16 * 4 and values[1][1] == 4
+    # The weights are the same on every replica: recorded once, not doubled.
+    np.testing.assert_allclose(got["net/d/kernel"][1][0], res["kernel"], rtol=1e-6)
+    assert got["gradients/net/d/kernel"][0] == [0, 1] and got["gradients/net/d/kernel"][1][0][0] == 8 * 4 * 2
