@@ -22,6 +22,11 @@ import chromium  # noqa: E402
 import dashboard_logdir as data  # noqa: E402
 import tb_process  # noqa: E402
 
+# Assertions on the page retry until they hold (or this many ms pass): the
+# dashboard updates asynchronously, and CI machines are slow.
+expect = playwright_api.expect
+expect.set_options(timeout=30_000)
+
 ENTRY = "/data/plugin_entry.html?name=numerics"
 TIMEOUT_MS = 20_000
 
@@ -202,6 +207,9 @@ def test_hovering_a_cell_shows_its_numbers_and_clicking_it_updates_the_charts(op
 def test_keyboard_moves_the_selection_in_the_timeline(open_page, tb):
     page = dashboard(open_page, tb).page
     canvas = page.locator('.timeline-run[data-run="%s"] canvas' % data.NAN_RUN)
+    # The keys move from the selection: wait until it is the first anomaly.
+    expect(page.locator(".selected-name .tensor-name")).to_have_text(data.NAN_TENSOR)
+    page.wait_for_function("() => location.hash.includes('step=%d')" % data.NAN_STEP)
     canvas.focus()
     # From the first anomaly (loss/Sqrt_grad, step 150): up one row, left two steps.
     for key in ("ArrowUp", "ArrowLeft", "ArrowLeft", "Enter"):
@@ -228,8 +236,8 @@ def test_dragging_on_a_chart_zooms_timeline_and_charts_to_that_step_range(open_p
     page.wait_for_function("() => /start=\\d+&end=\\d+/.test(location.hash)")
     start, end = map(int, re.search(r"start=(\d+)&end=(\d+)", page.evaluate("location.hash")).groups())
     assert 40 < start < end < 160, (start, end)
-    assert page.get_by_label("First step").input_value() == str(start)
-    assert page.get_by_label("Last step").input_value() == str(end)
+    expect(page.get_by_label("First step")).to_have_value(str(start))
+    expect(page.get_by_label("Last step")).to_have_value(str(end))
     # The timeline was asked again for that range: its first column is the range's first step.
     block = page.locator('.timeline-run[data-run="diverging"]')
     block.scroll_into_view_if_needed()
@@ -260,26 +268,26 @@ def test_lowering_max_abs_moves_the_first_warning_and_is_kept_in_the_link(open_p
 
     # The link reproduces the view in a fresh page.
     again = dashboard(open_page, tb, link).page
-    assert again.get_by_label("Max |x|", exact=True).input_value() == "5"
-    assert banner_row(again, data.NAN_RUN).locator(".banner.warning .headline").inner_text().startswith(
-        "First warning at step 81"
+    expect(again.get_by_label("Max |x|", exact=True)).to_have_value("5")
+    expect(banner_row(again, data.NAN_RUN).locator(".banner.warning .headline")).to_have_text(
+        re.compile(r"^First warning at step 81")
     )
 
 
 def test_a_link_restores_tensor_zoom_and_runs(open_page, tb):
     page = dashboard(open_page, tb, "#run=diverging&tensor=dense1%2Foutput&step=100&start=50&end=180&log=1").page
-    assert page.locator(".selected-name .tensor-name").inner_text() == data.GROWING_TENSOR
-    assert page.get_by_label("First step").input_value() == "50"
-    assert page.get_by_label("Last step").input_value() == "180"
-    assert page.locator(".log-toggle").get_attribute("aria-pressed") == "true"
-    assert page.locator(".banner-row").count() == 1
-    assert not page.locator('.runs input[value="healthy"]').is_checked()
+    expect(page.locator(".selected-name .tensor-name")).to_have_text(data.GROWING_TENSOR)
+    expect(page.get_by_label("First step")).to_have_value("50")
+    expect(page.get_by_label("Last step")).to_have_value("180")
+    expect(page.locator(".log-toggle")).to_have_attribute("aria-pressed", "true")
+    expect(page.locator(".banner-row")).to_have_count(1)
+    expect(page.locator('.runs input[value="healthy"]')).not_to_be_checked()
 
 
 def test_two_runs_are_compared_in_the_charts(open_page, tb):
     page = dashboard(open_page, tb, "#run=diverging&run=healthy&tensor=dense1%2Foutput").page
-    assert page.locator(".banner-row").count() == 2
-    assert page.locator(".timeline-run").count() == 2
+    expect(page.locator(".banner-row")).to_have_count(2)
+    expect(page.locator(".timeline-run")).to_have_count(2)
     legend = page.locator(".chart").first.locator(".chart-legend")
     page.wait_for_function("l => l.innerText.includes('max |x| · healthy')", arg=legend.element_handle())
 
@@ -290,7 +298,7 @@ def test_a_malformed_parameter_shows_the_servers_message(open_page, tb):
     error = p.page.locator(".status.error")
     error.wait_for()
     assert "max_abs must be a number" in error.inner_text()
-    assert p.page.get_by_label("Max |x|", exact=True).get_attribute("aria-invalid") == "true"
+    expect(p.page.get_by_label("Max |x|", exact=True)).to_have_attribute("aria-invalid", "true")
 
 
 def test_hostile_and_long_tag_names_render_as_text(open_page, tb):
