@@ -96,15 +96,20 @@ def test_callback_without_weights_or_update_ratios(tmp_path):
     assert len(_tags(ra, "gradient")) == 2 and ra.find("gradients/global_norm") is not None
 
 
-def test_weights_are_recorded_every_weights_every_n_steps_and_at_a_bad_step(tmp_path):
+def _fit_with_nan_in_batch_5(logdir, **callback_args) -> analysis.RunAnalysis:
+    """8 steps of a one-layer model whose batch 5 holds a NaN, with the callback; its records."""
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, activation="tanh", name="d")], name="net")
     model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
     x, y = _data()
     x[5 * 8 + 3, 2] = np.nan  # batch 5 of 8
     model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
-              callbacks=[NumericsCallback(str(tmp_path), weights_every_n_steps=3)])
-    ra = _analysis(tmp_path)
+              callbacks=[NumericsCallback(str(logdir), **callback_args)])
+    return _analysis(logdir)
+
+
+def test_weights_are_recorded_every_weights_every_n_steps_and_at_a_bad_step(tmp_path):
+    ra = _fit_with_nan_in_batch_5(tmp_path, weights_every_n_steps=3)
     assert ra.find("d/output").series.steps.tolist() == list(range(8))
     # Every 3rd step, and the steps whose loss is NaN: step 5's batch, then
     # every step after it (its update made the weights NaN).
@@ -128,14 +133,7 @@ def test_weights_every_n_steps_must_be_a_multiple_of_every_n_steps(tmp_path, eve
 
 
 def test_every_n_steps_keeps_first_bad_step_and_the_step_before(tmp_path):
-    keras.utils.set_random_seed(0)
-    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, activation="tanh", name="d")], name="net")
-    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
-    x, y = _data()
-    x[5 * 8 + 3, 2] = np.nan  # batch 5 of 8
-    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
-              callbacks=[NumericsCallback(str(tmp_path), every_n_steps=4)])
-    ra = _analysis(tmp_path)
+    ra = _fit_with_nan_in_batch_5(tmp_path, every_n_steps=4)
     assert ra.find("d/output").series.steps.tolist() == [0, 4, 5]
     a = analysis.first_anomaly(ra)
     assert (a["step"], a["tensor"], a["nan"]) == (5, "d/output", 4)
