@@ -1,10 +1,6 @@
 """NumericsCallback on real Keras 3 training: records, stop_on_anomaly, allowlist, tf.distribute."""
 
 import json
-import os
-import subprocess
-import sys
-import textwrap
 
 import numpy as np
 import pytest
@@ -14,6 +10,8 @@ keras = pytest.importorskip("keras")
 
 from tb_numerics import analysis, cli, event_reader
 from tb_numerics.keras import NumericsCallback
+
+import two_replicas
 
 
 def _analysis(logdir, **params):
@@ -224,21 +222,13 @@ def test_allowlisted_neginf_is_not_an_anomaly_but_nan_in_it_is(tmp_path, capsys)
     assert (run["first_anomaly"]["step"], run["first_anomaly"]["neginf"]) == (0, 16)
 
 
-_MIRRORED_FIT = textwrap.dedent(
-    """
-    import json, sys
-    import numpy as np
-    import tensorflow as tf
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration(), tf.config.LogicalDeviceConfiguration()])
+_MIRRORED_FIT = """
     import keras
     from tb_numerics import event_reader
     from tb_numerics.keras import NumericsCallback
     from tb_numerics.record_writer import numpy_stats
 
     keras.utils.set_random_seed(0)
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     with strategy.scope():
         model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, name="d")], name="net")
         model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
@@ -253,16 +243,10 @@ _MIRRORED_FIT = textwrap.dedent(
     got = {s.tag: (s.steps.tolist(), s.values.tolist()) for s in run.series}
     print(json.dumps({"got": got, "first_batch": first_batch.tolist(), "kernel": numpy_stats(kernel).tolist()}))
     """
-)
 
 
 def test_callback_under_mirrored_strategy_records_all_replicas_once(tmp_path):
-    out = subprocess.run(
-        [sys.executable, "-c", _MIRRORED_FIT, str(tmp_path)],
-        capture_output=True, text=True, timeout=300, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    res = json.loads(out.stdout.strip().splitlines()[-1])
+    res = two_replicas.run(_MIRRORED_FIT, str(tmp_path))
     got = res["got"]
     steps, values = got["d/output"]
     assert steps == [0, 1]  # one record per step, not one per replica

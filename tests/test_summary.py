@@ -4,7 +4,6 @@ import json
 import os
 import subprocess
 import sys
-import textwrap
 
 import numpy as np
 import pytest
@@ -14,6 +13,8 @@ from tensorboard.compat.proto import event_pb2
 import tb_numerics as tbn
 from tb_numerics import cli, event_reader, metadata, stats, summary
 from tb_numerics.record_writer import numpy_stats
+
+import two_replicas
 
 F = metadata.FIELD_INDEX
 
@@ -258,19 +259,11 @@ def test_every_n_steps_still_records_first_nonfinite_step_and_the_step_before(tm
     assert (anomaly["step"], anomaly["last_healthy_step"], anomaly["tensor"]) == (777, 776, "layer/output")
 
 
-_DISTRIBUTED = textwrap.dedent(
-    """
-    import json, sys
-    import numpy as np
-    import tensorflow as tf
-    cpu = tf.config.list_physical_devices("CPU")[0]
-    tf.config.set_logical_device_configuration(
-        cpu, [tf.config.LogicalDeviceConfiguration(), tf.config.LogicalDeviceConfiguration()])
+_DISTRIBUTED = """
     import tb_numerics as tbn
     from tb_numerics import event_reader
     from tb_numerics.record_writer import numpy_stats
 
-    strategy = tf.distribute.MirroredStrategy(["/cpu:0", "/cpu:1"])
     rng = np.random.default_rng(0)
     parts = [rng.standard_normal((4, 2)).astype(np.float32) for _ in range(2)]
     parts[1][2, 1] = np.nan       # only on replica 1
@@ -301,16 +294,10 @@ _DISTRIBUTED = textwrap.dedent(
     }
     print(json.dumps({"got": got, "want": want}))
     """
-)
 
 
 def test_mirrored_strategy_combines_replicas_into_one_record(tmp_path):
-    out = subprocess.run(
-        [sys.executable, "-c", _DISTRIBUTED, str(tmp_path)],
-        capture_output=True, text=True, timeout=180, env=dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2"),
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    res = json.loads(out.stdout.strip().splitlines()[-1])
+    res = two_replicas.run(_DISTRIBUTED, str(tmp_path))
     for tag in ("h", "gradients/v"):
         steps, values = res["got"][tag]
         assert steps == [0], (tag, steps)  # one record, not one per replica
