@@ -138,8 +138,8 @@ def test_every_n_steps_keeps_first_bad_step_and_the_step_before(tmp_path):
     assert a["last_healthy_step"] == 4
 
 
-def test_stop_on_anomaly_stops_at_the_first_nonfinite_step_and_layer(tmp_path, capsys):
-    # A learning rate far too large: the weights grow until a layer overflows.
+def _diverging_model() -> keras.Model:
+    """Three Dense layers under SGD at a learning rate far too large, seeded the same each call."""
     keras.utils.set_random_seed(0)
     model = keras.Sequential(
         [keras.Input((8,)), keras.layers.Dense(32, name="d1"), keras.layers.Dense(32, name="d2"),
@@ -147,6 +147,12 @@ def test_stop_on_anomaly_stops_at_the_first_nonfinite_step_and_layer(tmp_path, c
         name="net",
     )
     model.compile(optimizer=keras.optimizers.SGD(50.0), loss="mse")
+    return model
+
+
+def test_stop_on_anomaly_stops_at_the_first_nonfinite_step_and_layer(tmp_path, capsys):
+    # A learning rate far too large: the weights grow until a layer overflows.
+    model = _diverging_model()
     x, y = _data(n=512)
     cb = NumericsCallback(str(tmp_path), stop_on_anomaly=True)
     model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[cb])
@@ -164,13 +170,7 @@ def test_stop_on_anomaly_stops_at_the_first_nonfinite_step_and_layer(tmp_path, c
 
     # Independently: the same training without the callback, then the layers
     # run on the bad batch. The first non-finite layer output (or loss) is the one reported.
-    keras.utils.set_random_seed(0)
-    ref = keras.Sequential(
-        [keras.Input((8,)), keras.layers.Dense(32, name="d1"), keras.layers.Dense(32, name="d2"),
-         keras.layers.Dense(4, name="d3")],
-        name="net",
-    )
-    ref.compile(optimizer=keras.optimizers.SGD(50.0), loss="mse")
+    ref = _diverging_model()
     for i in range(step):
         ref.train_on_batch(x[16 * i:16 * (i + 1)], y[16 * i:16 * (i + 1)])
     h = x[16 * step:16 * (step + 1)]
