@@ -191,7 +191,7 @@ def make_series(
         if shaped.any():
             vals = np.stack([r for r, ok in zip(rows, shaped) if ok])
         st = np.asarray(steps_list, dtype=np.int64)[shaped]
-    valid = _valid_records(vals)
+    valid = valid_records(vals)
     vals, st = vals[valid], st[valid]
     bad = len(rows) - len(st)
     if bad and problems is not None:
@@ -209,7 +209,7 @@ def make_series(
 _COUNT_FIELDS = [F[k] for k in ("count", "nan", "posinf", "neginf", "zeros", "overflow", "underflow")]
 
 
-def _valid_records(v: np.ndarray) -> np.ndarray:
+def valid_records(v: np.ndarray) -> np.ndarray:
     """Which records ``[n, F]`` hold possible statistics."""
     counts = v[:, _COUNT_FIELDS]
     with np.errstate(invalid="ignore"):
@@ -366,6 +366,9 @@ class RunAnalysis:
         """Every step at which any tensor of the run was recorded (computed once)."""
         if not self.health:
             return np.zeros(0, np.int64)
+        first = self.health[0].series.steps
+        if all(np.array_equal(h.series.steps, first) for h in self.health[1:]):
+            return first  # every tensor logged at the same steps: the usual run
         return np.unique(np.concatenate([h.series.steps for h in self.health]))
 
 

@@ -24,7 +24,7 @@ from tensorboard.compat.proto import event_pb2, tensor_pb2, types_pb2
 from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
 from tensorboard.util import tensor_util
 
-from tb_numerics import analysis, metadata
+from tb_numerics import analysis, metadata, packed
 
 # TFRecord framing: uint64 length, masked CRC32C of the length, the data,
 # masked CRC32C of the data (all little-endian).
@@ -190,10 +190,18 @@ def _vector(t: tensor_pb2.TensorProto) -> np.ndarray:
         return np.zeros(0)
 
 
+def _matrix(t: tensor_pb2.TensorProto) -> np.ndarray:
+    """A packed event's rows as float64; empty (so counted malformed) if unreadable."""
+    try:
+        return np.asarray(tensor_util.make_ndarray(t), dtype=np.float64)
+    except (ValueError, TypeError, KeyError):
+        return np.zeros(0)
+
+
 def read_run(run: str, files: list[str]) -> RunRecords:
-    """Reads all numerics records of one run's event files."""
+    """Reads all numerics records of one run's event files, per-tensor and packed."""
     problems: list[str] = []
-    infos: dict[str, metadata.TensorInfo] = {}
+    infos: dict[str, metadata.TensorInfo | metadata.BlockTable] = {}
     rejected: set[str] = set()
     points: dict[str, tuple[list[int], list[np.ndarray]]] = {}
     for path in files:
@@ -214,7 +222,7 @@ def read_run(run: str, files: list[str]) -> RunRecords:
                         rejected.add(tag)
                         continue
                     try:
-                        infos[tag] = metadata.parse_plugin_metadata(
+                        infos[tag] = metadata.parse_content(
                             pd.content, value.metadata.summary_description
                         )
                     except metadata.FormatError as e:
@@ -225,16 +233,20 @@ def read_run(run: str, files: list[str]) -> RunRecords:
                     continue
                 steps, rows = points.setdefault(tag, ([], []))
                 steps.append(event.step)
-                rows.append(_vector(value.tensor))
+                block = not isinstance(infos[tag], metadata.TensorInfo)
+                rows.append(_matrix(value.tensor) if block else _vector(value.tensor))
         if undecodable:
             problems.append(
                 "%s: %d record(s) that are not events skipped" % (os.path.basename(path), undecodable)
             )
-    series = [
-        analysis.make_series(tag, infos[tag], steps, rows, problems)
-        for tag, (steps, rows) in points.items()
-    ]
-    return RunRecords(run, series, problems)
+    parts: list[analysis.TensorSeries] = []
+    for tag, (steps, rows) in points.items():
+        info = infos[tag]
+        if isinstance(info, metadata.TensorInfo):
+            parts.append(analysis.make_series(tag, info, steps, rows, problems))
+        else:
+            parts.extend(packed.unpack_block(tag, info, np.asarray(steps, np.int64), rows, problems))
+    return RunRecords(run, packed.merge_all(parts), problems)
 
 
 def read_logdir(logdir: str) -> list[RunRecords]:

@@ -28,6 +28,13 @@ bytes in every record for no information.
 Per-tag facts that do not change from step to step (dtype, shape, role,
 execution order, op type) live in the JSON plugin content of the summary
 metadata, which TensorBoard reads from the first event of each series.
+
+Records come in two layouts. Version 1: one event per tensor per step, under
+the tensor's own tag (what ``log_numerics`` writes inside a training step).
+Version 2 adds packed blocks (``packed.py``): every record of one step in one
+event, ``[n, 1 + NUM_FIELDS]``, under a block tag whose metadata holds the
+table of tensors the rows point into. Per-tensor records are still written
+as version 1, so older readers keep reading them and refuse only blocks.
 """
 
 from __future__ import annotations
@@ -42,8 +49,10 @@ PLUGIN_NAME = "numerics"
 
 # Major version: a reader refuses records of a newer major version. Minor
 # version: additions that older readers may ignore.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 FORMAT_MINOR_VERSION = 0
+# The version per-tensor records are written with (their layout is version 1's).
+RECORD_VERSION = 1
 
 FIELDS = (
     "count",
@@ -117,7 +126,7 @@ class TensorInfo:
     order: int = 0
     op_type: str = ""
     description: str = ""
-    version: int = FORMAT_VERSION
+    version: int = RECORD_VERSION
 
     @property
     def phase(self) -> str:
@@ -137,17 +146,35 @@ class TensorInfo:
 
 def create_summary_metadata(info: TensorInfo) -> summary_pb2.SummaryMetadata:
     """Builds the summary metadata proto that marks a numerics record."""
+    content = {"version": RECORD_VERSION, "minor": FORMAT_MINOR_VERSION, **_info_fields(info)}
+    return _summary_metadata(content, info.description)
+
+
+def create_block_metadata(tensors: list[tuple[str, TensorInfo]]) -> summary_pb2.SummaryMetadata:
+    """The summary metadata of a packed block: the table its rows index into."""
     content = {
         "version": FORMAT_VERSION,
         "minor": FORMAT_MINOR_VERSION,
+        "tensors": [
+            {"tag": tag, **_info_fields(info), "description": info.description} for tag, info in tensors
+        ],
+    }
+    return _summary_metadata(content, "")
+
+
+def _info_fields(info: TensorInfo) -> dict[str, Any]:
+    return {
         "dtype": info.dtype,
         "shape": None if info.shape is None else list(info.shape),
         "role": info.role,
         "order": int(info.order),
         "op_type": info.op_type,
     }
+
+
+def _summary_metadata(content: dict[str, Any], description: str) -> summary_pb2.SummaryMetadata:
     return summary_pb2.SummaryMetadata(
-        summary_description=info.description,
+        summary_description=description,
         plugin_data=summary_pb2.SummaryMetadata.PluginData(
             plugin_name=PLUGIN_NAME,
             content=json.dumps(content, separators=(",", ":")).encode("utf-8"),
@@ -157,8 +184,26 @@ def create_summary_metadata(info: TensorInfo) -> summary_pb2.SummaryMetadata:
     )
 
 
+# A packed block's table: (tag, info) of each row index, in index order.
+BlockTable = tuple[tuple[str, TensorInfo], ...]
+
+
 def parse_plugin_metadata(content: bytes, description: str = "") -> TensorInfo:
-    """Parses the plugin content of a numerics summary.
+    """Parses the plugin content of a per-tensor numerics summary.
+
+    Raises:
+      FormatError: the content is not valid, is of a newer major version,
+        or is a packed block's.
+    """
+    parsed = parse_content(content, description)
+    if not isinstance(parsed, TensorInfo):
+        raise FormatError("numerics metadata is a packed block's, not a tensor's")
+    return parsed
+
+
+def parse_content(content: bytes, description: str = "") -> TensorInfo | BlockTable:
+    """Parses the plugin content of any numerics summary: a tensor's
+    ``TensorInfo``, or a packed block's table.
 
     Raises:
       FormatError: the content is not valid, or is of a newer major version.
@@ -179,6 +224,33 @@ def parse_plugin_metadata(content: bytes, description: str = "") -> TensorInfo:
             "numerics record format version %d is newer than this tb-numerics "
             "understands (%d); upgrade tb-numerics to read it" % (version, FORMAT_VERSION)
         )
+    if version >= 2 and "tensors" in raw:
+        return _parse_table(raw["tensors"], version)
+    return _parse_info(raw, description, version)
+
+
+def _parse_table(entries: Any, version: int) -> BlockTable:
+    if not isinstance(entries, list) or not entries:
+        raise FormatError("a packed block's table must be a non-empty list")
+    table, seen = [], set()
+    for entry in entries:
+        if not isinstance(entry, dict) or not isinstance(entry.get("tag"), str) or not entry["tag"]:
+            raise FormatError("a packed block's table has an entry without a tag name")
+        tag = entry["tag"]
+        if tag in seen:
+            raise FormatError("a packed block's table names %r twice" % tag)
+        seen.add(tag)
+        description = entry.get("description") or ""
+        if not isinstance(description, str):
+            raise FormatError("%s: non-string description in a packed block's table" % tag)
+        try:
+            table.append((tag, _parse_info(entry, description, version)))
+        except FormatError as e:
+            raise FormatError("%s: %s" % (tag, e)) from None
+    return tuple(table)
+
+
+def _parse_info(raw: dict[str, Any], description: str, version: int) -> TensorInfo:
     dtype = raw.get("dtype")
     if dtype not in DTYPE_LIMITS:
         raise FormatError("numerics metadata names an unsupported dtype: %r" % (dtype,))

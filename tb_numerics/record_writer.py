@@ -19,7 +19,7 @@ from typing import Sequence
 import numpy as np
 from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
 
-from tb_numerics import metadata
+from tb_numerics import metadata, packed
 
 _FILE_VERSION = "brain.Event:2"
 
@@ -72,20 +72,27 @@ def stats_tensor_proto(stats: np.ndarray) -> tensor_pb2.TensorProto:
         raise ValueError(
             "a numerics record has %d fields, got %d" % (metadata.NUM_FIELDS, vec.size)
         )
+    return _double_proto(vec)
+
+
+def _double_proto(a: np.ndarray) -> tensor_pb2.TensorProto:
+    a = np.ascontiguousarray(a, dtype="<f8")
     return tensor_pb2.TensorProto(
         dtype=types_pb2.DT_DOUBLE,
         tensor_shape=tensor_shape_pb2.TensorShapeProto(
-            dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=metadata.NUM_FIELDS)]
+            dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=d) for d in a.shape]
         ),
-        tensor_content=vec.tobytes(),
+        tensor_content=a.tobytes(),
     )
 
 
 class NumericsRecordWriter:
     """Writes numerics records to a new event file in ``logdir``.
 
-    Metadata is written with the first record of each tag only, as
-    TensorBoard reads it from the first event of a series.
+    ``write_many`` writes a step's records as one packed event (see
+    ``packed.py``; what long runs should use), ``write`` one record as its
+    own event under its tag. Metadata is written with the first event of
+    each series only, as TensorBoard reads it from there.
     """
 
     def __init__(self, logdir: str, filename_suffix: str = ""):
@@ -100,6 +107,7 @@ class NumericsRecordWriter:
         self.path = os.path.join(logdir, name)
         self._records = _RecordFile(self.path)
         self._infos: dict[str, metadata.TensorInfo] = {}
+        self._packer = packed.StepPacker()
         self._write_event(event_pb2.Event(wall_time=time.time(), file_version=_FILE_VERSION))
 
     def _write_event(self, event: event_pb2.Event) -> None:
@@ -132,11 +140,33 @@ class NumericsRecordWriter:
         self._write_event(event)
 
     def write_many(
-        self, step: int, records: Sequence[tuple[str, np.ndarray, metadata.TensorInfo]]
+        self,
+        step: int,
+        records: Sequence[tuple[str, np.ndarray, metadata.TensorInfo | None]],
+        wall_time: float | None = None,
     ) -> None:
-        """Writes several tags' records of one step, in the given order."""
-        for tag, stats, info in records:
-            self.write(tag, step, stats, info)
+        """Writes several tags' records of one step as one packed event.
+
+        ``info`` is required the first time the writer sees a tag. Nothing
+        is written for an empty ``records``.
+
+        Raises:
+          ValueError: a record is not ``NUM_FIELDS`` long, or a new tag has
+            no ``TensorInfo``; nothing of the step is written then.
+        """
+        if not records:
+            return
+        tag, rows, md = self._packer.pack(records)
+        value = summary_pb2.Summary.Value(tag=tag, tensor=_double_proto(rows))
+        if md is not None:
+            value.metadata.CopyFrom(md)
+        self._write_event(
+            event_pb2.Event(
+                wall_time=time.time() if wall_time is None else wall_time,
+                step=int(step),
+                summary=summary_pb2.Summary(value=[value]),
+            )
+        )
 
     def flush(self) -> None:
         self._records.flush()
