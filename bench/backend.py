@@ -95,8 +95,8 @@ def _write_part(args: tuple[str, int, int, int, int]) -> str:
         values[len(tensors) // 2 + 3][NAN_STEP - lo, F["nan"]] = 3
     with NumericsRecordWriter(run_dir, filename_suffix=".part%d" % part) as w:
         for j, step in enumerate(steps.tolist()):
-            for (tag, info), vals in zip(tensors, values):
-                w.write(tag, step, vals[j], info)
+            # One packed event per step, as the Keras callback writes them.
+            w.write_many(step, [(tag, vals[j], info) for (tag, info), vals in zip(tensors, values)])
         path = w.path
     # Files of a run are read in name order; name the parts so they sort by step.
     final = os.path.join(run_dir, "events.out.tfevents.%010d.bench.part%d" % (1, part))

@@ -34,7 +34,7 @@ from tensorboard.backend import http_util
 from tensorboard.data import provider
 from tensorboard.plugins import base_plugin
 
-from tb_numerics import analysis, metadata
+from tb_numerics import analysis, metadata, packed
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,8 @@ _ANALYSES_PER_RUN = 8
 _INLINE_READ_RECORDS = 20_000
 # A run whose background refresh failed is tried again after this long.
 _RETRY_AFTER_FAILURE_S = 30.0
+# The refresher's period while TensorBoard is loading a run that changed.
+_SETTLING_PERIOD_S = 1.0
 
 _STATIC_TYPES = {
     ".js": "text/javascript",
@@ -173,11 +175,17 @@ def _step_range(args: Mapping[str, str]) -> tuple[int | None, int | None]:
 
 @dataclasses.dataclass
 class _TagData:
-    """One tag's records as last read, and the listing entry they match."""
+    """One tag's records as last read, and the listing entry they match.
+
+    A tensor's tag holds its ``series``; a packed block's holds ``parts``,
+    the series of each tensor in the block (see ``_merge``). Neither: the
+    tag cannot be read.
+    """
 
     version: tuple  # (max_step, max_wall_time, plugin_content)
-    series: analysis.TensorSeries | None  # None: the tag cannot be read
+    series: analysis.TensorSeries | None
     problems: list[str]
+    parts: dict[str, analysis.TensorSeries] | None = None
 
 
 def _version(ts: Any) -> tuple:
@@ -194,11 +202,12 @@ class _Snapshot:
 
     def __init__(self, tags: dict[str, _TagData]):
         self.tags = tags
+        self.series = _merge(tags)
         # The last step actually read: TensorBoard may have loaded more records
         # between its listing and the read.
         self.as_of_step = max(
-            (int(t.series.steps[-1]) if t.series is not None and t.series.steps.size else int(t.version[0])
-             for t in tags.values()),
+            [int(s.steps[-1]) for s in self.series if s.steps.size]
+            + [int(t.version[0]) for t in tags.values() if t.series is None and t.parts is None],
             default=None,
         )
         self._lock = threading.Lock()  # one analysis computed at a time
@@ -220,8 +229,7 @@ class _Snapshot:
                 self._analyses.move_to_end(sr)
                 return hit
             problems = [p for t in self.tags.values() for p in t.problems] + extra_problems
-            series = [t.series for t in self.tags.values() if t.series is not None]
-            ra = analysis.analyze_run(run, series, sr, problems)
+            ra = analysis.analyze_run(run, self.series, sr, problems)
             self._analyses[sr] = ra
             while len(self._analyses) > _ANALYSES_PER_RUN:
                 self._analyses.popitem(last=False)
@@ -241,6 +249,9 @@ class _RunCache:
     refreshing: threading.Event | None = None
     next_background: float = 0.0  # monotonic time before which the refresher leaves it
     listed: tuple | None = None  # the run's listing at the refresher's last round
+    # Packed blocks read while TensorBoard was still loading the run (see
+    # ``_prefetch_blocks``), for the next refresh to take instead of reading.
+    prefetched: dict[str, _TagData] = dataclasses.field(default_factory=dict)
     # Safe ranges asked for lately, most recent last: computed after a refresh.
     recent: collections.OrderedDict[analysis.SafeRange, None] = dataclasses.field(
         default_factory=collections.OrderedDict
@@ -299,6 +310,37 @@ class _Refresher:
             period = plugin._refresh_period()
             del plugin
             self._wake.wait(period)
+
+
+def _merge(tags: Mapping[str, _TagData]) -> list[analysis.TensorSeries]:
+    """Every tensor's series: its own tag's, and its parts in packed blocks.
+
+    Blocks are taken oldest first (by their last write), so a step written
+    twice keeps the later record. Where a tensor's parts lie end to end (one
+    writer, steps increasing), each block's part is replaced by a slice of
+    the merged series: the snapshot then holds each record once, and the
+    next refresh, which re-reads only the blocks that grew, still has them.
+    """
+    out = [t.series for t in tags.values() if t.series is not None]
+    blocks = sorted((t.version[1], tag) for tag, t in tags.items() if t.parts)
+    by_tensor: dict[str, list[tuple[str, analysis.TensorSeries]]] = {}
+    for _, tag in blocks:
+        for name, part in tags[tag].parts.items():
+            by_tensor.setdefault(name, []).append((tag, part))
+    own = {s.tag: i for i, s in enumerate(out)}
+    for name, placed in by_tensor.items():
+        merged, offsets = packed.merge([p for _, p in placed])
+        if offsets is not None and len(placed) > 1:
+            for (tag, part), at in zip(placed, offsets):
+                n = len(part.steps)
+                tags[tag].parts[name] = analysis.TensorSeries(
+                    name, part.info, merged.steps[at : at + n], merged.values[at : at + n]
+                )
+        if name in own:  # also logged per tensor in the same run
+            out[own[name]] = packed.merge([out[own[name]], merged])[0]
+        else:
+            out.append(merged)
+    return out
 
 
 def _decode(data: list) -> tuple[np.ndarray, np.ndarray | list]:
@@ -376,6 +418,7 @@ class NumericsPlugin(base_plugin.TBPlugin):
         # The refresher looks for new records once per reload, at most once a second.
         self._reload_interval = max(1.0, reload_interval)
         self._listing_seconds = 0.0  # how long listing every run took last time
+        self._settling = False  # a run changed between the refresher's last two rounds
         self._caches_lock = threading.Lock()
         self._frontend_dir = _frontend_dir()
         # Started now so that caches are warm by the time the tab is opened.
@@ -454,9 +497,11 @@ class NumericsPlugin(base_plugin.TBPlugin):
 
     def _refresh_period(self) -> float:
         """Seconds between the refresher's rounds: TensorBoard's reload
-        interval, and at least 4x the cost of listing (so that watching a
-        huge logdir takes at most a fifth of a core)."""
-        return max(self._reload_interval, 4 * self._listing_seconds)
+        interval (at most ``_SETTLING_PERIOD_S`` while a run is loading, to
+        read its blocks as they come), and at least 4x the cost of listing
+        (so that watching a huge logdir takes at most a fifth of a core)."""
+        period = min(self._reload_interval, _SETTLING_PERIOD_S) if self._settling else self._reload_interval
+        return max(period, 4 * self._listing_seconds)
 
     def _extra_problems(self) -> list[str]:
         if not self._sample_limit:
@@ -477,9 +522,13 @@ class NumericsPlugin(base_plugin.TBPlugin):
         it is released here whatever happens.
         """
         try:
-            snap = self._read_snapshot(ctx, experiment, run, old, listing)
+            with cache.lock:
+                prefetched = cache.prefetched
+            known = [old.tags] if old is not None else []
+            snap = _Snapshot(self._read_tags_data(ctx, experiment, run, listing, [*known, prefetched]))
             with cache.lock:
                 cache.snapshot = snap
+                cache.prefetched = {}
                 cache.next_background = time.monotonic() + self._reload_interval
             return snap
         except Exception:
@@ -491,39 +540,49 @@ class NumericsPlugin(base_plugin.TBPlugin):
                 cache.refreshing = None
             done.set()
 
-    def _read_snapshot(
-        self, ctx, experiment: str, run: str, old: _Snapshot | None, listing: Mapping[str, Any]
-    ) -> _Snapshot:
-        """A snapshot of ``listing``: tags unchanged since ``old`` are shared,
-        the others read again (whole: the data provider has no "steps after N")."""
+    def _read_tags_data(
+        self, ctx, experiment: str, run: str, listing: Mapping[str, Any],
+        known: list[Mapping[str, _TagData]],
+    ) -> dict[str, _TagData]:
+        """The records of ``listing``'s tags: those ``known`` as of the listed
+        version are shared, the others read again (whole: the data provider
+        has no "steps after N")."""
         tags: dict[str, _TagData] = {}
-        to_read: dict[str, tuple[tuple, metadata.TensorInfo]] = {}
+        to_read: dict[str, tuple[tuple, metadata.TensorInfo | metadata.BlockTable, _TagData | None]] = {}
         for tag, ts in listing.items():
             version = _version(ts)
-            prev = old.tags.get(tag) if old is not None else None
+            seen = [k[tag] for k in known if tag in k]
+            prev = next((t for t in seen if t.version == version), seen[0] if seen else None)
             if prev is not None and prev.version == version:
                 tags[tag] = prev
                 continue
             try:
-                info = metadata.parse_plugin_metadata(ts.plugin_content, ts.description or "")
+                info = metadata.parse_content(ts.plugin_content, ts.description or "")
             except metadata.FormatError as e:
                 tags[tag] = _TagData(version, None, ["%s: %s" % (tag, e)])
                 _log_new_problems(run, prev, tags[tag].problems)
                 continue
-            to_read[tag] = (version, info)
+            to_read[tag] = (version, info, prev)
         for batch in _batches(to_read, listing):
             data, unreadable = self._read_tags(ctx, experiment, run, batch)
             for tag in batch:
-                version, info = to_read[tag]
+                version, info, prev = to_read[tag]
                 if tag in unreadable:
                     tags[tag] = _TagData(version, None, [unreadable[tag]])
                     continue
                 problems: list[str] = []
-                steps, values = _decode(data.pop(tag, []))
-                series = analysis.make_series(tag, info, steps, values, problems)
-                tags[tag] = _TagData(version, series, problems)
-                _log_new_problems(run, old.tags.get(tag) if old is not None else None, problems)
-        return _Snapshot(tags)
+                if isinstance(info, metadata.TensorInfo):
+                    steps, values = _decode(data.pop(tag, []))
+                    series = analysis.make_series(tag, info, steps, values, problems)
+                    tags[tag] = _TagData(version, series, problems)
+                else:
+                    points = data.pop(tag, [])
+                    steps = np.fromiter((d.step for d in points), dtype=np.int64, count=len(points))
+                    arrays = [np.asarray(d.numpy) for d in points]
+                    parts = packed.unpack_block(tag, info, steps, arrays, problems)
+                    tags[tag] = _TagData(version, None, problems, {p.tag: p for p in parts})
+                _log_new_problems(run, prev, problems)
+        return tags
 
     def _read_tags(self, ctx, experiment: str, run: str, tags: list[str]) -> tuple[dict, dict[str, str]]:
         """Every record of ``tags``, and a problem for each tag that cannot be read.
@@ -581,7 +640,7 @@ class NumericsPlugin(base_plugin.TBPlugin):
                 snap, in_flight, claim = cache.snapshot, cache.refreshing, None
                 fresh = snap is not None and snap.matches(listing)
                 if not fresh and in_flight is None and (
-                    snap is None or _read_cost(snap, listing) <= _INLINE_READ_RECORDS
+                    snap is None or _read_cost(listing, snap.tags, cache.prefetched) <= _INLINE_READ_RECORDS
                 ):
                     claim = cache.refreshing = threading.Event()
             if claim is not None:
@@ -605,6 +664,7 @@ class NumericsPlugin(base_plugin.TBPlugin):
         ctx = tb_context.RequestContext()
         listing = self._listing(ctx, "", None)
         self._forget_missing("", listing)
+        self._settling = False
         for run, tags in sorted(listing.items()):
             if tags:
                 self._refresh_in_background(ctx, "", run, tags, asked=False)
@@ -617,28 +677,58 @@ class NumericsPlugin(base_plugin.TBPlugin):
         computes the analyses asked for lately so that the next request is instant.
         A failure is logged and retried later."""
         cache = self._cache(experiment, run)
+        blocks = None
         with cache.lock:
             old = cache.snapshot
             if not asked:
                 listed = tuple(sorted((tag, _version(ts)) for tag, ts in listing.items()))
                 settling, cache.listed = listed != cache.listed, listed
+                self._settling |= settling
             if cache.refreshing is not None or (old is not None and old.matches(listing)):
                 return
             if not asked and time.monotonic() < cache.next_background:
                 return
-            if not asked and settling and _read_cost(old, listing) > _INLINE_READ_RECORDS:
+            known = [old.tags if old is not None else {}, cache.prefetched]
+            if not asked and settling and _read_cost(listing, *known) > _INLINE_READ_RECORDS:
                 # A big run TensorBoard is still loading: read it once its
                 # listing holds still for a round (or when a request asks),
-                # not now and again in full when loading ends.
-                return
+                # not now and again in full when loading ends. Its packed
+                # blocks, though, are read as they load (a block is read
+                # again only while it grows), so that little is left to read
+                # when loading ends.
+                blocks = {tag: ts for tag, ts in listing.items() if packed.is_block_tag(tag)}
+                if not blocks:
+                    return
             done = cache.refreshing = threading.Event()
             recent = list(cache.recent)[-1:]
+        if blocks is not None:
+            self._prefetch_blocks(ctx, experiment, run, cache, blocks, known, done)
+            return
         try:
             snap = self._run_refresh(ctx, experiment, run, cache, old, listing, done)
             for sr in dict.fromkeys([analysis.SafeRange(), *recent]):
                 snap.analysis(run, sr, self._extra_problems())
         except Exception:  # noqa: BLE001 - one bad run must not stop the others
             logger.exception("numerics: background refresh of run %r failed", run)
+
+    def _prefetch_blocks(
+        self, ctx, experiment: str, run: str, cache: _RunCache, blocks: Mapping[str, Any],
+        known: list[Mapping[str, _TagData]], done: threading.Event,
+    ) -> None:
+        """Reads the packed blocks of a run being loaded into ``cache.prefetched``.
+
+        The caller has claimed the refresh; it is released here.
+        """
+        try:
+            got = self._read_tags_data(ctx, experiment, run, blocks, known)
+            with cache.lock:
+                cache.prefetched = got
+        except Exception:  # noqa: BLE001 - a later refresh reads them anyway
+            logger.exception("numerics: reading run %r ahead of its loading failed", run)
+        finally:
+            with cache.lock:
+                cache.refreshing = None
+            done.set()
 
     # ---------------------------------------------------------- impls
 
@@ -821,16 +911,20 @@ def _frontend_dir() -> str | None:
     return None
 
 
-def _batches(to_read: Mapping[str, Any], listing: Mapping[str, Any]) -> list[list[str]]:
-    """Tags grouped so that each read stays well under gRPC's message cap.
+def _events(tag: str, ts: Any) -> int:
+    """The events a tag may hold, estimated from its last step (records are
+    usually one per step from 0; a packed block holds at most a block's)."""
+    n = max(1, int(ts.max_step) + 1)
+    return min(n, packed.STEPS_PER_BLOCK) if packed.is_block_tag(tag) else n
 
-    A tag's size is estimated from its last step (records are usually one per
-    step from 0).
-    """
+
+def _batches(to_read: Mapping[str, Any], listing: Mapping[str, Any]) -> list[list[str]]:
+    """Tags grouped so that each read stays well under gRPC's message cap,
+    counting a packed event as one record per tensor of its block."""
     batches: list[list[str]] = []
     size = 0
-    for tag in to_read:
-        est = max(1, int(listing[tag].max_step) + 1)
+    for tag, (_, info, _) in to_read.items():
+        est = _events(tag, listing[tag]) * (1 if isinstance(info, metadata.TensorInfo) else len(info))
         if batches and size + est <= _RECORDS_PER_READ:
             batches[-1].append(tag)
             size += est
@@ -840,13 +934,13 @@ def _batches(to_read: Mapping[str, Any], listing: Mapping[str, Any]) -> list[lis
     return batches
 
 
-def _read_cost(snap: _Snapshot | None, listing: Mapping[str, Any]) -> int:
-    """Records to read to bring ``snap`` (None: nothing read yet) up to
-    ``listing`` (estimated as in ``_batches``)."""
+def _read_cost(listing: Mapping[str, Any], *known: Mapping[str, _TagData]) -> int:
+    """Events to read for ``listing`` beyond the tags ``known`` as listed:
+    TensorBoard's cost is per event, whatever its size."""
     return sum(
-        max(1, int(ts.max_step) + 1)
+        _events(tag, ts)
         for tag, ts in listing.items()
-        if snap is None or (t := snap.tags.get(tag)) is None or t.version != _version(ts)
+        if not any((t := k.get(tag)) is not None and t.version == _version(ts) for k in known)
     )
 
 

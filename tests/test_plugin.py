@@ -29,7 +29,7 @@ from tensorboard.plugins.core import core_plugin
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 from werkzeug import test as wtest
 
-from tb_numerics import analysis, cli, metadata, plugin
+from tb_numerics import analysis, cli, metadata, packed, plugin
 from tb_numerics.record_writer import NumericsRecordWriter, numpy_stats
 
 P = "/data/plugin/numerics"
@@ -371,6 +371,55 @@ def test_refresher_waits_for_a_big_run_to_stop_loading(tmp_path, monkeypatch):
     assert snapshot("big").as_of_step == 29
     s = live.ok(P + "/summary", run="big")
     assert (s["stale"], s["first_anomaly"]["step"]) == (False, 25)
+
+
+def test_packed_blocks_are_read_as_they_load_and_then_only_when_they_grow(tmp_path, monkeypatch):
+    monkeypatch.setattr(plugin, "_Refresher", _NoRefresherThread)
+    monkeypatch.setattr(plugin, "_INLINE_READ_RECORDS", 30)  # "big": more than 30 events to read
+    monkeypatch.setattr(packed, "STEPS_PER_BLOCK", 10)
+    w = NumericsRecordWriter(str(tmp_path / "big"))
+
+    def write_packed(steps: range, nan_step: int | None = None) -> None:
+        for step in steps:
+            x = [1.0, math.nan if step == nan_step else 2.0]
+            w.write_many(step, [("dense1/output", _stats(x), metadata.TensorInfo(role="activation")),
+                                ("loss", _stats([0.5]), metadata.TensorInfo(role="loss", order=1))])
+        w.flush()
+
+    write_packed(range(40))  # 4 blocks of 10 steps
+    live = TB(str(tmp_path))
+    plug = live.plugin
+    reads: list[list[str]] = []
+    read_tensors = plug._data_provider.read_tensors
+
+    def spy(ctx, **kwargs):
+        reads.append(sorted(kwargs["run_tag_filter"].tags))
+        return read_tensors(ctx, **kwargs)
+
+    monkeypatch.setattr(plug._data_provider, "read_tensors", spy)
+    cache = plug._cache("", "big")
+    block = lambda i: "%s%s/%06d" % (packed.TAG_PREFIX, w._packer._writer_id, i)  # noqa: E731
+
+    plug._background_round({})  # first seen, maybe still loading: too big to read whole now
+    assert cache.snapshot is None and sorted(cache.prefetched) == [block(i) for i in range(4)]
+    assert sorted(t for r in reads for t in r) == [block(i) for i in range(4)]
+    reads.clear()
+    s = live.ok(P + "/summary", run="big")
+    assert (s["stale"], s["records"], s["first_anomaly"]) == (False, 80, None)
+    assert reads == []  # the request took the blocks read ahead
+    assert cache.prefetched == {}
+
+    write_packed(range(40, 45))  # a new block, still being written
+    live.reload()
+    live.ok(P + "/summary", run="big")
+    write_packed(range(45, 55), nan_step=47)  # it fills up, and a next one starts
+    live.reload()
+    reads.clear()
+    s = live.ok(P + "/summary", run="big")
+    assert reads == [[block(4), block(5)]]  # only the blocks that grew
+    assert (s["stale"], s["records"], s["first_anomaly"]["step"]) == (False, 110, 47)
+    series = live.ok(P + "/series", run="big", tensor="loss")
+    assert series["steps"] == list(range(55))
 
 
 def _raw_numerics_event(tag: str, step: int, content: bytes, vec: np.ndarray) -> event_pb2.Event:

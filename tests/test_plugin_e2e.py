@@ -29,19 +29,27 @@ NAN_STEP = 7_777
 FRESHNESS = ("safe_range", "stale", "as_of_step", "latest_step")
 
 
+# The same records, one event per tensor per step ("long", as log_numerics
+# writes them) and packed, one event per step ("packed", as the Keras
+# callback and write_many write them).
+RUNS = ("long", "packed")
+
+
 @pytest.fixture(scope="module")
 def logdir(tmp_path_factory) -> str:
-    """One run of 10,000 steps x 2 tensors, a NaN in the loss at step 7,777."""
+    """Runs of 10,000 steps x 2 tensors, a NaN in the loss at step 7,777."""
     d = str(tmp_path_factory.mktemp("e2e") / "logs")
     act = metadata.TensorInfo(role="activation", order=0, shape=(3,))
     loss = metadata.TensorInfo(role="loss", order=1, shape=())
     healthy_act = numpy_stats(np.float32([0.5, -1.0, 2.0]))
     healthy_loss = numpy_stats(np.float32([0.25]))
     nan_loss = numpy_stats(np.float32([np.nan]))
-    with NumericsRecordWriter(os.path.join(d, "long")) as w:
+    with NumericsRecordWriter(os.path.join(d, "long")) as w, NumericsRecordWriter(os.path.join(d, "packed")) as p:
         for step in range(STEPS):
-            w.write("dense/output", step, healthy_act, act)
-            w.write("loss", step, nan_loss if step == NAN_STEP else healthy_loss, loss)
+            records = [("dense/output", healthy_act, act), ("loss", nan_loss if step == NAN_STEP else healthy_loss, loss)]
+            for tag, stats, info in records:
+                w.write(tag, step, stats, info)
+            p.write_many(step, records)
     return d
 
 
@@ -63,29 +71,31 @@ def test_first_anomaly_of_a_long_run_in_real_tensorboard(logdir, cli_report, loa
         assert listing["numerics"]["tab_name"] == "Numerics"
         assert listing["numerics"]["loading_mechanism"]["module_path"] == P + "/index.js"
 
-        # Loading takes a moment: wait until every record is in.
-        summary = wait_for(
-            lambda: (s := tb.get_json(P + "/summary?run=long"))["records"] == 2 * STEPS and s,
-            timeout=120,
-        )
+        for run in RUNS:
+            # Loading takes a moment: wait until every record is in.
+            summary = wait_for(
+                lambda: (s := tb.get_json(P + "/summary?run=" + run))["records"] == 2 * STEPS
+                and not s["stale"] and s,
+                timeout=120,
+            )
+            a = summary["first_anomaly"]
+            assert (a["step"], a["tensor"], a["last_healthy_step"]) == (NAN_STEP, "loss", NAN_STEP - 1)
+            assert summary["problems"] == []
+            assert {k: v for k, v in summary.items() if k not in FRESHNESS} == cli_report[run]
+
+            t = tb.get_json(P + "/timeline?run=%s&width=100" % run)
+            assert len(t["bucket_start"]) == 100
+            assert [r["tensor"] for r in t["rows"]] == ["dense/output", "loss"]
+            loss_cells = t["rows"][1]["cells"]
+            assert loss_cells.count(2) == 1 and loss_cells[NAN_STEP * 100 // STEPS] == 2
+
+            s = tb.get_json(P + "/series?run=%s&tensor=loss&start=7770&end=7780" % run)
+            assert s["steps"] == list(range(7770, 7781))
+            assert s["fields"]["nan"][7] == 1 and s["fields"]["min"][7] == "NaN"
         assert tb.get_json("/data/plugins_listing")["numerics"]["enabled"] is True
-        a = summary["first_anomaly"]
-        assert (a["step"], a["tensor"], a["last_healthy_step"]) == (NAN_STEP, "loss", NAN_STEP - 1)
-        assert summary["problems"] == []
-        assert summary["stale"] is False
-        assert {k: v for k, v in summary.items() if k not in FRESHNESS} == cli_report["long"]
-
+        assert cli_report["long"]["run"] == "long" and cli_report["packed"]["run"] == "packed"
         runs = tb.get_json(P + "/runs")["runs"]
-        assert [(r["run"], r["first_anomaly_step"]) for r in runs] == [("long", NAN_STEP)]
-
-        t = tb.get_json(P + "/timeline?run=long&width=100")
-        assert len(t["bucket_start"]) == 100
-        loss_cells = t["rows"][1]["cells"]
-        assert loss_cells.count(2) == 1 and loss_cells[NAN_STEP * 100 // STEPS] == 2
-
-        s = tb.get_json(P + "/series?run=long&tensor=loss&start=7770&end=7780")
-        assert s["steps"] == list(range(7770, 7781))
-        assert s["fields"]["nan"][7] == 1 and s["fields"]["min"][7] == "NaN"
+        assert [(r["run"], r["first_anomaly_step"]) for r in runs] == [("long", NAN_STEP), ("packed", NAN_STEP)]
 
         status, body = tb.get(P + "/timeline?run=long&width=-1")
         assert status == 400 and "width" in json.loads(body)["error"]
