@@ -13,6 +13,7 @@ fail on a healthy TensorBoard install.
 from __future__ import annotations
 
 import collections
+import ctypes
 import dataclasses
 import functools
 import json
@@ -343,6 +344,20 @@ def _merge(tags: Mapping[str, _TagData]) -> list[analysis.TensorSeries]:
     return out
 
 
+def _return_freed_memory() -> None:
+    """Hands memory freed after a big read back to the operating system.
+
+    A read decodes each event into its own small array; once they are freed,
+    glibc keeps them in its heap (about the size of the records read, so
+    hundreds of MB after a long run) for as long as TensorBoard runs. Where
+    there is no ``malloc_trim`` (not glibc), nothing is done.
+    """
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
 def _decode(data: list) -> tuple[np.ndarray, np.ndarray | list]:
     """Steps and values of a list of ``provider.TensorDatum``.
 
@@ -524,8 +539,11 @@ class NumericsPlugin(base_plugin.TBPlugin):
         try:
             with cache.lock:
                 prefetched = cache.prefetched
-            known = [old.tags] if old is not None else []
-            snap = _Snapshot(self._read_tags_data(ctx, experiment, run, listing, [*known, prefetched]))
+            known = [old.tags if old is not None else {}, prefetched]
+            big = _read_cost(listing, *known) > _INLINE_READ_RECORDS
+            snap = _Snapshot(self._read_tags_data(ctx, experiment, run, listing, known))
+            if big:
+                _return_freed_memory()
             with cache.lock:
                 cache.snapshot = snap
                 cache.prefetched = {}
@@ -723,6 +741,7 @@ class NumericsPlugin(base_plugin.TBPlugin):
             got = self._read_tags_data(ctx, experiment, run, blocks, known)
             with cache.lock:
                 cache.prefetched = got
+            _return_freed_memory()
         except Exception:  # noqa: BLE001 - a later refresh reads them anyway
             logger.exception("numerics: reading run %r ahead of its loading failed", run)
         finally:

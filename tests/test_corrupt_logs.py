@@ -168,6 +168,31 @@ def _nan_in_stats(root: str) -> None:
             w.write("t", step, s, INFO)
 
 
+def good_packed_run(path: str) -> tuple[str, str]:
+    """``good_run``'s records written packed; returns the file and its block tag."""
+    with NumericsRecordWriter(path) as w:
+        for step in range(STEPS):
+            w.write_many(step, [("t", stats(step), INFO)])
+    with open(w.path, "rb") as f:
+        data = f.read()
+    second = record_offsets(data)[1]  # the first step's event, after file_version
+    (length,) = struct.unpack_from("<Q", data, second)
+    event = event_pb2.Event.FromString(data[second + 12 : second + 12 + length])
+    return w.path, event.summary.value[0].tag
+
+
+def _packed_truncated(root: str) -> None:
+    rewrite(good_packed_run(root)[0], lambda d, o: d[:-30])
+
+
+def _packed_bad_rows(root: str) -> None:
+    path, block = good_packed_run(root)
+    row = np.r_[5.0, stats(0)]  # index 5: the block's table has one tensor
+    with open(path, "ab") as f:
+        f.write(frame(event_bytes(block, STEPS, _tensor(row, [1, 12]), None)))
+        f.write(frame(event_bytes(block, STEPS + 1, _tensor(np.zeros(5), [1, 5]), None)))
+
+
 def _giant_length(root: str) -> None:
     path = good_run(root)
     header = struct.pack("<Q", 2**40)  # a checksummed header claiming a terabyte
@@ -187,6 +212,8 @@ CASES: dict[str, tuple] = {
     "garbage_files": (_garbage_file, Case(STEPS, NAN_STEP, ("not an event file", "not events"))),
     "nan_in_stats": (_nan_in_stats, Case(STEPS, NAN_STEP, ("t: 2 malformed",))),
     "giant_length": (_giant_length, Case(STEPS, NAN_STEP, ("truncated",))),
+    "packed_truncated": (_packed_truncated, Case(STEPS - 1, NAN_STEP, ("truncated",))),
+    "packed_bad_rows": (_packed_bad_rows, Case(STEPS, NAN_STEP, ("malformed packed", "with no tensor in the block"))),
 }
 
 
