@@ -26,6 +26,17 @@ after it, such as the optimizer's, role "weight" (update phase); all others
 role "activation" (forward phase). So the analysis core's "first anomaly"
 names the first op, in execution order, whose output left the safe range.
 
+The record is ``stats.op_stats``, lighter than the layer-level
+``tensor_stats`` because it runs on every op output: count, NaN / +Inf /
+-Inf counts, min, max, sum, sum of squares and the overflow count are the
+same (exact, sums to float32 rounding), but the **zeros and underflow counts
+are not computed and are always 0**. Counting them exactly needs elementwise
+passes that every ReLU output and ReLU gradient (which hold zeros) would
+pay; naming the op where a value first goes NaN/Inf or beyond the overflow
+margin needs neither. So op-level records never raise an underflow
+warning, and a dead-ReLU or underflow question is answered by
+``log_numerics`` on the tensor in question.
+
 Like TensorFlow's ``enable_check_numerics``, it hooks op creation with op
 callbacks: inside a ``tf.function`` the statistics ops are added to the graph
 when it is traced, so only traces made while the recorder is active are
@@ -302,7 +313,7 @@ class OpNumerics:
                 info = self._info(tag, tensor, op_type, role, where, st.order)
                 st.order += 1
                 # The default step, not this step's value: the trace outlives this step.
-                summary.write_stats(tag, stats.tensor_stats(tensor, tag), step=self._step_arg, info=info)
+                summary.write_stats(tag, stats.op_stats(tensor, tag), step=self._step_arg, info=info)
 
     def _inspect_stack(self) -> tuple[tuple[str, int, str] | None, bool]:
         """The user's innermost frame, and whether a gradient computation encloses it."""
@@ -364,7 +375,7 @@ class OpNumerics:
         return info
 
     def _add(self, st: _Step, tag: str, tensor, op_type, role, where) -> None:
-        vec = stats.tensor_stats(tensor, tag)
+        vec = stats.op_stats(tensor, tag)
         rec = st.records.get(tag)
         if rec is not None:  # the same op again in this step (eager): aggregate
             rec[0] = stats.merge_stats(rec[0], vec)

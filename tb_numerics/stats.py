@@ -222,6 +222,148 @@ def tensor_stats(x: tf.Tensor, name: str) -> tf.Tensor:
         return tf.cond(tf.math.is_finite(total_sq), healthy, unhealthy)
 
 
+def op_stats(x: tf.Tensor, name: str) -> tf.Tensor:
+    """The lighter record ``op_numerics`` writes for every op output.
+
+    The same float64 ``[NUM_FIELDS]`` layout as ``tensor_stats`` and the same
+    values for count, the NaN / +Inf / -Inf counts, min, max, sum, sum of
+    squares and overflow, but zeros and underflow are not counted: both are
+    always 0. Those two counts are what made a ReLU output or a ReLU gradient
+    (both hold zeros) pay extra elementwise passes, and an op-level record is
+    there to name the op where a value first goes non-finite or beyond the
+    overflow margin, which needs neither. 0 (not NaN) keeps the record valid
+    for the analysis and raises no underflow warning.
+
+    How: four plain reductions and one branch in the healthy case: the sum;
+    the Euclidean norm, whose square is the sum of squares (to float32
+    rounding for float16, bfloat16 and float32 tensors) and which is finite
+    exactly when no element is NaN or Inf and no square overflows; and the
+    float min and max. Those two are exact for finite values except on a
+    denormals-are-zero CPU where an extreme is a subnormal or a zero: only
+    then (e.g. a ReLU output, whose min is 0) that extreme is redone from
+    the bits (two integer reductions for the min, three where the max is
+    such an extreme too). A non-finite tensor pays the masked float64
+    statistics, as in ``tensor_stats``.
+
+    Raises:
+      TypeError: ``x`` is not a float16, bfloat16, float32 or float64 tensor.
+    """
+    x = tf.convert_to_tensor(x)
+    dtype = check_dtype(x, name)
+    acc = _ACC_DTYPE[dtype]
+    int_t, uint_t, sign_bit = _VIEWS[acc]
+    margin = metadata.overflow_margin(dtype)
+    # Below this magnitude a float min or max may have been flushed to zero.
+    acc_tiny = metadata.smallest_normal(acc.name)
+
+    with tf.name_scope("op_stats"):
+        flat = tf.reshape(tf.cast(x, acc) if x.dtype != acc else x, [-1])
+        n = tf.cast(tf.size(flat, out_type=tf.int64), tf.float64)
+        total = tf.cast(tf.reduce_sum(flat), tf.float64)
+        # One fused reduction (cheaper here than tensor_stats' dot product),
+        # squares summed in the accumulation dtype.
+        norm = tf.math.reduce_euclidean_norm(flat)
+        total_sq = tf.square(tf.cast(norm, tf.float64))
+        # Float min and max: only an empty tensor has non-finite ones (+Inf,
+        # -Inf) where the norm is finite; they are NaN in the record.
+        lo_hi = tf.cast(tf.stack([tf.reduce_min(flat), tf.reduce_max(flat)]), tf.float64)
+        tiny = tf.abs(lo_hi) < acc_tiny
+        z = tf.constant(0.0, tf.float64)
+        nan = tf.constant(np.nan, tf.float64)
+        if dtype == "float16":
+            # The only dtype whose margin lies below the largest value with
+            # a finite float32 square.
+            overflow = tf.cond(
+                tf.reduce_max(tf.abs(lo_hi)) > margin,
+                lambda: _count(tf.abs(flat) > margin),
+                lambda: z,
+            )
+        else:
+            overflow = z
+
+        def record(lo_hi_exact: tf.Tensor) -> tf.Tensor:
+            lo_hi_exact = tf.where(tf.math.is_finite(lo_hi_exact), lo_hi_exact, nan)
+            return tf.stack(
+                [n, z, z, z, lo_hi_exact[0], lo_hi_exact[1], total, total_sq, z, overflow, z]
+            )
+
+        def exact_min() -> tf.Tensor:
+            # The min is a zero or subnormal and the max a normal value (a
+            # ReLU output): every element with the sign bit set lies in
+            # (-smallest normal, -0], and the most negative is the largest
+            # unsigned view; without one the min is the smallest unsigned.
+            unsigned = tf.bitcast(flat, uint_t)
+            u_max, u_min = tf.reduce_max(unsigned), tf.reduce_min(unsigned)
+            lo = tf.where(u_max >= tf.constant(sign_bit, uint_t), u_max, u_min)
+            return record(tf.stack([_bits_to_float64(tf.reshape(lo, [1]), acc)[0], lo_hi[1]]))
+
+        def unhealthy() -> tf.Tensor:
+            # Some element is NaN or Inf, or a square overflowed: count the
+            # non-finite elements and redo the rest over the finite ones, in
+            # float64; min and max from the bits of the finite elements (the
+            # others replaced by a finite element), exact here too.
+            finite = tf.math.is_finite(flat)
+            x64 = tf.cast(tf.where(finite, flat, tf.zeros_like(flat)), tf.float64)
+            inf = tf.constant(np.inf, acc)
+            some = tf.gather(flat, tf.argmax(tf.cast(finite, tf.int32), output_type=tf.int32))
+            exact = _exact_min_max(tf.where(finite, flat, some), acc)
+            any_finite = tf.reduce_any(finite)
+            return tf.stack(
+                [
+                    n,
+                    _count(tf.math.is_nan(flat)),
+                    _count(tf.equal(flat, inf)),
+                    _count(tf.equal(flat, -inf)),
+                    tf.where(any_finite, exact[0], nan),
+                    tf.where(any_finite, exact[1], nan),
+                    tf.reduce_sum(x64),
+                    tf.reduce_sum(tf.square(x64)),
+                    z,
+                    _count(tf.logical_and(finite, tf.abs(flat) > margin)),
+                    z,
+                ]
+            )
+
+        # One branch per tensor: 0 healthy, 1 exact min, 2 exact min and
+        # max, 3 non-finite.
+        branch = tf.where(
+            tf.math.is_finite(norm),
+            tf.where(tiny[1], 2, tf.where(tiny[0], 1, 0)),
+            3,
+        )
+        return tf.switch_case(
+            branch,
+            [
+                lambda: record(lo_hi),
+                exact_min,
+                lambda: record(_exact_min_max(flat, acc)),
+                unhealthy,
+            ],
+        )
+
+
+def _exact_min_max(flat: tf.Tensor, acc: tf.DType) -> tf.Tensor:
+    """float64 ``[min, max]`` of a non-empty finite flat tensor, from its bits.
+
+    Exact on a denormals-are-zero CPU too. Three integer reductions: as
+    unsigned integers, non-negative floats (sign bit clear) order by value
+    and below all negative ones, which order by magnitude; as signed
+    integers, non-negative floats order by value and above all negative
+    ones. So the largest unsigned value is the most negative element where
+    there is one, and the smallest unsigned one the smallest non-negative
+    element where there is one (else the negative element closest to 0, the
+    max); the largest signed value is the largest non-negative element.
+    """
+    int_t, uint_t, sign_bit = _VIEWS[acc]
+    unsigned = tf.bitcast(flat, uint_t)
+    u_max, u_min = tf.reduce_max(unsigned), tf.reduce_min(unsigned)
+    s_max = tf.bitcast(tf.reduce_max(tf.bitcast(flat, int_t)), uint_t)
+    sign = tf.constant(sign_bit, uint_t)
+    lo = tf.where(u_max >= sign, u_max, u_min)
+    hi = tf.where(u_min >= sign, u_min, s_max)
+    return _bits_to_float64(tf.stack([lo, hi]), acc)
+
+
 def _bits_to_float64(bits: tf.Tensor, acc: tf.DType) -> tf.Tensor:
     """The float64 values of float bit patterns (unsigned), subnormals too.
 

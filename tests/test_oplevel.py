@@ -239,3 +239,152 @@ def test_traced_step_whose_optimizer_builds_on_the_first_call(tmp_path):
     ra = _analysis(str(tmp_path))
     assert any(h.series.info.op_type == "SqrtGrad" for h in ra.health)
     assert all(h.series.steps.tolist() == [0, 1, 2] for h in ra.health if h.series.info.op_type == "Sqrt")
+
+
+# ---------------------------------------------------------------- op_stats
+#
+# The lighter record op_numerics writes: tensor_stats' fields and values
+# except zeros and underflow, which are not counted (always 0).
+
+from tb_numerics import metadata, stats  # noqa: E402
+from tb_numerics.record_writer import numpy_stats  # noqa: E402
+
+F = metadata.FIELD_INDEX
+KEPT_COUNTS = ["count", "nan", "posinf", "neginf", "overflow"]
+SUM_RTOL = {"float16": 1e-5, "bfloat16": 1e-5, "float32": 1e-5, "float64": 1e-12}
+_op_stats_fn = tf.function(stats.op_stats, reduce_retracing=True)
+
+
+def _as_tf(values, dtype: str) -> tf.Tensor:
+    # Converted in numpy: TensorFlow's casts on a CPU flush subnormals to zero.
+    values = np.asarray(values, np.float64)
+    if dtype == "bfloat16":
+        return tf.cast(tf.constant(values.astype(np.float32)), tf.bfloat16)
+    return tf.constant(values.astype(dtype))
+
+
+def _assert_op_record(got: np.ndarray, t: tf.Tensor, dtype: str) -> None:
+    """``got`` agrees with numpy_stats on every field op_stats keeps."""
+    with np.errstate(over="ignore"):  # the reference's own sum of squares may overflow
+        want = numpy_stats(np.asarray(t.numpy()).astype(np.float64), dtype)
+    assert got.dtype == np.float64 and got.shape == (metadata.NUM_FIELDS,)
+    for f in KEPT_COUNTS:
+        assert got[F[f]] == want[F[f]], (f, got, want)
+    assert got[F["zeros"]] == 0 and got[F["underflow"]] == 0
+    for f in ("min", "max"):
+        np.testing.assert_equal(got[F[f]], want[F[f]], err_msg=f)
+    max_abs = np.nan_to_num(max(abs(want[F["min"]]), abs(want[F["max"]])))
+    scale = max(1.0, float(max_abs * want[F["count"]]))
+    np.testing.assert_allclose(got[F["sum"]], want[F["sum"]], rtol=SUM_RTOL[dtype], atol=SUM_RTOL[dtype] * scale)
+    np.testing.assert_allclose(got[F["sum_sq"]], want[F["sum_sq"]], rtol=SUM_RTOL[dtype] * 10)
+    # Always a record the analysis accepts, with no underflow warning.
+    assert analysis.valid_records(got[None]).all()
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+@pytest.mark.parametrize(
+    "inject",
+    [[], [(0.0, 40)], [(np.nan, 3), (np.inf, 2), (-np.inf, 1), (0.0, 5)], [(np.nan, 1)], [(-np.inf, 7)]],
+    ids=["healthy", "zeros", "nan_inf_zeros", "one_nan", "neginf"],
+)
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "function"])
+def test_op_stats_matches_numpy_on_the_fields_it_keeps(dtype, inject, graph):
+    rng = np.random.default_rng(len(inject) * 7 + len(dtype))
+    x = rng.standard_normal((37, 129)) * 3
+    flat = x.reshape(-1)
+    idx, k = rng.permutation(flat.size), 0
+    for value, count in inject:
+        flat[idx[k:k + count]] = value
+        k += count
+    t = _as_tf(x, dtype)
+    got = (_op_stats_fn if graph else stats.op_stats)(t, "x").numpy()
+    _assert_op_record(got, t, dtype)
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "function"])
+def test_op_stats_relu_output_at_benchmark_size(graph):
+    rng = np.random.default_rng(1)
+    t = tf.constant(np.maximum(rng.standard_normal((512, 1024)), 0).astype(np.float32))
+    got = (_op_stats_fn if graph else stats.op_stats)(t, "relu").numpy()
+    _assert_op_record(got, t, "float32")
+    assert got[F["min"]] == 0.0
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
+@pytest.mark.parametrize(
+    "values",
+    [
+        [1.0, 2.0, 1e-300, 3.0],  # a subnormal min (scaled to the dtype below)
+        [1e-300, 2e-300, 0.5e-300],  # all subnormal: min and max subnormal
+        [-1e-300, -2e-300],  # all negative subnormal
+        [0.0, -1e-300, 3.0],
+        [-0.0, 1.0],
+        [-5.0, -1e-300, -2.0],  # a normal min and a subnormal max
+        [-5.0, 1e-300, np.nan],
+    ],
+    ids=["sub_min", "all_sub", "neg_sub", "zero_neg_sub", "neg_zero", "sub_max", "sub_nan"],
+)
+def test_op_stats_subnormal_extremes_are_exact(dtype, values):
+    # CPUs run TensorFlow with denormals-are-zero: a float min or max would
+    # read a subnormal extreme as 0; op_stats redoes it from the bits.
+    tiny = metadata.smallest_normal(dtype)
+    values = [v * tiny / 1e-300 * 0.25 if abs(v) <= 2e-300 else v for v in values]
+    t = _as_tf(values, dtype)
+    for fn in (stats.op_stats, _op_stats_fn):
+        _assert_op_record(fn(t, "sub").numpy(), t, dtype)
+
+
+def test_op_stats_float16_overflow_margin_and_squares():
+    values = np.array([1e-6, -3e-5, 0.0, 1.0, 2000.0, -60000.0, 6.2e-5], np.float16)
+    got = stats.op_stats(tf.constant(values), "h").numpy()
+    assert got[F["overflow"]] == 2
+    _assert_op_record(got, tf.constant(values), "float16")
+    big = tf.constant(np.full((64, 64), 60000.0, np.float16))
+    got = stats.op_stats(big, "big").numpy()
+    assert np.isfinite(got[F["sum_sq"]]) and got[F["overflow"]] == 4096
+    _assert_op_record(got, big, "float16")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_op_stats_huge_finite_values_whose_squares_overflow(dtype):
+    big = 1e30 if dtype == "float32" else 1e200
+    t = _as_tf([big, -big, 1.0, np.nan], dtype)
+    got = stats.op_stats(t, "huge").numpy()
+    _assert_op_record(got, t, dtype)
+    assert got[F["max"]] == np.float64(np.array(big, dtype)) and got[F["nan"]] == 1
+
+
+@pytest.mark.parametrize("values", [[np.nan, np.nan], [np.inf, -np.inf], []], ids=["all_nan", "all_inf", "empty"])
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_op_stats_no_finite_values(values, dtype):
+    t = _as_tf(values, dtype)
+    for fn in (stats.op_stats, _op_stats_fn):
+        got = fn(t, "none").numpy()
+        assert np.isnan(got[F["min"]]) and np.isnan(got[F["max"]])
+        _assert_op_record(got, t, dtype)
+
+
+def test_op_stats_scalar_empty_of_any_shape_and_non_float():
+    _assert_op_record(stats.op_stats(tf.constant(-2.5), "s").numpy(), tf.constant(-2.5), "float32")
+    got = stats.op_stats(tf.zeros([3, 0, 2]), "empty").numpy()
+    assert got[F["count"]] == 0 and got[F["sum"]] == 0 and np.isnan(got[F["min"]])
+    with pytest.raises(TypeError, match="'my/op'.*int32"):
+        stats.op_stats(tf.constant([1, 2]), "my/op")
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_op_records_leave_zeros_and_underflow_at_zero(tmp_path, mode):
+    # A ReLU output full of zeros and a float32 underflow: the op-level
+    # records count neither, and the analysis warns about neither.
+    def body(x):
+        return tf.nn.relu(x) * 1e-30  # RELU
+
+    _run(str(tmp_path), body, [[1.0, -2.0, 0.0, 3e-10]], mode, tbn.op_numerics())
+    ra = _analysis(str(tmp_path))
+    assert {h.series.info.op_type for h in ra.health} >= {"Relu", "Mul"}
+    for h in ra.health:
+        v = h.series.values[0]
+        assert v[F["zeros"]] == 0 and v[F["underflow"]] == 0
+        assert h.codes.tolist() == [analysis.HEALTHY]
+    (relu,) = [h for h in ra.health if h.series.info.op_type == "Relu"]
+    assert relu.series.values[0, F["min"]] == 0 and relu.series.values[0, F["max"]] == 1
