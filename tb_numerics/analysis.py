@@ -269,11 +269,23 @@ def _rolling_median_before(x: np.ndarray, window: int) -> np.ndarray:
         return out
     padded = np.concatenate([np.full(window, np.nan), x[:-1]])
     windows = np.lib.stride_tricks.sliding_window_view(padded, window)[:n]
-    clean = np.where(np.isfinite(windows), windows, np.nan)
+    # Full windows of finite values (most of a healthy run) take the plain
+    # median, several times faster than nanmedian.
+    full = np.zeros(n, dtype=bool)
+    full[window:] = True
+    finite = np.isfinite(x[:-1])
+    if n > window and not finite.all():
+        bad_before = np.concatenate([[0], np.cumsum(~finite)])  # non-finite among x[:i]
+        full[window:] = bad_before[window:n] == bad_before[: n - window]
+    if full.any():
+        out[full] = np.median(windows[full], axis=1)
+    rest = ~full
+    clean = np.where(np.isfinite(windows[rest]), windows[rest], np.nan)
     enough = np.sum(np.isfinite(clean), axis=1) >= 3
     if np.any(enough):
         with np.errstate(all="ignore"):
-            out[enough] = np.nanmedian(clean[enough], axis=1)
+            idx = np.flatnonzero(rest)[enough]
+            out[idx] = np.nanmedian(clean[enough], axis=1)
     return out
 
 
