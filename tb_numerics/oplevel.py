@@ -27,15 +27,17 @@ role "activation" (forward phase). So the analysis core's "first anomaly"
 names the first op, in execution order, whose output left the safe range.
 
 The record is ``stats.op_stats``, lighter than the layer-level
-``tensor_stats`` because it runs on every op output: count, NaN / +Inf /
--Inf counts, min, max, sum, sum of squares and the overflow count are the
-same (exact, sums to float32 rounding), but the **zeros and underflow counts
-are not computed and are always 0**. Counting them exactly needs elementwise
-passes that every ReLU output and ReLU gradient (which hold zeros) would
-pay; naming the op where a value first goes NaN/Inf or beyond the overflow
-margin needs neither. So op-level records never raise an underflow
-warning, and a dead-ReLU or underflow question is answered by
-``log_numerics`` on the tensor in question.
+``tensor_stats`` because it runs on every op output. Count, NaN / +Inf /
+-Inf counts, min, max and the overflow count are the same (exact); **sum and
+sum of squares are not computed and are always NaN** (so mean, std and L2
+norm read as NaN, "not recorded"), and **the zero and underflow counts are
+not computed and are always 0** (0 keeps the counts valid; no underflow
+warning is ever raised from an op-level record). Naming the op where a
+value first goes NaN/Inf or beyond the overflow margin needs none of them,
+and each cost every op output another pass over its values (zeros and
+underflow, elementwise ones, in every tensor holding a zero); left out, a
+typical op output costs two reductions. For those statistics of a tensor,
+use ``log_numerics`` on it.
 
 Like TensorFlow's ``enable_check_numerics``, it hooks op creation with op
 callbacks: inside a ``tf.function`` the statistics ops are added to the graph
@@ -69,6 +71,10 @@ TAG_PREFIX = "ops/"
 # Op types skipped by default: they move, copy or reshape values, create
 # constants or call functions (whose own ops are recorded), so they cannot be
 # where a non-finite value is born, and recording them would only cost time.
+# So do the elementwise ops whose output is finite wherever their inputs are
+# and no larger in magnitude (ReLU and its gradient, Neg, Abs): a NaN, Inf or
+# overflow-risk value there is already in an input, recorded where it was
+# made; an MLP has one ReLU and one ReLU gradient per layer.
 DEFAULT_SKIP_OP_TYPES = frozenset(
     """
     BroadcastTo Concat ConcatV2 Const DebugIdentityV2 DebugNumericSummaryV2 EnsureShape
@@ -77,6 +83,7 @@ DEFAULT_SKIP_OP_TYPES = frozenset(
     PreventGradient ReadVariableOp Reshape Shape ShapeN Size Slice Snapshot Split SplitV
     Squeeze StatefulPartitionedCall StatelessIf StatelessWhile StopGradient StridedSlice
     Switch Tile Transpose Unpack VarHandleOp While ZerosLike
+    Abs Neg Relu Relu6 Relu6Grad ReluGrad
     """.split()
 )
 
@@ -482,7 +489,9 @@ def op_numerics(
         before it, and nothing else, so the mode can be left on.
       op_types: only these op types (e.g. {"Sqrt", "SqrtGrad"}); None for all.
       skip_op_types: op types never recorded; the default skips ops that only
-        move, copy or reshape values (see DEFAULT_SKIP_OP_TYPES).
+        move, copy or reshape values, and ReLU, its gradient, Neg and Abs,
+        whose outputs are finite and no larger wherever their inputs are
+        (see DEFAULT_SKIP_OP_TYPES).
       name_regex: only ops whose name (graph op name, or eager scope + type)
         matches this regular expression (``re.search``).
       dtypes: only outputs of these dtypes (names, e.g. "float32").

@@ -225,25 +225,30 @@ def tensor_stats(x: tf.Tensor, name: str) -> tf.Tensor:
 def op_stats(x: tf.Tensor, name: str) -> tf.Tensor:
     """The lighter record ``op_numerics`` writes for every op output.
 
-    The same float64 ``[NUM_FIELDS]`` layout as ``tensor_stats`` and the same
-    values for count, the NaN / +Inf / -Inf counts, min, max, sum, sum of
-    squares and overflow, but zeros and underflow are not counted: both are
-    always 0. Those two counts are what made a ReLU output or a ReLU gradient
-    (both hold zeros) pay extra elementwise passes, and an op-level record is
-    there to name the op where a value first goes non-finite or beyond the
-    overflow margin, which needs neither. 0 (not NaN) keeps the record valid
-    for the analysis and raises no underflow warning.
+    The same float64 ``[NUM_FIELDS]`` layout as ``tensor_stats``, and the
+    same values for count, the NaN / +Inf / -Inf counts, min, max (exact,
+    subnormals too) and the overflow count. Not computed: the sum and the
+    sum of squares, always NaN (so the derived mean, std and L2 norm are
+    NaN: "not recorded"), and the zero and underflow counts, always 0 (0,
+    not NaN, keeps the counts valid for the analysis and raises no underflow
+    warning). An op-level record is there to name the op where a value first
+    goes non-finite or beyond the overflow margin, which needs none of them,
+    and each costs every op output another pass over its values (zeros and
+    underflow, elementwise ones, in every tensor that holds a zero, such as
+    ReLU gradients).
 
-    How: four plain reductions and one branch in the healthy case: the sum;
-    the Euclidean norm, whose square is the sum of squares (to float32
-    rounding for float16, bfloat16 and float32 tensors) and which is finite
-    exactly when no element is NaN or Inf and no square overflows; and the
-    float min and max. Those two are exact for finite values except on a
-    denormals-are-zero CPU where an extreme is a subnormal or a zero: only
-    then (e.g. a ReLU output, whose min is 0) that extreme is redone from
-    the bits (two integer reductions for the min, three where the max is
-    such an extreme too). A non-finite tensor pays the masked float64
-    statistics, as in ``tensor_stats``.
+    How: two plain reductions, a few scalar ops and one branch per tensor
+    that is finite and has both signs (most op outputs): the max of the
+    tensor's bits viewed as signed and as unsigned integers. As signed
+    integers the non-negative floats order by value above all negative ones,
+    so the signed max is the largest non-negative element (where there is
+    one); as unsigned integers the negative floats order by magnitude above
+    all non-negative ones, so the unsigned max is the most negative element
+    (where there is one). The non-finite patterns are the largest of either
+    order, so the same two maxima tell whether any element is NaN or Inf.
+    Only the other tensors take the second branch: one of a single sign pays
+    the unsigned min (its other extreme), a non-finite one the masked counts,
+    one beyond the overflow margin its count.
 
     Raises:
       TypeError: ``x`` is not a float16, bfloat16, float32 or float64 tensor.
@@ -252,94 +257,94 @@ def op_stats(x: tf.Tensor, name: str) -> tf.Tensor:
     dtype = check_dtype(x, name)
     acc = _ACC_DTYPE[dtype]
     int_t, uint_t, sign_bit = _VIEWS[acc]
+    inf_bits = _bits(np.inf, acc)
     margin = metadata.overflow_margin(dtype)
-    # Below this magnitude a float min or max may have been flushed to zero.
-    acc_tiny = metadata.smallest_normal(acc.name)
 
     with tf.name_scope("op_stats"):
         flat = tf.reshape(tf.cast(x, acc) if x.dtype != acc else x, [-1])
-        n = tf.cast(tf.size(flat, out_type=tf.int64), tf.float64)
-        total = tf.cast(tf.reduce_sum(flat), tf.float64)
-        # One fused reduction (cheaper here than tensor_stats' dot product),
-        # squares summed in the accumulation dtype.
-        norm = tf.math.reduce_euclidean_norm(flat)
-        total_sq = tf.square(tf.cast(norm, tf.float64))
-        # Float min and max: only an empty tensor has non-finite ones (+Inf,
-        # -Inf) where the norm is finite; they are NaN in the record.
-        lo_hi = tf.cast(tf.stack([tf.reduce_min(flat), tf.reduce_max(flat)]), tf.float64)
-        tiny = tf.abs(lo_hi) < acc_tiny
+        size = x.shape.num_elements()
+        n = tf.constant(float(size), tf.float64) if size is not None else tf.cast(tf.size(flat), tf.float64)
+        unsigned = tf.bitcast(flat, uint_t)
+        u_max = tf.reduce_max(unsigned)
+        s_max = tf.reduce_max(tf.bitcast(flat, int_t))
         z = tf.constant(0.0, tf.float64)
         nan = tf.constant(np.nan, tf.float64)
-        if dtype == "float16":
-            # The only dtype whose margin lies below the largest value with
-            # a finite float32 square.
-            overflow = tf.cond(
-                tf.reduce_max(tf.abs(lo_hi)) > margin,
-                lambda: _count(tf.abs(flat) > margin),
-                lambda: z,
-            )
-        else:
-            overflow = z
-
-        def record(lo_hi_exact: tf.Tensor) -> tf.Tensor:
-            lo_hi_exact = tf.where(tf.math.is_finite(lo_hi_exact), lo_hi_exact, nan)
-            return tf.stack(
-                [n, z, z, z, lo_hi_exact[0], lo_hi_exact[1], total, total_sq, z, overflow, z]
-            )
-
-        def exact_min() -> tf.Tensor:
-            # The min is a zero or subnormal and the max a normal value (a
-            # ReLU output): every element with the sign bit set lies in
-            # (-smallest normal, -0], and the most negative is the largest
-            # unsigned view; without one the min is the smallest unsigned.
-            unsigned = tf.bitcast(flat, uint_t)
-            u_max, u_min = tf.reduce_max(unsigned), tf.reduce_min(unsigned)
-            lo = tf.where(u_max >= tf.constant(sign_bit, uint_t), u_max, u_min)
-            return record(tf.stack([_bits_to_float64(tf.reshape(lo, [1]), acc)[0], lo_hi[1]]))
-
-        def unhealthy() -> tf.Tensor:
-            # Some element is NaN or Inf, or a square overflowed: count the
-            # non-finite elements and redo the rest over the finite ones, in
-            # float64; min and max from the bits of the finite elements (the
-            # others replaced by a finite element), exact here too.
-            finite = tf.math.is_finite(flat)
-            x64 = tf.cast(tf.where(finite, flat, tf.zeros_like(flat)), tf.float64)
-            inf = tf.constant(np.inf, acc)
-            some = tf.gather(flat, tf.argmax(tf.cast(finite, tf.int32), output_type=tf.int32))
-            exact = _exact_min_max(tf.where(finite, flat, some), acc)
-            any_finite = tf.reduce_any(finite)
-            return tf.stack(
-                [
-                    n,
-                    _count(tf.math.is_nan(flat)),
-                    _count(tf.equal(flat, inf)),
-                    _count(tf.equal(flat, -inf)),
-                    tf.where(any_finite, exact[0], nan),
-                    tf.where(any_finite, exact[1], nan),
-                    tf.reduce_sum(x64),
-                    tf.reduce_sum(tf.square(x64)),
-                    z,
-                    _count(tf.logical_and(finite, tf.abs(flat) > margin)),
-                    z,
-                ]
-            )
-
-        # One branch per tensor: 0 healthy, 1 exact min, 2 exact min and
-        # max, 3 non-finite.
-        branch = tf.where(
-            tf.math.is_finite(norm),
-            tf.where(tiny[1], 2, tf.where(tiny[0], 1, 0)),
-            3,
+        # Where both signs are present, min = u_max and max = s_max.
+        lo_hi = _bits_to_float64(tf.stack([u_max, tf.bitcast(s_max, uint_t)]), acc)
+        common = tf.reduce_all(
+            tf.stack([
+                u_max >= tf.constant(sign_bit, uint_t),  # some sign bit set (-0 too)
+                s_max >= 0,  # some sign bit clear
+                s_max < tf.constant(inf_bits, int_t),  # no +Inf, no NaN with the sign bit clear
+                u_max < tf.constant(sign_bit | inf_bits, uint_t),  # no -Inf, no NaN with it set
+                tf.reduce_max(tf.abs(lo_hi)) <= margin,
+            ])
         )
-        return tf.switch_case(
-            branch,
+        fast = tf.stack([n, z, z, z, lo_hi[0], lo_hi[1], nan, nan, z, z, z])
+        return tf.cond(
+            common,
+            lambda: fast,
+            lambda: _op_stats_other(flat, n, u_max, s_max, acc, margin),
+        )
+
+
+def _op_stats_other(
+    flat: tf.Tensor, n: tf.Tensor, u_max: tf.Tensor, s_max: tf.Tensor, acc: tf.DType, margin: float
+) -> tf.Tensor:
+    """``op_stats`` of a tensor that is not finite with both signs."""
+    int_t, uint_t, sign_bit = _VIEWS[acc]
+    inf_bits = _bits(np.inf, acc)
+    z = tf.constant(0.0, tf.float64)
+    nan = tf.constant(np.nan, tf.float64)
+    finite = tf.logical_and(
+        s_max < tf.constant(inf_bits, int_t),
+        u_max < tf.constant(sign_bit | inf_bits, uint_t),
+    )
+
+    def healthy() -> tf.Tensor:
+        # One sign only (or none: empty): the other extreme is the unsigned
+        # min. An empty tensor has both = the largest unsigned value, a NaN.
+        u_min = tf.reduce_min(tf.bitcast(flat, uint_t))
+        lo_hi = _bits_to_float64(
+            tf.stack([
+                tf.where(u_max >= tf.constant(sign_bit, uint_t), u_max, u_min),
+                tf.where(s_max >= 0, tf.bitcast(s_max, uint_t), u_min),
+            ]),
+            acc,
+        )
+        overflow = tf.cond(
+            tf.reduce_max(tf.abs(lo_hi)) > margin,
+            lambda: _count(tf.abs(flat) > margin),
+            lambda: z,
+        )
+        return tf.stack([n, z, z, z, lo_hi[0], lo_hi[1], nan, nan, z, overflow, z])
+
+    def unhealthy() -> tf.Tensor:
+        # Some element is NaN or Inf: count them, and min and max over the
+        # finite ones (from the bits of the finite elements, the others
+        # replaced by a finite element).
+        is_finite = tf.math.is_finite(flat)
+        inf = tf.constant(np.inf, acc)
+        some = tf.gather(flat, tf.argmax(tf.cast(is_finite, tf.int32), output_type=tf.int32))
+        exact = _exact_min_max(tf.where(is_finite, flat, some), acc)
+        any_finite = tf.reduce_any(is_finite)
+        return tf.stack(
             [
-                lambda: record(lo_hi),
-                exact_min,
-                lambda: record(_exact_min_max(flat, acc)),
-                unhealthy,
-            ],
+                n,
+                _count(tf.math.is_nan(flat)),
+                _count(tf.equal(flat, inf)),
+                _count(tf.equal(flat, -inf)),
+                tf.where(any_finite, exact[0], nan),
+                tf.where(any_finite, exact[1], nan),
+                nan,
+                nan,
+                z,
+                _count(tf.logical_and(is_finite, tf.abs(flat) > margin)),
+                z,
+            ]
         )
+
+    return tf.cond(finite, healthy, unhealthy)
 
 
 def _exact_min_max(flat: tf.Tensor, acc: tf.DType) -> tf.Tensor:
@@ -430,3 +435,4 @@ def all_reduce_many_stats(records: tf.Tensor, replica_context: tf.distribute.Rep
     """``all_reduce_stats`` of each row of ``[k, F]`` records, in one collective."""
     gathered = replica_context.all_gather(tf.expand_dims(records, 0), axis=0)  # [replicas, k, F]
     return tf.stack([combine_stats(gathered[:, i]) for i in range(records.shape[0])])
+
