@@ -433,7 +433,9 @@ class NumericsPlugin(base_plugin.TBPlugin):
         # The refresher looks for new records once per reload, at most once a second.
         self._reload_interval = max(1.0, reload_interval)
         self._listing_seconds = 0.0  # how long listing every run took last time
-        self._settling = False  # a run changed between the refresher's last two rounds
+        # A run changed between the refresher's last two rounds. TensorBoard
+        # has just started and is loading every run: look often from the start.
+        self._settling = True
         self._caches_lock = threading.Lock()
         self._frontend_dir = _frontend_dir()
         # Started now so that caches are warm by the time the tab is opened.
