@@ -57,10 +57,11 @@ export const summary = (run, params, signal) => get("summary", { run, ...params 
 export const timeline = (run, width, { start, end } = {}, params, signal) =>
   get("timeline", { run, width, start, end, ...params }, signal);
 
-/** /series with every statistic decoded to numbers (NaN/Inf included). */
+/** /series with every statistic decoded to numbers (NaN/Inf included; null,
+ * a statistic the record does not hold, stays null: a gap, not a NaN). */
 export async function series(run, tensor, { start, end, maxPoints } = {}, params, signal) {
   const body = await get("series", { run, tensor, start, end, max_points: maxPoints, ...params }, signal);
   const fields = {};
-  for (const [name, values] of Object.entries(body.fields || {})) fields[name] = values.map(toNumber);
+  for (const [name, values] of Object.entries(body.fields || {})) fields[name] = values.map((v) => (v === null ? null : toNumber(v)));
   return { ...body, fields };
 }

@@ -247,7 +247,7 @@ export class Chart {
     steps.forEach((step, i) => {
       const v = s.ys[i];
       if (!Number.isFinite(v) || (this.data.log && v <= 0)) {
-        if (!Number.isFinite(v)) nonfinite.push([step, v]);
+        if (!Number.isFinite(v) && v !== null) nonfinite.push([step, v]); // null: not recorded
         open = false; // a gap: never a line to infinity
         return;
       }

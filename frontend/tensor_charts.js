@@ -62,7 +62,12 @@ export class TensorCharts {
     this.moments.set({
       ...base,
       lines: [{ label: "mean", colour: "series-1", ys: f.mean }, ...compare("mean", "mean")],
-      band: { label: "± std", lo: f.mean.map((m, i) => m - f.std[i]), hi: f.mean.map((m, i) => m + f.std[i]), std: f.std },
+      band: {
+        label: "± std",
+        lo: f.mean.map((m, i) => (m === null || f.std[i] === null ? null : m - f.std[i])),
+        hi: f.mean.map((m, i) => (m === null || f.std[i] === null ? null : m + f.std[i])),
+        std: f.std,
+      },
     });
     this.counts.set({
       ...base,

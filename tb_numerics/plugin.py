@@ -973,15 +973,23 @@ def _series_points(
     d = analysis.derived(values) if n else {k: np.zeros(0) for k in ("mean", "std", "max_abs", "l2")}
     col = {name: values[:, i] if n else np.zeros(0) for i, name in enumerate(metadata.FIELDS)}
     counts = ("count", "nan", "posinf", "neginf", "zeros", "overflow", "underflow")
+    # Op-level records leave out the sums (see oplevel.py): their mean, std
+    # and L2 norm are not recorded (null), not NaN. A recorded sum of squares
+    # of finite values is never NaN.
+    unrecorded = np.isnan(col["sum_sq"]) & (d["finite"] > 0) if n else np.zeros(0, bool)
+
+    def moments(values: list, gone: np.ndarray) -> list:
+        return [None if g else v for v, g in zip(values, gone.tolist())] if gone.any() else values
+
     downsampled = n > max_points
     if not downsampled:
         fields = {
             "min": _float_list(col["min"]),
             "max": _float_list(col["max"]),
             "max_abs": _float_list(d["max_abs"]),
-            "mean": _float_list(d["mean"]),
-            "std": _float_list(d["std"]),
-            "l2": _float_list(d["l2"]),
+            "mean": moments(_float_list(d["mean"]), unrecorded),
+            "std": moments(_float_list(d["std"]), unrecorded),
+            "l2": moments(_float_list(d["l2"]), unrecorded),
             **{k: _count_list(col[k]) for k in counts},
         }
         return {
@@ -1002,13 +1010,14 @@ def _series_points(
         with np.errstate(invalid="ignore", divide="ignore"):
             return np.where(num > 0, total / np.maximum(num, 1), np.nan)
 
+    gone = np.logical_and.reduceat(unrecorded, bounds)  # buckets with no sums recorded
     fields = {
         "min": _float_list(np.fmin.reduceat(col["min"], bounds)),
         "max": _float_list(np.fmax.reduceat(col["max"], bounds)),
         "max_abs": _float_list(np.fmax.reduceat(d["max_abs"], bounds)),
-        "mean": _float_list(nanmean(d["mean"])),
-        "std": _float_list(nanmean(d["std"])),
-        "l2": _float_list(nanmean(d["l2"])),
+        "mean": moments(_float_list(nanmean(d["mean"])), gone),
+        "std": moments(_float_list(nanmean(d["std"])), gone),
+        "l2": moments(_float_list(nanmean(d["l2"])), gone),
         **{k: _count_list(np.add.reduceat(col[k], bounds)) for k in counts},
     }
     # The first warning kind in each bucket names the bucket's warning.

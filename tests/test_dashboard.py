@@ -362,3 +362,32 @@ def test_empty_logdir_says_what_to_do(open_page, tmp_path):
         status.wait_for()
         assert "No numerics in this logdir yet" in status.inner_text()
         assert "tb_numerics.log_numerics" in status.inner_text()
+
+
+def test_op_level_charts_show_sums_as_not_recorded(open_page, tmp_path):
+    """Op-level records hold no sums: mean, std and L2 read "–" (not
+    recorded), never "NaN", which would say the tensor had no finite value."""
+    import numpy as np
+
+    from tb_numerics import metadata
+    from tb_numerics.record_writer import NumericsRecordWriter, numpy_stats
+
+    logdir = str(tmp_path / "logs")
+    info = metadata.TensorInfo(role="activation", op_type="MatMul", description="model.py:7 (call)")
+    F = metadata.FIELD_INDEX
+    with NumericsRecordWriter(os.path.join(logdir, "ops")) as w:
+        for step in range(20):
+            rec = numpy_stats(np.float32([1.0, -2.0, step]))
+            rec[F["sum"]] = rec[F["sum_sq"]] = np.nan  # as stats.op_stats writes it
+            w.write("ops/d1/MatMul", step, rec, info)
+    with tb_process.tensorboard(logdir) as op_tb:
+        tb_process.wait_for(lambda: op_tb.get_json("/data/plugin/numerics/runs")["runs"], timeout=60)
+        page = dashboard(open_page, op_tb, "#run=ops&tensor=ops%2Fd1%2FMatMul").page
+        expect(page.locator(".selected-name .tensor-name")).to_have_text("ops/d1/MatMul")
+        for title, words in (("Mean ± std", "mean – · ± std –"), ("L2 norm", "L2 –"), ("Range", "max |x| 1")):
+            chart = page.locator('.chart[aria-label^="%s"]' % title)
+            canvas = chart.locator("canvas")
+            canvas.scroll_into_view_if_needed()
+            box = canvas.bounding_box()
+            page.mouse.move(box["x"] + box["width"] * 0.9, box["y"] + box["height"] / 2)
+            expect(chart.locator(".readout")).to_contain_text(words)

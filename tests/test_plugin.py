@@ -242,6 +242,31 @@ def test_series_encodes_nonfinite_as_strings(tmp_path):
     assert s["health"] == [analysis.HEALTHY, analysis.NONFINITE]
 
 
+def test_series_sends_moments_an_op_level_record_leaves_out_as_null(tmp_path):
+    """Op-level records hold no sums: their mean, std and L2 norm are "not
+    recorded" (null, a gap in the charts), not NaN (a marker saying the
+    tensor had no finite value)."""
+    run_dir = str(tmp_path / "run")
+    info = metadata.TensorInfo(role="activation", op_type="MatMul")
+    F = metadata.FIELD_INDEX
+    with NumericsRecordWriter(run_dir) as w:
+        for step in range(6):
+            rec = _stats([1.0, 2.0] if step != 4 else [math.nan, math.nan])
+            if step >= 2:  # what stats.op_stats writes
+                rec[F["sum"]] = rec[F["sum_sq"]] = math.nan
+            w.write("ops/MatMul", step, rec, info)
+    tb = TB(str(tmp_path))
+    s = tb.ok(P + "/series", run="run", tensor="ops/MatMul")
+    for field in ("mean", "std", "l2"):
+        assert s["fields"][field][2:] == [None, None, "NaN", None], field
+    assert s["fields"]["mean"][:2] == [1.5, 1.5]
+    assert s["fields"]["max"] == [2.0, 2.0, 2.0, 2.0, "NaN", 2.0]
+    # Bucketed: a bucket of unrecorded sums is null too; one holding a
+    # record without a finite value stays NaN.
+    s = tb.ok(P + "/series", run="run", tensor="ops/MatMul", max_points=3)
+    assert s["downsampled"] is True and s["fields"]["mean"] == [1.5, None, "NaN"]
+
+
 def test_series_full_and_downsampled(tb):
     s = tb.ok(P + "/series", run="bad", tensor="dense1/output")
     assert s["steps"] == list(range(STEPS)) and s["downsampled"] is False
