@@ -317,10 +317,11 @@ def _merge(tags: Mapping[str, _TagData]) -> list[analysis.TensorSeries]:
     """Every tensor's series: its own tag's, and its parts in packed blocks.
 
     Blocks are taken oldest first (by their last write), so a step written
-    twice keeps the later record. Where a tensor's parts lie end to end (one
-    writer, steps increasing), each block's part is replaced by a slice of
-    the merged series: the snapshot then holds each record once, and the
-    next refresh, which re-reads only the blocks that grew, still has them.
+    twice keeps the later record. Where a tensor's parts do not overlap in
+    steps (the usual case, whichever writers wrote them), each block's part
+    is replaced by a slice of the merged series: the snapshot then holds each
+    record once, and the next refresh, which re-reads only the blocks that
+    grew, still has them.
     """
     out = [t.series for t in tags.values() if t.series is not None]
     blocks = sorted((t.version[1], tag) for tag, t in tags.items() if t.parts)
