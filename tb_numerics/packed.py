@@ -106,7 +106,7 @@ def unpack_block(
     of the wrong shape, or a row whose index is not in ``table``, is skipped
     and described in ``problems``; records are checked as in ``make_series``.
     """
-    keep = [i for i, a in enumerate(arrays) if a.ndim == 2 and a.shape[1] == COLUMNS]
+    keep = [i for i, a in enumerate(arrays) if a.ndim == 2 and a.shape[1] == COLUMNS and a.dtype.kind in "fiu"]
     if len(keep) < len(arrays):
         problems.append("%s: %d malformed packed event(s) skipped" % (block, len(arrays) - len(keep)))
     if not keep:

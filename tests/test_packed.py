@@ -101,13 +101,14 @@ def test_damaged_rows_are_skipped_and_reported_the_rest_kept():
         np.stack([good, np.r_[7.0, good[1:]]]),  # index 7: no such tensor
         np.zeros((2, 5)),  # wrong width
         np.stack([good]),
+        np.full((1, packed.COLUMNS), "x"),  # strings
     ]
     arrays[3][0, 1 + metadata.FIELD_INDEX["nan"]] = -1  # a negative NaN count
     problems: list[str] = []
-    parts = packed.unpack_block("blk", table, np.array([0, 1, 2, 3]), arrays, problems)
+    parts = packed.unpack_block("blk", table, np.array([0, 1, 2, 3, 4]), arrays, problems)
     assert {p.tag: p.steps.tolist() for p in parts} == {"a": [0, 1], "b": [0]}
     assert len(problems) == 3
-    assert any("1 malformed packed event" in p for p in problems)
+    assert any("2 malformed packed event" in p for p in problems)
     assert any("1 packed row(s) with no tensor" in p for p in problems)
     assert any("1 malformed record(s)" in p for p in problems)
 
