@@ -113,6 +113,16 @@ class NumericsRecordWriter:
     def _write_event(self, event: event_pb2.Event) -> None:
         self._records.write(event.SerializeToString())
 
+    def _write_value(self, step: int, value: summary_pb2.Summary.Value, wall_time: float | None) -> None:
+        """Writes one summary value as the event of ``step``."""
+        self._write_event(
+            event_pb2.Event(
+                wall_time=time.time() if wall_time is None else wall_time,
+                step=int(step),
+                summary=summary_pb2.Summary(value=[value]),
+            )
+        )
+
     def write(
         self,
         tag: str,
@@ -132,12 +142,7 @@ class NumericsRecordWriter:
                 raise ValueError("the first record of tag %r needs its TensorInfo" % tag)
             self._infos[tag] = info
             value.metadata.CopyFrom(metadata.create_summary_metadata(info))
-        event = event_pb2.Event(
-            wall_time=time.time() if wall_time is None else wall_time,
-            step=int(step),
-            summary=summary_pb2.Summary(value=[value]),
-        )
-        self._write_event(event)
+        self._write_value(step, value, wall_time)
 
     def write_many(
         self,
@@ -160,13 +165,7 @@ class NumericsRecordWriter:
         value = summary_pb2.Summary.Value(tag=tag, tensor=_double_proto(rows))
         if md is not None:
             value.metadata.CopyFrom(md)
-        self._write_event(
-            event_pb2.Event(
-                wall_time=time.time() if wall_time is None else wall_time,
-                step=int(step),
-                summary=summary_pb2.Summary(value=[value]),
-            )
-        )
+        self._write_value(step, value, wall_time)
 
     def flush(self) -> None:
         self._records.flush()
