@@ -280,7 +280,8 @@ def _rolling_median_before(x: np.ndarray, window: int) -> np.ndarray:
     if full.any():
         out[full] = np.median(windows[full], axis=1)
     rest = ~full
-    clean = np.where(np.isfinite(windows[rest]), windows[rest], np.nan)
+    partial = windows[rest]
+    clean = np.where(np.isfinite(partial), partial, np.nan)
     enough = np.sum(np.isfinite(clean), axis=1) >= 3
     if np.any(enough):
         with np.errstate(all="ignore"):
