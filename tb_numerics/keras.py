@@ -477,12 +477,12 @@ class NumericsCallback(keras.callbacks.Callback):
     def on_epoch_end(self, epoch, logs=None) -> None:
         if self._writer is not None:
             self._wait_for_writes()
+            self._writer.flush()  # the epoch's last steps, before validation or a pause
 
     def _write_steps(self, steps: list[tuple[np.ndarray, np.ndarray]]) -> None:
         for step_stats, aux in steps:
             if self._step_done(step_stats, aux):
                 break
-        self._writer.flush()
 
     def _collect_writes(self, block: bool = False) -> None:
         """Forgets finished writes (waiting for the oldest when ``block``),

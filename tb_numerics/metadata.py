@@ -31,10 +31,12 @@ metadata, which TensorBoard reads from the first event of each series.
 
 Records come in two layouts. Version 1: one event per tensor per step, under
 the tensor's own tag (what ``log_numerics`` writes inside a training step).
-Version 2 adds packed blocks (``packed.py``): every record of one step in one
-event, ``[n, 1 + NUM_FIELDS]``, under a block tag whose metadata holds the
-table of tensors the rows point into. Per-tensor records are still written
-as version 1, so older readers keep reading them and refuse only blocks.
+Version 2 added packed blocks (``packed.py``): every record of one step in
+one event, ``[n, 1 + NUM_FIELDS]``, under a block tag whose metadata holds the
+table of tensors the rows point into. Version 3 packs several steps in one
+event, ``[n, 2 + NUM_FIELDS]`` with the step in the second column. Readers
+read all three; per-tensor records are still written as version 1, so older
+readers keep reading them and refuse only blocks.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ PLUGIN_NAME = "numerics"
 
 # Major version: a reader refuses records of a newer major version. Minor
 # version: additions that older readers may ignore.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 FORMAT_MINOR_VERSION = 0
 # The version per-tensor records are written with (their layout is version 1's).
 RECORD_VERSION = 1

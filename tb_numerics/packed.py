@@ -1,21 +1,33 @@
-"""Packed blocks: every numerics record of one step in one event.
+"""Packed blocks: many numerics records in one event.
 
 Why: TensorBoard stores and decodes each event of a tensor series on its
 own, at a cost of about a kilobyte of memory and tens of microseconds per
-event whatever its size. One event per tensor per step makes a run of
-100,000 steps x 50 tensors five million of them: a minute to read and gigabytes
-of memory. Packed, the same run is 100,000 events, and records are still
-written as soon as their step is over, so a crash loses nothing finished.
+event whatever its size, and moves every byte through gRPC on each read. One
+event per tensor per step makes a run of 100,000 steps x 50 tensors five
+million events: a minute to read and gigabytes of memory. Packed, each event
+holds up to ``STEPS_PER_EVENT`` steps of every tensor.
 
-Layout (format version 2): a writer's records go to block tags
-``__numerics_block__/<writer id>/<sequence>``. Each event of a block is one
-step: a float64 ``[n, 1 + NUM_FIELDS]`` tensor whose rows are a tensor's
-index in the block's table followed by its record. The table, (tag,
-``TensorInfo``) per index, is the block's summary metadata, which TensorBoard
-keeps from the block's first event; so a writer starts a new block when a
-step brings a tensor the table lacks, and every ``STEPS_PER_BLOCK`` steps, so
-that a growing run re-reads only its last block and no read comes near
-gRPC's message cap.
+Layout: a writer's records go to block tags ``__numerics_block__/<writer
+id>/<sequence>``. Each event of a block is a ``[n, COLUMNS]`` tensor whose
+rows are a tensor's index in the block's table, the step, then its record
+(format version 3; version 2's events held one step, the event's, and no
+step column). The table, (tag, ``TensorInfo``) per index, is the block's
+summary metadata, which TensorBoard keeps from the block's first event; so a
+writer starts a new block when a step brings a tensor the table lacks, and
+every ``STEPS_PER_BLOCK`` steps, so that a growing run re-reads only its last
+block and no read comes near gRPC's message cap.
+
+An event is float32 when every value in it is exactly a float32 (the usual
+case: the statistics of float16/bfloat16/float32 tensors are accumulated in
+float32, and counts and steps below 2**24 are exact), else float64: half the
+bytes to store, hold and read, and nothing rounded.
+
+When an event is written: once it holds ``STEPS_PER_EVENT`` steps, at once
+for a step with a NaN or an infinity (so the first bad step is on disk
+before anything else can go wrong), when its oldest step has waited
+``MAX_DELAY_S`` when the next one comes, and on the writer's flush and close.
+A crash can lose the steps still waiting, as with TensorFlow's own summary
+writer, never a written one.
 
 Numpy and TensorBoard protos only, no TensorFlow: writers, the backend and
 the CLI share it.
@@ -24,7 +36,8 @@ the CLI share it.
 from __future__ import annotations
 
 import os
-from typing import Iterable, Sequence
+import time
+from typing import Callable, Iterable, NamedTuple, Sequence
 
 import numpy as np
 from tensorboard.compat.proto import summary_pb2
@@ -33,37 +46,69 @@ from tb_numerics import analysis, metadata
 
 TAG_PREFIX = "__numerics_block__/"
 STEPS_PER_BLOCK = 1000
-COLUMNS = 1 + metadata.NUM_FIELDS
+STEPS_PER_EVENT = 50
+MAX_DELAY_S = 2.0
+COLUMNS = 2 + metadata.NUM_FIELDS
+# Version 2's events: no step column.
+_V2_COLUMNS = 1 + metadata.NUM_FIELDS
+_NONFINITE = [2 + metadata.FIELD_INDEX[k] for k in ("nan", "posinf", "neginf")]
 
 
 def is_block_tag(tag: str) -> bool:
     return tag.startswith(TAG_PREFIX)
 
 
-class StepPacker:
-    """Turns each step's records into one block event: the writer's side.
+class PackedEvent(NamedTuple):
+    """One event to write: its tag, step (its last row's), rows, wall time,
+    and the block's metadata when it is the block's first event."""
 
-    ``pack`` returns the block tag, the rows, and the block's metadata when
-    the event is a block's first (it must be written with it).
+    tag: str
+    step: int
+    rows: np.ndarray
+    wall_time: float
+    metadata: summary_pb2.SummaryMetadata | None
+
+
+class StepPacker:
+    """Gathers each step's records into block events: the writer's side.
+
+    ``add`` takes a step's records and returns the events now due (often
+    none), ``flush`` the events of the steps still waiting.
     """
 
-    def __init__(self, steps_per_block: int | None = None):
+    def __init__(
+        self,
+        steps_per_block: int | None = None,
+        steps_per_event: int | None = None,
+        max_delay_s: float = MAX_DELAY_S,
+        clock: Callable[[], float] = time.monotonic,
+    ):
         self._writer_id = os.urandom(4).hex()
         self._steps_per_block = steps_per_block or STEPS_PER_BLOCK
+        self._steps_per_event = steps_per_event or STEPS_PER_EVENT
+        self._max_delay_s = max_delay_s
+        self._clock = clock
         self._table: list[tuple[str, metadata.TensorInfo]] = []
         self._index: dict[str, int] = {}
         self._seq = -1
-        self._events_in_block = self._steps_per_block  # so the first step starts block 0
+        self._steps_in_block = self._steps_per_block  # so the first step starts block 0
+        self._block_md: summary_pb2.SummaryMetadata | None = None
+        self._waiting: list[np.ndarray] = []
+        self._waiting_since = 0.0
+        self._last: tuple[int, float] = (0, 0.0)
 
-    def pack(
-        self, records: Sequence[tuple[str, np.ndarray, metadata.TensorInfo | None]]
-    ) -> tuple[str, np.ndarray, summary_pb2.SummaryMetadata | None]:
-        """The block tag, ``[len(records), COLUMNS]`` rows and, for a new
-        block, its metadata.
+    def add(
+        self,
+        step: int,
+        records: Sequence[tuple[str, np.ndarray, metadata.TensorInfo | None]],
+        wall_time: float,
+    ) -> list[PackedEvent]:
+        """Adds one step's records; returns the events due now.
 
         Raises:
           ValueError: a record is not ``NUM_FIELDS`` long, or a tensor seen
-            for the first time comes without its ``TensorInfo``.
+            for the first time comes without its ``TensorInfo``; nothing of
+            the step is kept then.
         """
         new: dict[str, metadata.TensorInfo] = {}
         for tag, _, info in records:
@@ -78,19 +123,42 @@ class StepPacker:
                 raise ValueError(
                     "a numerics record has %d fields, got %d for %r" % (metadata.NUM_FIELDS, vec.size, tag)
                 )
-            rows[i, 1:] = vec
-        # Checked: only now does the table grow.
-        for tag, info in new.items():
-            self._index[tag] = len(self._table)
-            self._table.append((tag, info))
-        rows[:, 0] = [self._index[tag] for tag, _, _ in records]
-        md = None
-        if new or self._events_in_block >= self._steps_per_block:
+            rows[i, 2:] = vec
+        due: list[PackedEvent] = []
+        if new or self._steps_in_block >= self._steps_per_block:
+            due += self.flush()
+            # Checked: only now does the table grow.
+            for tag, info in new.items():
+                self._index[tag] = len(self._table)
+                self._table.append((tag, info))
             self._seq += 1
-            self._events_in_block = 0
-            md = metadata.create_block_metadata(self._table)
-        self._events_in_block += 1
-        return "%s%s/%06d" % (TAG_PREFIX, self._writer_id, self._seq), rows, md
+            self._steps_in_block = 0
+            self._block_md = metadata.create_block_metadata(self._table)
+        rows[:, 0] = [self._index[tag] for tag, _, _ in records]
+        rows[:, 1] = step
+        if not self._waiting:
+            self._waiting_since = self._clock()
+        self._waiting.append(rows)
+        self._steps_in_block += 1
+        self._last = (int(step), wall_time)
+        if (
+            len(self._waiting) >= self._steps_per_event
+            or np.any(rows[:, _NONFINITE] > 0)
+            or self._clock() - self._waiting_since >= self._max_delay_s
+        ):
+            due += self.flush()
+        return due
+
+    def flush(self) -> list[PackedEvent]:
+        """The event of the steps waiting, if any."""
+        if not self._waiting:
+            return []
+        rows = np.concatenate(self._waiting) if len(self._waiting) > 1 else self._waiting[0]
+        self._waiting = []
+        step, wall_time = self._last
+        event = PackedEvent("%s%s/%06d" % (TAG_PREFIX, self._writer_id, self._seq), step, rows, wall_time, self._block_md)
+        self._block_md = None
+        return [event]
 
 
 def unpack_block(
@@ -100,44 +168,51 @@ def unpack_block(
     arrays: Sequence[np.ndarray],
     problems: list[str],
 ) -> list[analysis.TensorSeries]:
-    """The series, one per tensor, of one block's events.
+    """The parts, one per tensor, of one block's events: series whose
+    values may be views of the events, for ``merge`` to make series of.
 
-    ``arrays`` are the events' tensors, one per step in ``steps``. An event
-    of the wrong shape, or a row whose index is not in ``table``, is skipped
-    and described in ``problems``; records are checked as in ``make_series``.
+    ``arrays`` are the events' tensors and ``steps`` their steps (which
+    version 2's rows, without a step column, take). An event of the wrong
+    shape, or a row whose index is not in ``table`` or whose step is not a
+    step, is skipped and described in ``problems``; records are checked as
+    in ``make_series``.
     """
-    keep = [i for i, a in enumerate(arrays) if a.ndim == 2 and a.shape[1] == COLUMNS and a.dtype.kind in "fiu"]
+    v2 = table[0][1].version < 3
+    width = _V2_COLUMNS if v2 else COLUMNS
+    keep = [i for i, a in enumerate(arrays) if a.ndim == 2 and a.shape[1] == width and a.dtype.kind in "fiu"]
     if len(keep) < len(arrays):
         problems.append("%s: %d malformed packed event(s) skipped" % (block, len(arrays) - len(keep)))
     if not keep:
         return []
-    first = arrays[keep[0]]
-    if len(keep) == len(arrays) and _same_rows(first, arrays, len(table)):
-        # The usual block: each step logs the same tensors in the same order.
-        # Each tensor's series is then a strided view of the stacked events.
-        cube = np.stack(arrays).astype(np.float64, copy=False)
-        valid = analysis.valid_records(cube.reshape(-1, COLUMNS)[:, 1:]).reshape(cube.shape[:2])
-        if valid.all() and np.all(np.diff(steps) > 0):
-            steps = np.asarray(steps, dtype=np.int64)
-            return [
-                analysis.TensorSeries(*table[int(i)], steps, cube[:, j, 1:])
-                for j, i in enumerate(first[:, 0].tolist())
-            ]
-    rows = np.concatenate([arrays[i] for i in keep]).astype(np.float64, copy=False)
-    row_steps = np.repeat(np.asarray(steps, dtype=np.int64)[keep], [arrays[i].shape[0] for i in keep])
-    index = rows[:, 0]
+    # Rows keep the events' dtype (float32 or float64).
+    dtype = np.result_type(*[arrays[i].dtype for i in keep], np.float32)
+    rows = np.concatenate([arrays[i] for i in keep], dtype=dtype if dtype.kind == "f" else np.float64)
+    if not len(rows):
+        return []
+    if v2:
+        rows = np.insert(rows, 1, np.repeat(np.asarray(steps, np.float64)[keep], [arrays[i].shape[0] for i in keep]), axis=1)
+    fast = _split_regular(table, rows)
+    if fast is not None:
+        return fast
+    rows = rows.astype(np.float64, copy=False)
+    index, row_steps = rows[:, 0], rows[:, 1]
     with np.errstate(invalid="ignore"):
         ok = (index >= 0) & (index < len(table)) & (index == np.floor(index))
+        ok &= (row_steps >= 0) & (row_steps == np.floor(row_steps)) & (row_steps < 2.0**63)
     if not ok.all():
-        problems.append("%s: %d packed row(s) with no tensor in the block's table skipped" % (block, int((~ok).sum())))
-    valid = analysis.valid_records(rows[:, 1:]) & ok
+        problems.append(
+            "%s: %d packed row(s) with no tensor in the block's table or no valid step skipped"
+            % (block, int((~ok).sum()))
+        )
+    valid = analysis.valid_records(rows[:, 2:]) & ok
     if not (valid | ~ok).all():
         problems.append("%s: %d malformed record(s) skipped" % (block, int((ok & ~valid).sum())))
     if not valid.all():
-        rows, row_steps = rows[valid], row_steps[valid]
+        rows = rows[valid]
     ids = rows[:, 0].astype(np.int64)
     order = np.argsort(ids, kind="stable")
-    ids, rows, row_steps = ids[order], rows[order], row_steps[order]
+    rows, ids = rows[order], ids[order]
+    row_steps = rows[:, 1].astype(np.int64)
     firsts = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]]) if len(ids) else np.zeros(0, np.int64)
     ends = np.r_[firsts[1:], len(ids)]
     # Written by one writer, a tensor's steps rise through the block: its
@@ -148,21 +223,34 @@ def unpack_block(
     for lo, hi in zip(firsts.tolist(), ends.tolist()):
         tag, info = table[int(ids[lo])]
         if in_order:
-            out.append(analysis.TensorSeries(tag, info, row_steps[lo:hi], rows[lo:hi, 1:]))
+            out.append(analysis.TensorSeries(tag, info, row_steps[lo:hi], rows[lo:hi, 2:]))
         else:
-            out.append(analysis.make_series(tag, info, row_steps[lo:hi], rows[lo:hi, 1:]))
+            out.append(analysis.make_series(tag, info, row_steps[lo:hi], rows[lo:hi, 2:]))
     return out
 
 
-def _same_rows(first: np.ndarray, arrays: Sequence[np.ndarray], size: int) -> bool:
-    """Whether every event names the same distinct tensors of the table, in
-    the same order, as ``first``."""
-    ids = first[:, 0]
-    if not (np.all(ids == np.floor(ids)) and np.all((ids >= 0) & (ids < size))):
-        return False
-    if len(np.unique(ids)) != len(ids):
-        return False
-    return all(a.shape == first.shape and np.array_equal(a[:, 0], ids) for a in arrays)
+def _split_regular(table: metadata.BlockTable, rows: np.ndarray) -> list[analysis.TensorSeries] | None:
+    """The usual block, where each step logs the same distinct tensors in
+    the same order, with valid records and rising steps: each tensor's series
+    is then a strided view of ``rows``, with no per-tensor work. None for
+    any other block."""
+    n = int(np.argmax(rows[:, 1] != rows[0, 1])) or len(rows)
+    if len(rows) % n:
+        return None
+    cube = rows.reshape(-1, n, COLUMNS)
+    ids = cube[0, :, 0]
+    if not (np.all(ids == np.floor(ids)) and np.all((ids >= 0) & (ids < len(table))) and len(np.unique(ids)) == n):
+        return None
+    if not (np.array_equal(cube[:, :, 0], np.broadcast_to(ids, cube.shape[:2]))
+            and np.array_equal(cube[:, :, 1], np.broadcast_to(cube[:, :1, 1], cube.shape[:2]))):
+        return None
+    steps = cube[:, 0, 1]
+    if not (np.all(np.diff(steps) > 0) and steps[0] >= 0 and np.all(steps == np.floor(steps)) and steps[-1] < 2.0**63):
+        return None
+    if not analysis.valid_records(rows[:, 2:]).all():
+        return None
+    steps = steps.astype(np.int64)
+    return [analysis.TensorSeries(*table[int(i)], steps, cube[:, j, 2:]) for j, i in enumerate(ids.tolist())]
 
 
 def merge(parts: Sequence[analysis.TensorSeries]) -> tuple[analysis.TensorSeries, list[int] | None]:
@@ -174,23 +262,32 @@ def merge(parts: Sequence[analysis.TensorSeries]) -> tuple[analysis.TensorSeries
     for parts written side by side by several writers), the result is them
     laid end to end, and the second value gives each part's offset in it, so
     that parts can be replaced by slices of it; else it is None.
+
+    The series' values are float32 where every part's are (events whose
+    values are all exactly float32: half the memory, nothing rounded),
+    float64 otherwise, and laid out field by field (Fortran order): the
+    analysis reads them a field at a time, and copying a tensor's rows out
+    of packed events is fastest so.
     """
     last = parts[-1]
+    dtype = np.float32 if all(p.values.dtype == np.float32 for p in parts) else np.float64
     if len(parts) == 1:
-        return last, [0]
+        return analysis.TensorSeries(last.tag, last.info, last.steps, np.asfortranarray(last.values, dtype)), [0]
     by_start = sorted(range(len(parts)), key=lambda i: (int(parts[i].steps[0]) if len(parts[i].steps) else 0, i))
     laid = [parts[i] for i in by_start if len(parts[i].steps)]
     if all(a.steps[-1] < b.steps[0] for a, b in zip(laid, laid[1:])):
         steps = np.concatenate([p.steps for p in laid]) if laid else np.zeros(0, np.int64)
-        values = np.concatenate([p.values for p in laid]) if laid else np.zeros((0, metadata.NUM_FIELDS))
+        values = np.empty((len(steps), metadata.NUM_FIELDS), dtype, order="F")
         offsets = [0] * len(parts)
         at = 0
         for i in by_start:
+            n = len(parts[i].steps)
+            values[at : at + n] = parts[i].values
             offsets[i] = at
-            at += len(parts[i].steps)
+            at += n
         return analysis.TensorSeries(last.tag, last.info, steps, values), offsets
     steps = np.concatenate([p.steps for p in parts])
-    values = np.concatenate([p.values for p in parts])
+    values = np.concatenate([p.values for p in parts], dtype=np.float64)
     return analysis.make_series(last.tag, last.info, steps, values), None
 
 

@@ -72,13 +72,21 @@ def stats_tensor_proto(stats: np.ndarray) -> tensor_pb2.TensorProto:
         raise ValueError(
             "a numerics record has %d fields, got %d" % (metadata.NUM_FIELDS, vec.size)
         )
-    return _double_proto(vec)
+    return _tensor_proto(vec)
 
 
-def _double_proto(a: np.ndarray) -> tensor_pb2.TensorProto:
-    a = np.ascontiguousarray(a, dtype="<f8")
+def _tensor_proto(a: np.ndarray, exact_float32: bool = False) -> tensor_pb2.TensorProto:
+    """``a`` as a float64 TensorProto, or float32 when ``exact_float32`` and
+    every value of ``a`` is exactly a float32 (half the bytes, same values)."""
+    if exact_float32:
+        with np.errstate(over="ignore"):
+            a32 = a.astype("<f4")
+        if np.array_equal(a32, a, equal_nan=True):
+            a = np.ascontiguousarray(a32)
+    if a.dtype != np.float32:
+        a = np.ascontiguousarray(a, dtype="<f8")
     return tensor_pb2.TensorProto(
-        dtype=types_pb2.DT_DOUBLE,
+        dtype=types_pb2.DT_FLOAT if a.dtype == np.float32 else types_pb2.DT_DOUBLE,
         tensor_shape=tensor_shape_pb2.TensorShapeProto(
             dim=[tensor_shape_pb2.TensorShapeProto.Dim(size=d) for d in a.shape]
         ),
@@ -89,10 +97,11 @@ def _double_proto(a: np.ndarray) -> tensor_pb2.TensorProto:
 class NumericsRecordWriter:
     """Writes numerics records to a new event file in ``logdir``.
 
-    ``write_many`` writes a step's records as one packed event (see
-    ``packed.py``; what long runs should use), ``write`` one record as its
-    own event under its tag. Metadata is written with the first event of
-    each series only, as TensorBoard reads it from there.
+    ``write_many`` packs steps' records into block events (see
+    ``packed.py``; what long runs should use: a step may wait in memory until
+    its event is due, ``flush`` writes it), ``write`` writes one record as
+    its own event under its tag at once. Metadata is written with the first
+    event of each series only, as TensorBoard reads it from there.
     """
 
     def __init__(self, logdir: str, filename_suffix: str = ""):
@@ -150,10 +159,12 @@ class NumericsRecordWriter:
         records: Sequence[tuple[str, np.ndarray, metadata.TensorInfo | None]],
         wall_time: float | None = None,
     ) -> None:
-        """Writes several tags' records of one step as one packed event.
+        """Adds several tags' records of one step to the packed events.
 
-        ``info`` is required the first time the writer sees a tag. Nothing
-        is written for an empty ``records``.
+        The step is written when its event is due (see ``packed.py``: at
+        once if a record holds a NaN or an infinity), on ``flush`` and on
+        ``close``. ``info`` is required the first time the writer sees a
+        tag. Nothing is written for an empty ``records``.
 
         Raises:
           ValueError: a record is not ``NUM_FIELDS`` long, or a new tag has
@@ -161,16 +172,24 @@ class NumericsRecordWriter:
         """
         if not records:
             return
-        tag, rows, md = self._packer.pack(records)
-        value = summary_pb2.Summary.Value(tag=tag, tensor=_double_proto(rows))
-        if md is not None:
-            value.metadata.CopyFrom(md)
-        self._write_value(step, value, wall_time)
+        self._write_packed(self._packer.add(step, records, time.time() if wall_time is None else wall_time))
+
+    def _write_packed(self, events: list[packed.PackedEvent]) -> None:
+        for e in events:
+            value = summary_pb2.Summary.Value(tag=e.tag, tensor=_tensor_proto(e.rows, exact_float32=True))
+            if e.metadata is not None:
+                value.metadata.CopyFrom(e.metadata)
+            self._write_value(e.step, value, e.wall_time)
+        if events:
+            self._records.flush()
 
     def flush(self) -> None:
+        """Writes the steps waiting in memory, and flushes the file."""
+        self._write_packed(self._packer.flush())
         self._records.flush()
 
     def close(self) -> None:
+        self.flush()
         self._records.close()
 
     def __enter__(self) -> "NumericsRecordWriter":

@@ -9,6 +9,7 @@ import os
 import numpy as np
 import pytest
 from tensorboard.backend.event_processing import event_file_loader
+from tensorboard.compat.proto import types_pb2
 
 from tb_numerics import analysis, event_reader, metadata, packed
 from tb_numerics.record_writer import NumericsRecordWriter, numpy_stats
@@ -47,36 +48,113 @@ def test_packed_run_reads_back_like_the_same_records_written_per_tensor(tmp_path
     assert sorted(by_tag) == ["dense/kernel", "dense/output", "loss"]
     for w in want.series:
         g = by_tag[w.tag]
-        assert dataclasses.replace(g.info, version=1) == w.info and g.info.version == 2
+        assert dataclasses.replace(g.info, version=1) == w.info and g.info.version == 3
         np.testing.assert_array_equal(g.steps, w.steps)
         np.testing.assert_array_equal(g.values, w.values)
     assert len(by_tag["dense/kernel"].steps) == 250
     ra = analysis.analyze_run("packed", got.series, analysis.SafeRange(), [])
     first = analysis.first_anomaly(ra)
     assert (first["step"], first["tensor"], first["last_healthy_step"]) == (1234, "loss", 1233)
-    # One event per step instead of one per record, and no more bytes.
-    assert len(_events(p.path)) == 2500
-    assert os.path.getsize(p.path) < os.path.getsize(s.path)
+    # STEPS_PER_EVENT steps per event instead of one event per record; the
+    # step with the NaN and each block's last end their events early.
+    # Float32 records go as float32 rows.
+    events = _events(p.path)
+    k = packed.STEPS_PER_EVENT
+    rows = [len(e.summary.value[0].tensor.tensor_content) // (4 * packed.COLUMNS) for e in events]
+    assert 1234 in [e.step for e in events] and 2500 / k <= len(events) <= 2500 / k + 3
+    assert max(rows) <= 3 * k and sum(rows) == sum(len(_records(s)) for s in range(2500))
+    assert {e.summary.value[0].tensor.dtype for e in events} == {types_pb2.DT_FLOAT}
+    assert os.path.getsize(p.path) < os.path.getsize(s.path) / 2
+
+
+class _Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 def test_blocks_start_every_n_steps_and_when_a_tensor_first_appears():
-    packer = packed.StepPacker(steps_per_block=3)
+    packer = packed.StepPacker(steps_per_block=3, steps_per_event=1)
     a, b = ("a", numpy_stats(np.float32([1.0])), ACT), ("b", numpy_stats(np.float32([2.0])), LOSS)
-    out = [packer.pack([a]) for _ in range(2)] + [packer.pack([a, b])] + [packer.pack([b, a]) for _ in range(4)]
-    tags = [tag for tag, _, _ in out]
+    out = [e for step, recs in enumerate([[a]] * 2 + [[a, b]] + [[b, a]] * 4) for e in packer.add(step, recs, 0.0)]
+    tags = [e.tag for e in out]
     seqs = [int(t.rsplit("/", 1)[1]) for t in tags]
     assert all(packed.is_block_tag(t) for t in tags) and len({t.rsplit("/", 1)[0] for t in tags}) == 1
     # b appears in the 3rd step: a new block; then a new one every 3 steps.
     assert seqs == [0, 0, 1, 1, 1, 2, 2]
     # Metadata only with a block's first event, holding the whole table.
-    firsts = [md for _, _, md in out]
+    firsts = [e.metadata for e in out]
     assert [md is not None for md in firsts] == [True, False, True, False, False, True, False]
     table = metadata.parse_content(firsts[2].plugin_data.content)
     assert [tag for tag, _ in table] == ["a", "b"] and dataclasses.replace(table[1][1], version=1) == LOSS
-    # Rows: the tensor's index in the table, then its record.
-    rows = out[3][1]
-    assert rows.shape == (2, packed.COLUMNS) and rows[:, 0].tolist() == [1, 0]
-    np.testing.assert_array_equal(rows[0, 1:], b[1])
+    # Rows: the tensor's index in the table, the step, then its record.
+    rows = out[3].rows
+    assert rows.shape == (2, packed.COLUMNS) and rows[:, 0].tolist() == [1, 0] and rows[:, 1].tolist() == [3, 3]
+    np.testing.assert_array_equal(rows[0, 2:], b[1])
+
+
+def test_steps_wait_for_their_event_but_a_bad_step_or_a_slow_one_is_written_at_once():
+    clock = _Clock()
+    packer = packed.StepPacker(steps_per_event=4, clock=clock)
+    ok = [("a", numpy_stats(np.float32([1.0])), ACT)]
+    bad = [("a", numpy_stats(np.float32([np.inf])), ACT)]
+
+    def add(step, recs=ok):
+        return [(e.step, e.rows[:, 1].tolist()) for e in packer.add(step, recs, 100.0 + step)]
+
+    assert [add(s) for s in range(3)] == [[], [], []]
+    assert add(3) == [(3, [0, 1, 2, 3])]  # full
+    assert add(4) == [] and add(5, bad) == [(5, [4, 5])]  # a non-finite value: at once
+    assert add(6) == []
+    clock.now += packed.MAX_DELAY_S  # the next step comes late: both are written
+    assert add(7) == [(7, [6, 7])]
+    assert add(8) == []
+    flushed = packer.flush()
+    assert [(e.step, e.rows[:, 1].tolist(), e.wall_time) for e in flushed] == [(8, [8], 108.0)]
+    assert packer.flush() == []
+
+
+def test_a_closed_writer_has_written_every_step(tmp_path):
+    with NumericsRecordWriter(str(tmp_path)) as w:
+        for step in range(13):
+            w.write_many(step, _records(step))
+        w.flush()
+        assert sorted(s.steps[-1] for s in event_reader.read_run(".", [w.path]).series) == [10, 12, 12]
+        w.write_many(13, _records(13))
+    rr = event_reader.read_run(".", [w.path])
+    assert {s.tag: s.steps.tolist() for s in rr.series} == {
+        "dense/output": list(range(14)), "loss": list(range(14)), "dense/kernel": [0, 10]}
+
+
+def test_rows_are_float64_where_float32_would_round_them(tmp_path):
+    exact = numpy_stats(np.float32([1.5, -2.0]))
+    fine = numpy_stats(np.float64([0.1, 3.0]))  # 0.1 is not a float32
+    with NumericsRecordWriter(str(tmp_path)) as w:
+        w.write_many(0, [("a", exact, ACT)])
+        w.flush()
+        w.write_many(1, [("a", fine, ACT)])
+        w.write_many(2**24 + 1, [("a", exact, ACT)])  # a step float32 cannot hold
+    dtypes = [e.summary.value[0].tensor.dtype for e in _events(w.path)]
+    assert dtypes == [types_pb2.DT_FLOAT, types_pb2.DT_DOUBLE]
+    (series,) = event_reader.read_run(".", [w.path]).series
+    assert series.steps.tolist() == [0, 1, 2**24 + 1]
+    np.testing.assert_array_equal(series.values, [exact, fine, exact])
+
+
+def test_version_2_blocks_one_step_per_event_still_read():
+    """Logs written by tb-numerics 0.x (format 2): no step column, the event's step."""
+    table = (("a", dataclasses.replace(ACT, version=2)), ("b", dataclasses.replace(LOSS, version=2)))
+    rec = numpy_stats(np.float32([1.0, 2.0]))
+    arrays = [np.stack([np.r_[0.0, rec], np.r_[1.0, rec * 2]]) for _ in range(3)]
+    parts = packed.unpack_block("blk", table, np.array([5, 6, 8]), arrays, [])
+    assert {p.tag: p.steps.tolist() for p in parts} == {"a": [5, 6, 8], "b": [5, 6, 8]}
+    np.testing.assert_array_equal(parts[1].values, np.tile(rec * 2, (3, 1)))
+    # A version-3 event (a step column) in a version-2 block is malformed.
+    problems: list[str] = []
+    assert packed.unpack_block("blk", table, np.array([1]), [np.zeros((1, packed.COLUMNS))], problems) == []
+    assert problems == ["blk: 1 malformed packed event(s) skipped"]
 
 
 def test_a_bad_record_writes_nothing_and_the_writer_goes_on(tmp_path):
@@ -94,22 +172,22 @@ def test_a_bad_record_writes_nothing_and_the_writer_goes_on(tmp_path):
 
 
 def test_damaged_rows_are_skipped_and_reported_the_rest_kept():
-    table = (("a", ACT), ("b", LOSS))
-    good = np.r_[0.0, numpy_stats(np.float32([1.0, 2.0, 3.0]))]
+    table = (("a", dataclasses.replace(ACT, version=3)), ("b", dataclasses.replace(LOSS, version=3)))
+    good = numpy_stats(np.float32([1.0, 2.0, 3.0]))
     arrays = [
-        np.stack([good, np.r_[1.0, numpy_stats(np.float32([1.0]))]]),
-        np.stack([good, np.r_[7.0, good[1:]]]),  # index 7: no such tensor
+        np.stack([np.r_[0.0, 0, good], np.r_[1.0, 0, numpy_stats(np.float32([1.0]))], np.r_[0.0, 1, good]]),
+        np.stack([np.r_[7.0, 1, good], np.r_[1.0, np.nan, good], np.r_[1.0, -3, good]]),  # no tensor 7, bad steps
         np.zeros((2, 5)),  # wrong width
-        np.stack([good]),
+        np.stack([np.r_[0.0, 3, good]]),
         np.full((1, packed.COLUMNS), "x"),  # strings
     ]
-    arrays[3][0, 1 + metadata.FIELD_INDEX["nan"]] = -1  # a negative NaN count
+    arrays[3][0, 2 + metadata.FIELD_INDEX["nan"]] = -1  # a negative NaN count
     problems: list[str] = []
-    parts = packed.unpack_block("blk", table, np.array([0, 1, 2, 3, 4]), arrays, problems)
+    parts = packed.unpack_block("blk", table, np.array([1, 1, 2, 3, 4]), arrays, problems)
     assert {p.tag: p.steps.tolist() for p in parts} == {"a": [0, 1], "b": [0]}
     assert len(problems) == 3
     assert any("2 malformed packed event" in p for p in problems)
-    assert any("1 packed row(s) with no tensor" in p for p in problems)
+    assert any("3 packed row(s) with no tensor in the block's table or no valid step" in p for p in problems)
     assert any("1 malformed record(s)" in p for p in problems)
 
 
@@ -130,16 +208,17 @@ def test_a_step_written_twice_keeps_the_later_record():
 
 def test_duplicate_tags_in_one_step_keep_the_last():
     packer = packed.StepPacker()
-    tag, rows, md = packer.pack([("a", numpy_stats(np.float32([1.0])), ACT), ("a", numpy_stats(np.float32([9.0])), ACT)])
-    table = metadata.parse_content(md.plugin_data.content)
-    parts = packed.unpack_block(tag, table, np.array([3]), [rows], [])
+    packer.add(3, [("a", numpy_stats(np.float32([1.0])), ACT), ("a", numpy_stats(np.float32([9.0])), ACT)], 0.0)
+    (e,) = packer.flush()
+    table = metadata.parse_content(e.metadata.plugin_data.content)
+    parts = packed.unpack_block(e.tag, table, np.array([3]), [e.rows], [])
     assert len(parts) == 1 and parts[0].values[0, metadata.FIELD_INDEX["max"]] == 9.0
 
 
-def test_block_metadata_is_version_2_and_refused_by_the_per_tensor_parser():
+def test_block_metadata_is_version_3_and_refused_by_the_per_tensor_parser():
     md = metadata.create_block_metadata([("a", ACT)])
     content = json.loads(md.plugin_data.content)
-    assert content["version"] == 2 and content["tensors"][0]["tag"] == "a"
+    assert content["version"] == 3 and content["tensors"][0]["tag"] == "a"
     assert content["tensors"][0]["description"] == "model.py:3"
     with pytest.raises(metadata.FormatError, match="packed block"):
         metadata.parse_plugin_metadata(md.plugin_data.content)
