@@ -156,7 +156,9 @@ class TensorSeries:
     tag: str
     info: metadata.TensorInfo
     steps: np.ndarray  # int64 [n]
-    values: np.ndarray  # float64 [n, NUM_FIELDS]
+    # [n, NUM_FIELDS], float64; or float32 where every value is exactly a
+    # float32 (packed records): computations cast to float64 first.
+    values: np.ndarray
 
     @property
     def sort_key(self) -> tuple[int, int, str]:
@@ -224,7 +226,7 @@ def derived(values: np.ndarray) -> dict[str, np.ndarray]:
     All over the finite values, from the stored sums; NaN where a record has
     no finite value.
     """
-    v = np.atleast_2d(values)
+    v = np.atleast_2d(values).astype(np.float64, copy=False)
     nonfinite = v[:, F["nan"]] + v[:, F["posinf"]] + v[:, F["neginf"]]
     n_finite = v[:, F["count"]] - nonfinite
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
@@ -317,7 +319,8 @@ def _growth_flags(max_abs: np.ndarray, sr: SafeRange) -> np.ndarray:
 
 def series_health(series: TensorSeries, sr: SafeRange) -> SeriesHealth:
     """Classifies every record of one series under the safe range ``sr``."""
-    v = series.values
+    # float64 whatever the series holds, so that thresholds compare the same.
+    v = series.values.astype(np.float64, copy=False)
     n = len(series.steps)
     codes = np.zeros(n, dtype=np.int8)
     kinds = np.zeros(n, dtype=np.int8)
@@ -422,7 +425,7 @@ def _mark_skipped_steps(health: list[SeriesHealth]) -> None:
         st = h.series.steps
         j = np.minimum(np.searchsorted(sc.steps, st), len(sc.steps) - 1)
         with np.errstate(invalid="ignore"):
-            handled = (sc.steps[j] == st) & (sc.values[j, F["max"]] >= LOSS_SCALE_HANDLED_MIN)
+            handled = (sc.steps[j] == st) & (sc.values[j, F["max"]].astype(np.float64) >= LOSS_SCALE_HANDLED_MIN)
         handled &= h.codes == NONFINITE
         h.codes[handled] = WARNING
         h.kinds[handled] = _KIND_CODE["skipped_step"]

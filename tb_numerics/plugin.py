@@ -319,9 +319,9 @@ def _merge(tags: Mapping[str, _TagData]) -> list[analysis.TensorSeries]:
     Blocks are taken oldest first (by their last write), so a step written
     twice keeps the later record. Where a tensor's parts do not overlap in
     steps (the usual case, whichever writers wrote them), each block's part
-    is replaced by a slice of the merged series: the snapshot then holds each
-    record once, and the next refresh, which re-reads only the blocks that
-    grew, still has them.
+    (a view of the block's events, maybe float32) is replaced by a slice of
+    the merged float64 series: the snapshot then holds each record once, and
+    the next refresh, which re-reads only the blocks that grew, still has them.
     """
     out = [t.series for t in tags.values() if t.series is not None]
     blocks = sorted((t.version[1], tag) for tag, t in tags.items() if t.parts)
@@ -332,7 +332,7 @@ def _merge(tags: Mapping[str, _TagData]) -> list[analysis.TensorSeries]:
     own = {s.tag: i for i, s in enumerate(out)}
     for name, placed in by_tensor.items():
         merged, offsets = packed.merge([p for _, p in placed])
-        if offsets is not None and len(placed) > 1:
+        if offsets is not None:
             for (tag, part), at in zip(placed, offsets):
                 n = len(part.steps)
                 tags[tag].parts[name] = analysis.TensorSeries(
@@ -970,6 +970,7 @@ def _series_points(
     steps: np.ndarray, values: np.ndarray, codes: np.ndarray, kinds: np.ndarray, max_points: int
 ) -> dict[str, Any]:
     """Chart points of records, bucketed by equal counts beyond ``max_points``."""
+    values = values.astype(np.float64, copy=False)  # bucket sums of float32 counts would round
     n = len(steps)
     d = analysis.derived(values) if n else {k: np.zeros(0) for k in ("mean", "std", "max_abs", "l2")}
     col = {name: values[:, i] if n else np.zeros(0) for i, name in enumerate(metadata.FIELDS)}

@@ -254,3 +254,45 @@ def test_a_gradient_spike_before_the_anomaly_gives_the_learning_rate_hint():
     assert a["step"] == 6 and a["likely_cause"]["kind"] == "gradient_spike"
     assert "learning rate" in a["hint"] and "clip" in a["hint"]
     assert "4e+03x the median" in a["likely_cause"]["detail"]
+
+
+def _float32_sums(s: analysis.TensorSeries) -> analysis.TensorSeries:
+    """``s`` with its sums rounded to float32, as TensorFlow accumulates them
+    for float32 tensors (numpy_stats sums in float64)."""
+    return analysis.TensorSeries(s.tag, s.info, s.steps, s.values.astype(np.float32).astype(np.float64))
+
+
+def _as_float32(s: analysis.TensorSeries) -> analysis.TensorSeries:
+    """The same series held as packed readers hold exact float32 records."""
+    v32 = np.asfortranarray(s.values, np.float32)
+    assert np.array_equal(v32, s.values, equal_nan=True)
+    return analysis.TensorSeries(s.tag, s.info, s.steps, v32)
+
+
+@pytest.mark.parametrize(
+    "sr",
+    [
+        analysis.SafeRange(),
+        # Limits at a value float32 rounds up: 1.1 as float32 is 1.10000002,
+        # above the limit 1.1 in float64, equal to it in float32.
+        analysis.SafeRange(max_abs=1.1, grad_norm_limit=1.1, vanishing_floor=0.3),
+    ],
+)
+def test_series_held_as_float32_analyse_exactly_like_float64(sr):
+    norm = np.float32(1.1)
+    runs = {
+        "act": {s: with_values(healthy(), a=norm if s == 5 else 0.5, b=np.nan if s == 9 else 0.0) for s in range(12)},
+        "norm": {s: np.float32([norm if s in (3, 7) else 0.3 + 0.01 * s]) for s in range(12)},
+    }
+    f64 = [
+        _float32_sums(series("act", runs["act"])),
+        _float32_sums(series("gradients/global_norm", runs["norm"], role="global_norm", order=1)),
+    ]
+    f32 = [_as_float32(s) for s in f64]
+    a64, a32 = analysis.analyze_run("r", f64, sr), analysis.analyze_run("r", f32, sr)
+    for h64, h32 in zip(a64.health, a32.health):
+        np.testing.assert_array_equal(h64.codes, h32.codes)
+        np.testing.assert_array_equal(h64.kinds, h32.kinds)
+    assert analysis.run_summary(a64) == analysis.run_summary(a32)
+    if sr.grad_norm_limit is not None:
+        assert analysis.first_warning(a32)["kind"] in ("overflow_risk", "exploding_gradient")
