@@ -301,10 +301,11 @@ def _growth_flags(max_abs: np.ndarray, sr: SafeRange) -> np.ndarray:
     with np.errstate(invalid="ignore"):
         rising = np.zeros(n, dtype=bool)
         rising[1:] = max_abs[1:] > max_abs[:-1]
-    # rising at every one of the last w records
-    run = np.lib.stride_tricks.sliding_window_view(rising, w)  # ends at index w-1..n-1
+    # rising at every one of the last w records: w rises in the window
+    # ending at each index (a difference of running counts, one pass)
+    rises = np.concatenate([[0], np.cumsum(rising, dtype=np.int64)])
     all_rising = np.zeros(n, dtype=bool)
-    all_rising[w - 1 :] = run.all(axis=1)
+    all_rising[w - 1 :] = rises[w:] - rises[:-w] == w
     prev = np.full(n, np.nan)
     prev[w:] = max_abs[:-w]
     with np.errstate(invalid="ignore", divide="ignore"):

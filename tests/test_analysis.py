@@ -296,3 +296,20 @@ def test_series_held_as_float32_analyse_exactly_like_float64(sr):
     assert analysis.run_summary(a64) == analysis.run_summary(a32)
     if sr.grad_norm_limit is not None:
         assert analysis.first_warning(a32)["kind"] in ("overflow_risk", "exploding_gradient")
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_growth_flags_match_their_definition(seed):
+    """Rising at each of the last ``growth_window`` records, above the floor,
+    and ``growth_factor`` x the value ``growth_window`` records earlier."""
+    rng = np.random.default_rng(seed)
+    w = int(rng.integers(1, 6))
+    sr = analysis.SafeRange(growth_window=w, growth_factor=1.5, growth_floor=0.5)
+    x = np.cumprod(rng.choice([0.8, 1.3, 1.6], size=300))
+    x[rng.integers(0, 300, 5)] = np.nan
+    want = np.zeros(len(x), bool)
+    for i in range(w, len(x)):
+        rising = all(x[j] > x[j - 1] for j in range(i - w + 1, i + 1))
+        want[i] = rising and x[i] >= sr.growth_floor and x[i - w] > 0 and x[i] >= sr.growth_factor * x[i - w]
+    np.testing.assert_array_equal(analysis._growth_flags(x, sr), want)
+    assert want.any()
