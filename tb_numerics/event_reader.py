@@ -191,9 +191,10 @@ def _vector(t: tensor_pb2.TensorProto) -> np.ndarray:
 
 
 def _matrix(t: tensor_pb2.TensorProto) -> np.ndarray:
-    """A packed event's rows as float64; empty (so counted malformed) if unreadable."""
+    """A packed event's rows in their own dtype (``unpack_block`` checks it);
+    empty (so counted malformed) if unreadable."""
     try:
-        return np.asarray(tensor_util.make_ndarray(t), dtype=np.float64)
+        return np.asarray(tensor_util.make_ndarray(t))
     except (ValueError, TypeError, KeyError):
         return np.zeros(0)
 
