@@ -480,6 +480,8 @@ class NumericsPlugin(base_plugin.TBPlugin):
         Listing is not free (the Rust data server scans every record for the
         last step: 0.7 s for 5M records), and TensorBoard's data only changes
         on its reload, so the routes a dashboard fires together share one.
+        A new listing drops those asked before it: once a route has seen
+        records, no later route answers from an older view without them.
         """
         if self._data_provider is None:
             return {}
@@ -498,8 +500,7 @@ class NumericsPlugin(base_plugin.TBPlugin):
         with self._caches_lock:
             if runs is None:
                 self._listing_seconds = time.monotonic() - now
-            if len(self._listings) > 1000:
-                self._listings.clear()
+            self._listings = {k: v for k, v in self._listings.items() if v[0] >= now}
             self._listings[key] = (now, listing)
         return listing
 

@@ -144,7 +144,7 @@ def test_rows_are_float64_where_float32_would_round_them(tmp_path):
 
 
 def test_version_2_blocks_one_step_per_event_still_read():
-    """Logs written by tb-numerics 0.x (format 2): no step column, the event's step."""
+    """Logs written in format 2, one step per event: no step column, the event's step."""
     table = (("a", dataclasses.replace(ACT, version=2)), ("b", dataclasses.replace(LOSS, version=2)))
     rec = numpy_stats(np.float32([1.0, 2.0]))
     arrays = [np.stack([np.r_[0.0, rec], np.r_[1.0, rec * 2]]) for _ in range(3)]

@@ -183,6 +183,19 @@ def test_runs(tb):
     assert (runs["good"]["tensors"], runs["good"]["records"], runs["good"]["last_step"]) == (3, 150, 49)
 
 
+def test_a_route_never_answers_from_a_listing_older_than_one_already_seen(tmp_path):
+    """The routes a dashboard fires together share TensorBoard's listing for
+    a moment; a run one route has seen must not vanish from the next."""
+    write_run(str(tmp_path / "a"), range(20), None)
+    tb = TB(str(tmp_path))
+    tb.plugin._listing_ttl = 600.0  # as if TensorBoard reloaded rarely
+    assert [r["run"] for r in tb.ok(P + "/runs")["runs"]] == ["a"]
+    write_run(str(tmp_path / "b"), range(30), 25)
+    tb.reload()
+    assert tb.ok(P + "/summary", run="b")["first_anomaly"]["step"] == 25
+    assert [r["run"] for r in tb.ok(P + "/runs")["runs"]] == ["a", "b"]
+
+
 def test_summary_matches_the_cli_report(tb, logdir):
     summaries, _ = cli.report(logdir, analysis.SafeRange(max_abs=1.2))
     expected = {s["run"]: s for s in summaries}

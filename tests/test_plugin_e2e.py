@@ -30,7 +30,7 @@ FRESHNESS = ("safe_range", "stale", "as_of_step", "latest_step")
 
 
 # The same records, one event per tensor per step ("long", as log_numerics
-# writes them) and packed, one event per step ("packed", as the Keras
+# writes them) and packed, many steps per event ("packed", as the Keras
 # callback and write_many write them).
 RUNS = ("long", "packed")
 
