@@ -62,7 +62,7 @@ _INLINE_READ_RECORDS = 20_000
 # A run whose background refresh failed is tried again after this long.
 _RETRY_AFTER_FAILURE_S = 30.0
 # The refresher's period while TensorBoard is loading a run that changed.
-_SETTLING_PERIOD_S = 1.0
+_SETTLING_PERIOD_S = 0.5
 
 _STATIC_TYPES = {
     ".js": "text/javascript",
