@@ -253,7 +253,9 @@ def _split_regular(table: metadata.BlockTable, rows: np.ndarray) -> list[analysi
     return [analysis.TensorSeries(*table[int(i)], steps, cube[:, j, 2:]) for j, i in enumerate(ids.tolist())]
 
 
-def merge(parts: Sequence[analysis.TensorSeries]) -> tuple[analysis.TensorSeries, list[int] | None]:
+def merge(
+    parts: Sequence[analysis.TensorSeries], shared_steps: dict[tuple[int, ...], np.ndarray] | None = None
+) -> tuple[analysis.TensorSeries, list[int] | None]:
     """One tensor's series from its parts (valid series, in the order written).
 
     A step recorded in two parts keeps the later part's record, as
@@ -268,6 +270,10 @@ def merge(parts: Sequence[analysis.TensorSeries]) -> tuple[analysis.TensorSeries
     float64 otherwise, and laid out field by field (Fortran order): the
     analysis reads them a field at a time, and copying a tensor's rows out
     of packed events is fastest so.
+
+    ``shared_steps``, kept by the caller across the tensors of one read,
+    lets tensors whose parts share their step arrays (every tensor of a
+    usual block does) share one merged step array too.
     """
     last = parts[-1]
     dtype = np.float32 if all(p.values.dtype == np.float32 for p in parts) else np.float64
@@ -276,7 +282,12 @@ def merge(parts: Sequence[analysis.TensorSeries]) -> tuple[analysis.TensorSeries
     by_start = sorted(range(len(parts)), key=lambda i: (int(parts[i].steps[0]) if len(parts[i].steps) else 0, i))
     laid = [parts[i] for i in by_start if len(parts[i].steps)]
     if all(a.steps[-1] < b.steps[0] for a, b in zip(laid, laid[1:])):
-        steps = np.concatenate([p.steps for p in laid]) if laid else np.zeros(0, np.int64)
+        key = tuple(id(p.steps) for p in laid)
+        steps = None if shared_steps is None else shared_steps.get(key)
+        if steps is None:
+            steps = np.concatenate([p.steps for p in laid]) if laid else np.zeros(0, np.int64)
+            if shared_steps is not None:
+                shared_steps[key] = steps
         values = np.empty((len(steps), metadata.NUM_FIELDS), dtype, order="F")
         offsets = [0] * len(parts)
         at = 0

@@ -321,7 +321,7 @@ def _merge(tags: Mapping[str, _TagData]) -> list[analysis.TensorSeries]:
     twice keeps the later record. Where a tensor's parts do not overlap in
     steps (the usual case, whichever writers wrote them), each block's part
     (a view of the block's events, maybe float32) is replaced by a slice of
-    the merged float64 series: the snapshot then holds each record once, and
+    the merged series: the snapshot then holds each record once, and
     the next refresh, which re-reads only the blocks that grew, still has them.
     """
     out = [t.series for t in tags.values() if t.series is not None]
@@ -331,14 +331,17 @@ def _merge(tags: Mapping[str, _TagData]) -> list[analysis.TensorSeries]:
         for name, part in tags[tag].parts.items():
             by_tensor.setdefault(name, []).append((tag, part))
     own = {s.tag: i for i, s in enumerate(out)}
+    # Tensors logged at the same steps share one step array, merged and in
+    # their parts (keys are ids of arrays all alive until the end).
+    shared_steps: dict[tuple[int, ...], np.ndarray] = {}
+    step_slices: dict[tuple[int, int, int], np.ndarray] = {}
     for name, placed in by_tensor.items():
-        merged, offsets = packed.merge([p for _, p in placed])
+        merged, offsets = packed.merge([p for _, p in placed], shared_steps)
         if offsets is not None:
             for (tag, part), at in zip(placed, offsets):
                 n = len(part.steps)
-                tags[tag].parts[name] = analysis.TensorSeries(
-                    name, part.info, merged.steps[at : at + n], merged.values[at : at + n]
-                )
+                steps = step_slices.setdefault((id(merged.steps), at, n), merged.steps[at : at + n])
+                tags[tag].parts[name] = analysis.TensorSeries(name, part.info, steps, merged.values[at : at + n])
         if name in own:  # also logged per tensor in the same run
             out[own[name]] = packed.merge([out[own[name]], merged])[0]
         else:

@@ -446,6 +446,9 @@ def test_packed_blocks_are_read_as_they_load_and_then_only_when_they_grow(tmp_pa
     assert (s["stale"], s["records"], s["first_anomaly"]) == (False, 80, None)
     assert reads == []  # the request took the blocks read ahead
     assert cache.prefetched == {}
+    # Tensors logged at the same steps share one step array.
+    output, loss = sorted(cache.snapshot.series, key=lambda x: x.tag)
+    assert output.steps is loss.steps and output.steps.tolist() == list(range(40))
 
     write_packed(range(40, 45))  # a new block, still being written
     live.reload()
@@ -458,6 +461,8 @@ def test_packed_blocks_are_read_as_they_load_and_then_only_when_they_grow(tmp_pa
     assert (s["stale"], s["records"], s["first_anomaly"]["step"]) == (False, 110, 47)
     series = live.ok(P + "/series", run="big", tensor="loss")
     assert series["steps"] == list(range(55))
+    output, loss = sorted(cache.snapshot.series, key=lambda x: x.tag)
+    assert output.steps is loss.steps  # also merged again from kept parts
 
 
 def _raw_numerics_event(tag: str, step: int, content: bytes, vec: np.ndarray) -> event_pb2.Event:
