@@ -212,6 +212,7 @@ class _Snapshot:
             + [int(t.version[0]) for t in tags.values() if t.series is None and t.parts is None],
             default=None,
         )
+        self.records = sum(len(s.steps) for s in self.series)
         self._lock = threading.Lock()  # one analysis computed at a time
         self._analyses: collections.OrderedDict[analysis.SafeRange, analysis.RunAnalysis] = (
             collections.OrderedDict()
@@ -232,6 +233,8 @@ class _Snapshot:
                 return hit
             problems = [p for t in self.tags.values() for p in t.problems] + extra_problems
             ra = analysis.analyze_run(run, self.series, sr, problems)
+            if self.records > _INLINE_READ_RECORDS:
+                _return_freed_memory()  # the analysis' float64 copies of float32 records
             self._analyses[sr] = ra
             while len(self._analyses) > _ANALYSES_PER_RUN:
                 self._analyses.popitem(last=False)
@@ -350,12 +353,13 @@ def _merge(tags: Mapping[str, _TagData]) -> list[analysis.TensorSeries]:
 
 
 def _return_freed_memory() -> None:
-    """Hands memory freed after a big read back to the operating system.
+    """Hands memory freed after a big read or analysis back to the operating system.
 
-    A read decodes each event into its own small array; once they are freed,
-    glibc keeps them in its heap (about the size of the records read, so
-    hundreds of MB after a long run) for as long as TensorBoard runs. Where
-    there is no ``malloc_trim`` (not glibc), nothing is done.
+    A read decodes each event into its own small array, and an analysis
+    makes float64 copies of float32 records; once they are freed, glibc
+    keeps them in its heap (hundreds of MB after a long run) for as long as
+    TensorBoard runs. Where there is no ``malloc_trim`` (not glibc), nothing
+    is done.
     """
     try:
         ctypes.CDLL(None).malloc_trim(0)
