@@ -184,9 +184,9 @@ def unpack_block(
         problems.append("%s: %d malformed packed event(s) skipped" % (block, len(arrays) - len(keep)))
     if not keep:
         return []
-    # Rows keep the events' dtype (float32 or float64).
-    dtype = np.result_type(*[arrays[i].dtype for i in keep], np.float32)
-    rows = np.concatenate([arrays[i] for i in keep], dtype=dtype if dtype.kind == "f" else np.float64)
+    # Rows keep the events' dtype, float32 or float64 (version 2 wrote float64).
+    dtype = np.float64 if v2 else np.result_type(*[arrays[i].dtype for i in keep], np.float32)
+    rows = np.concatenate([arrays[i] for i in keep], dtype=dtype)
     if not len(rows):
         return []
     if v2:
