@@ -94,6 +94,25 @@ def test_callback_without_weights_or_update_ratios(tmp_path):
     assert len(_tags(ra, "gradient")) == 2 and ra.find("gradients/global_norm") is not None
 
 
+def test_an_epochs_steps_are_on_disk_when_the_next_epoch_starts(tmp_path):
+    """Packed steps wait in the writer (up to 50 per event); each epoch's end
+    writes them, so TensorBoard shows a whole epoch during validation and
+    the next one, not only when training ends."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, name="a")])
+    model.compile(optimizer="sgd", loss="mse")
+    x, y = _data()
+    seen = {}
+
+    class Probe(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            runs = event_reader.read_logdir(str(tmp_path))
+            seen[epoch] = sorted({int(st) for r in runs for s in r.series for st in s.steps})
+
+    model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[NumericsCallback(str(tmp_path)), Probe()])
+    assert seen == {0: [], 1: [0, 1, 2, 3]}
+
+
 def _fit_with_nan_in_batch_5(logdir, **callback_args) -> analysis.RunAnalysis:
     """8 steps of a one-layer model whose batch 5 holds a NaN, with the callback; its records."""
     keras.utils.set_random_seed(0)
