@@ -958,20 +958,21 @@ def _frontend_dir() -> str | None:
     return None
 
 
-def _events(tag: str, ts: Any) -> int:
-    """The events a tag may hold, estimated from its last step (records are
-    usually one per step from 0; a packed block holds at most a block's)."""
+def _steps_held(tag: str, ts: Any) -> int:
+    """The steps a tag may hold, estimated from its last step (records are
+    usually one per step from 0; a packed block holds at most a block's, in
+    a fiftieth as many events)."""
     n = max(1, int(ts.max_step) + 1)
     return min(n, packed.STEPS_PER_BLOCK) if packed.is_block_tag(tag) else n
 
 
 def _batches(to_read: Mapping[str, Any], listing: Mapping[str, Any]) -> list[list[str]]:
     """Tags grouped so that each read stays well under gRPC's message cap,
-    counting a packed event as one record per tensor of its block."""
+    counting a packed block's step as one record per tensor of its table."""
     batches: list[list[str]] = []
     size = 0
     for tag, (_, info, _) in to_read.items():
-        est = _events(tag, listing[tag]) * (1 if isinstance(info, metadata.TensorInfo) else len(info))
+        est = _steps_held(tag, listing[tag]) * (1 if isinstance(info, metadata.TensorInfo) else len(info))
         if batches and size + est <= _RECORDS_PER_READ:
             batches[-1].append(tag)
             size += est
@@ -982,10 +983,10 @@ def _batches(to_read: Mapping[str, Any], listing: Mapping[str, Any]) -> list[lis
 
 
 def _read_cost(listing: Mapping[str, Any], *known: Mapping[str, _TagData]) -> int:
-    """Events to read for ``listing`` beyond the tags ``known`` as listed:
-    TensorBoard's cost is per event, whatever its size."""
+    """Steps to read for ``listing`` beyond the tags ``known`` as listed, a
+    packed block's counted once: a rough measure of the read's cost."""
     return sum(
-        _events(tag, ts)
+        _steps_held(tag, ts)
         for tag, ts in listing.items()
         if not any((t := k.get(tag)) is not None and t.version == _version(ts) for k in known)
     )
