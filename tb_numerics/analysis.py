@@ -26,7 +26,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from tb_numerics import metadata
-from tb_numerics.metadata import FIELD_INDEX as F
+from tb_numerics.records import F, TensorSeries, derived
 
 HEALTHY = 0
 WARNING = 1
@@ -47,7 +47,6 @@ WARNING_KINDS = (
     "skipped_step",
 )
 _KIND_CODE = {k: i + 1 for i, k in enumerate(WARNING_KINDS)}
-PHASE_RANK = {p: i for i, p in enumerate(metadata.PHASES)}
 
 
 class SafeRangeError(ValueError):
@@ -144,107 +143,6 @@ def safe_range_to_json(sr: SafeRange) -> dict[str, Any]:
     d = dataclasses.asdict(sr)
     d["allow_neginf"] = list(sr.allow_neginf)
     return d
-
-
-# ---------------------------------------------------------------- records
-
-
-@dataclasses.dataclass
-class TensorSeries:
-    """All records of one tag in one run, sorted by step, one per step."""
-
-    tag: str
-    info: metadata.TensorInfo
-    steps: np.ndarray  # int64 [n]
-    # [n, NUM_FIELDS], float64; or float32 where every value is exactly a
-    # float32 (packed records): computations cast to float64 first.
-    values: np.ndarray
-
-    @property
-    def sort_key(self) -> tuple[int, int, str]:
-        return (PHASE_RANK.get(self.info.phase, 0), self.info.order, self.tag)
-
-
-def make_series(
-    tag: str,
-    info: metadata.TensorInfo,
-    steps: Iterable[int],
-    values: Iterable[Sequence[float]] | np.ndarray,
-    problems: list[str] | None = None,
-) -> TensorSeries:
-    """Builds a TensorSeries, dropping records that cannot be valid.
-
-    Records of the wrong length, with NaN or negative counts, or with counts
-    that exceed the element count are dropped and described in ``problems``.
-    When a step was written twice (a restarted job), the later record wins.
-    """
-    if isinstance(values, np.ndarray) and values.ndim == 2 and values.shape[1] == metadata.NUM_FIELDS:
-        # Already one array (the plugin's reads): no per-record Python work.
-        st = np.asarray(steps, dtype=np.int64).reshape(-1)[: len(values)]
-        vals = values[: len(st)].astype(np.float64, copy=False)
-        rows = vals
-    else:
-        steps_list = [int(s) for s in steps]
-        rows = [np.asarray(row, dtype=np.float64).reshape(-1) for row in values][: len(steps_list)]
-        steps_list = steps_list[: len(rows)]
-        # Checked all at once: a run can hold a million records of one tensor.
-        shaped = np.fromiter((r.shape == (metadata.NUM_FIELDS,) for r in rows), bool, len(rows))
-        vals = np.zeros((0, metadata.NUM_FIELDS))
-        if shaped.any():
-            vals = np.stack([r for r, ok in zip(rows, shaped) if ok])
-        st = np.asarray(steps_list, dtype=np.int64)[shaped]
-    valid = valid_records(vals)
-    vals, st = vals[valid], st[valid]
-    bad = len(rows) - len(st)
-    if bad and problems is not None:
-        problems.append("%s: %d malformed record(s) skipped" % (tag, bad))
-    if not len(st):
-        return TensorSeries(tag, info, np.zeros(0, np.int64), np.zeros((0, metadata.NUM_FIELDS)))
-    # Stable sort by step, then keep the last record written for each step.
-    order = np.argsort(st, kind="stable")
-    st, vals = st[order], vals[order]
-    last = np.ones(len(st), dtype=bool)
-    last[:-1] = st[1:] != st[:-1]
-    return TensorSeries(tag, info, st[last], vals[last])
-
-
-_COUNT_FIELDS = [F[k] for k in ("count", "nan", "posinf", "neginf", "zeros", "overflow", "underflow")]
-
-
-def valid_records(v: np.ndarray) -> np.ndarray:
-    """Which records ``[n, F]`` hold possible statistics."""
-    counts = v[:, _COUNT_FIELDS]
-    with np.errstate(invalid="ignore"):
-        ok = np.all(np.isfinite(counts), axis=1) & np.all(counts >= 0, axis=1)
-        ok &= np.all(counts[:, 1:] <= counts[:, :1], axis=1)
-    return ok & ~np.any(np.isinf(v[:, [F["min"], F["max"]]]), axis=1)
-
-
-def derived(values: np.ndarray) -> dict[str, np.ndarray]:
-    """Mean, std, max |x|, L2 norm and finite count of records ``[n, F]``.
-
-    All over the finite values, from the stored sums; NaN where a record has
-    no finite value.
-    """
-    v = np.atleast_2d(values).astype(np.float64, copy=False)
-    nonfinite = v[:, F["nan"]] + v[:, F["posinf"]] + v[:, F["neginf"]]
-    n_finite = v[:, F["count"]] - nonfinite
-    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        mean = np.where(n_finite > 0, v[:, F["sum"]] / n_finite, np.nan)
-        var = np.where(n_finite > 0, v[:, F["sum_sq"]] / n_finite - mean * mean, np.nan)
-        std = np.sqrt(np.maximum(var, 0.0))
-        max_abs = np.fmax(np.abs(v[:, F["min"]]), np.abs(v[:, F["max"]]))
-        l2 = np.sqrt(v[:, F["sum_sq"]])
-    return {"mean": mean, "std": std, "max_abs": max_abs, "l2": l2, "finite": n_finite}
-
-
-def record_to_json(values: np.ndarray) -> dict[str, float]:
-    """One record's stored and derived statistics by name."""
-    out = {name: float(values[i]) for i, name in enumerate(metadata.FIELDS)}
-    d = derived(values)
-    for k in ("mean", "std", "max_abs", "l2"):
-        out[k] = float(d[k][0])
-    return out
 
 
 # ---------------------------------------------------------------- health

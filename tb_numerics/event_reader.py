@@ -24,7 +24,7 @@ from tensorboard.compat.proto import event_pb2, tensor_pb2, types_pb2
 from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
 from tensorboard.util import tensor_util
 
-from tb_numerics import analysis, metadata, packed
+from tb_numerics import metadata, packed, records
 
 # TFRecord framing: uint64 length, masked CRC32C of the length, the data,
 # masked CRC32C of the data (all little-endian).
@@ -48,7 +48,7 @@ class RunRecords:
     """The numerics series of one run read from disk, and what went wrong."""
 
     run: str
-    series: list[analysis.TensorSeries]
+    series: list[records.TensorSeries]
     problems: list[str]
 
 
@@ -240,11 +240,11 @@ def read_run(run: str, files: list[str]) -> RunRecords:
             problems.append(
                 "%s: %d record(s) that are not events skipped" % (os.path.basename(path), undecodable)
             )
-    parts: list[analysis.TensorSeries] = []
+    parts: list[records.TensorSeries] = []
     for tag, (steps, rows) in points.items():
         info = infos[tag]
         if isinstance(info, metadata.TensorInfo):
-            parts.append(analysis.make_series(tag, info, steps, rows, problems))
+            parts.append(records.make_series(tag, info, steps, rows, problems))
         else:
             parts.extend(packed.unpack_block(tag, info, np.asarray(steps, np.int64), rows, problems))
     return RunRecords(run, packed.merge_all(parts), problems)

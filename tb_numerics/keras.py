@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
-import fnmatch
 import functools
 import sys
 from typing import Any, Callable, Sequence
@@ -34,7 +33,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tb_numerics import analysis, event_reader, metadata, record_writer, stats
+from tb_numerics import analysis, event_reader, metadata, record_writer, records, stats
 
 F = metadata.FIELD_INDEX
 _NONFINITE = slice(F["nan"], F["neginf"] + 1)
@@ -527,23 +526,16 @@ class NumericsCallback(keras.callbacks.Callback):
                 dw, w = norms[mine, 0].sum(), norms[mine, 1].sum()
                 if w > 0:
                     tag = "update_ratio/%s" % name
-                    out.append((tag, record_writer.numpy_stats(np.float32(np.sqrt(dw / w))),
+                    out.append((tag, records.numpy_stats(np.float32(np.sqrt(dw / w))),
                                 self._info(tag, "weight", "float32", (), description="||w_new - w_old|| / ||w_old|| of layer %s" % name)))
         if self._lso:
-            out.append(("loss_scale", record_writer.numpy_stats(np.float32(aux[2])),
+            out.append(("loss_scale", records.numpy_stats(np.float32(aux[2])),
                         self._info("loss_scale", "loss_scale", "float32", (), description="the LossScaleOptimizer's loss scale")))
         return out
 
     def _global_norm(self, grads: list[np.ndarray]):
-        g = np.asarray(grads).reshape(-1, metadata.NUM_FIELDS)
-        if g[:, F["nan"]].sum() > 0:
-            norm = np.nan
-        elif (g[:, F["posinf"]] + g[:, F["neginf"]]).sum() > 0:
-            norm = np.inf
-        else:
-            norm = np.sqrt(g[:, F["sum_sq"]].sum())
         tag = "gradients/global_norm"
-        return (tag, record_writer.numpy_stats(np.float32(norm)), self._info(tag, "global_norm", "float32", ()))
+        return (tag, records.global_norm_record(np.asarray(grads)), self._info(tag, "global_norm", "float32", ()))
 
     def _step_done(self, step_stats: np.ndarray, aux: np.ndarray) -> bool:
         """Writes one step's records as every_n_steps says; True to stop training.

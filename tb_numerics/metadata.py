@@ -52,7 +52,7 @@ PLUGIN_NAME = "numerics"
 # Major version: a reader refuses records of a newer major version. Minor
 # version: additions that older readers may ignore.
 FORMAT_VERSION = 3
-FORMAT_MINOR_VERSION = 0
+FORMAT_MINOR_VERSION = 1
 # The version per-tensor records are written with (their layout is version 1's).
 RECORD_VERSION = 1
 
@@ -72,8 +72,9 @@ FIELDS = (
 NUM_FIELDS = len(FIELDS)
 FIELD_INDEX = {name: i for i, name in enumerate(FIELDS)}
 
-ROLES = ("activation", "loss", "gradient", "global_norm", "weight", "other", "loss_scale")
+ROLES = ("activation", "loss", "gradient", "global_norm", "weight", "other", "loss_scale", "update")
 PHASES = ("forward", "backward", "update")
+PHASE_RANK = {p: i for i, p in enumerate(PHASES)}
 
 # The phase of the training step a role belongs to, for "forward before
 # backward" ordering and for the words the dashboard and CLI print.
@@ -87,6 +88,9 @@ ROLE_PHASE = {
     # A LossScaleOptimizer's scale, decided with the update; the analysis
     # reads it to tell a skipped step from an anomaly.
     "loss_scale": "update",
+    # A tensor a user logged after the step's gradients (a clipped norm in
+    # the optimizer's update, say).
+    "update": "update",
 }
 
 # Fraction of a dtype's largest finite value beyond which a value counts as
@@ -129,6 +133,15 @@ class TensorInfo:
     op_type: str = ""
     description: str = ""
     version: int = RECORD_VERSION
+    # -Inf is intended in this tensor (an attention mask): the writer was
+    # told so, and every reader applies it without the user repeating it.
+    neginf_ok: bool = False
+    # The activation function of the layer that made it ("exponential"), or
+    # the loss function's name for a loss; "" where unknown.
+    activation: str = ""
+    # The dtype the tensor was computed in where it differs from ``dtype``
+    # (a float16 layer's output recorded after a cast), for headroom.
+    compute_dtype: str = ""
 
     @property
     def phase(self) -> str:
@@ -143,6 +156,9 @@ class TensorInfo:
             "order": self.order,
             "op_type": self.op_type,
             "description": self.description,
+            "neginf_ok": self.neginf_ok,
+            "activation": self.activation,
+            "compute_dtype": self.compute_dtype or self.dtype,
         }
 
 
@@ -165,13 +181,21 @@ def create_block_metadata(tensors: list[tuple[str, TensorInfo]]) -> summary_pb2.
 
 
 def _info_fields(info: TensorInfo) -> dict[str, Any]:
-    return {
+    fields = {
         "dtype": info.dtype,
         "shape": None if info.shape is None else list(info.shape),
         "role": info.role,
         "order": int(info.order),
         "op_type": info.op_type,
     }
+    # Minor-version additions, written only where set (older readers ignore them).
+    if info.neginf_ok:
+        fields["neginf_ok"] = True
+    if info.activation:
+        fields["activation"] = info.activation
+    if info.compute_dtype and info.compute_dtype != info.dtype:
+        fields["compute_dtype"] = info.compute_dtype
+    return fields
 
 
 def _summary_metadata(content: dict[str, Any], description: str) -> summary_pb2.SummaryMetadata:
@@ -272,6 +296,12 @@ def _parse_info(raw: dict[str, Any], description: str, version: int) -> TensorIn
     op_type = raw.get("op_type") or ""
     if not isinstance(op_type, str):
         raise FormatError("numerics metadata has a non-string op_type")
+    activation = raw.get("activation") or ""
+    if not isinstance(activation, str):
+        raise FormatError("numerics metadata has a non-string activation")
+    compute_dtype = raw.get("compute_dtype") or ""
+    if compute_dtype and compute_dtype not in DTYPE_LIMITS:
+        raise FormatError("numerics metadata names an unsupported compute dtype: %r" % (compute_dtype,))
     return TensorInfo(
         dtype=dtype,
         shape=shape,
@@ -280,4 +310,7 @@ def _parse_info(raw: dict[str, Any], description: str, version: int) -> TensorIn
         op_type=op_type,
         description=description,
         version=version,
+        neginf_ok=raw.get("neginf_ok") is True,
+        activation=activation,
+        compute_dtype=compute_dtype,
     )

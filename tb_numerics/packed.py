@@ -42,7 +42,7 @@ from typing import Callable, Iterable, NamedTuple, Sequence
 import numpy as np
 from tensorboard.compat.proto import summary_pb2
 
-from tb_numerics import analysis, metadata
+from tb_numerics import metadata, records
 
 TAG_PREFIX = "__numerics_block__/"
 STEPS_PER_BLOCK = 1000
@@ -167,7 +167,7 @@ def unpack_block(
     steps: np.ndarray,
     arrays: Sequence[np.ndarray],
     problems: list[str],
-) -> list[analysis.TensorSeries]:
+) -> list[records.TensorSeries]:
     """The parts, one per tensor, of one block's events: series whose
     values may be views of the events, for ``merge`` to make series of.
 
@@ -204,7 +204,7 @@ def unpack_block(
             "%s: %d packed row(s) with no tensor in the block's table or no valid step skipped"
             % (block, int((~ok).sum()))
         )
-    valid = analysis.valid_records(rows[:, 2:]) & ok
+    valid = records.valid_records(rows[:, 2:]) & ok
     if not (valid | ~ok).all():
         problems.append("%s: %d malformed record(s) skipped" % (block, int((ok & ~valid).sum())))
     if not valid.all():
@@ -223,13 +223,13 @@ def unpack_block(
     for lo, hi in zip(firsts.tolist(), ends.tolist()):
         tag, info = table[int(ids[lo])]
         if in_order:
-            out.append(analysis.TensorSeries(tag, info, row_steps[lo:hi], rows[lo:hi, 2:]))
+            out.append(records.TensorSeries(tag, info, row_steps[lo:hi], rows[lo:hi, 2:]))
         else:
-            out.append(analysis.make_series(tag, info, row_steps[lo:hi], rows[lo:hi, 2:]))
+            out.append(records.make_series(tag, info, row_steps[lo:hi], rows[lo:hi, 2:]))
     return out
 
 
-def _split_regular(table: metadata.BlockTable, rows: np.ndarray) -> list[analysis.TensorSeries] | None:
+def _split_regular(table: metadata.BlockTable, rows: np.ndarray) -> list[records.TensorSeries] | None:
     """The usual block, where each step logs the same distinct tensors in
     the same order, with valid records and rising steps: each tensor's series
     is then a strided view of ``rows``, with no per-tensor work. None for
@@ -247,19 +247,19 @@ def _split_regular(table: metadata.BlockTable, rows: np.ndarray) -> list[analysi
     steps = cube[:, 0, 1]
     if not (np.all(np.diff(steps) > 0) and steps[0] >= 0 and np.all(steps == np.floor(steps)) and steps[-1] < 2.0**63):
         return None
-    if not analysis.valid_records(rows[:, 2:]).all():
+    if not records.valid_records(rows[:, 2:]).all():
         return None
     steps = steps.astype(np.int64)
-    return [analysis.TensorSeries(*table[int(i)], steps, cube[:, j, 2:]) for j, i in enumerate(ids.tolist())]
+    return [records.TensorSeries(*table[int(i)], steps, cube[:, j, 2:]) for j, i in enumerate(ids.tolist())]
 
 
 def merge(
-    parts: Sequence[analysis.TensorSeries], shared_steps: dict[tuple[int, ...], np.ndarray] | None = None
-) -> tuple[analysis.TensorSeries, list[int] | None]:
+    parts: Sequence[records.TensorSeries], shared_steps: dict[tuple[int, ...], np.ndarray] | None = None
+) -> tuple[records.TensorSeries, list[int] | None]:
     """One tensor's series from its parts (valid series, in the order written).
 
-    A step recorded in two parts keeps the later part's record, as
-    ``make_series`` keeps a restarted job's. Where the parts, ordered by
+    A step recorded in two parts keeps the later part's records (a
+    restarted job's); the records of a step within one part are all kept. Where the parts, ordered by
     their first step, lie end to end without overlap (the usual case, also
     for parts written side by side by several writers), the result is them
     laid end to end, and the second value gives each part's offset in it, so
@@ -278,7 +278,7 @@ def merge(
     last = parts[-1]
     dtype = np.float32 if all(p.values.dtype == np.float32 for p in parts) else np.float64
     if len(parts) == 1:
-        return analysis.TensorSeries(last.tag, last.info, last.steps, np.asfortranarray(last.values, dtype)), [0]
+        return records.TensorSeries(last.tag, last.info, last.steps, np.asfortranarray(last.values, dtype)), [0]
     by_start = sorted(range(len(parts)), key=lambda i: (int(parts[i].steps[0]) if len(parts[i].steps) else 0, i))
     laid = [parts[i] for i in by_start if len(parts[i].steps)]
     if all(a.steps[-1] < b.steps[0] for a, b in zip(laid, laid[1:])):
@@ -296,15 +296,23 @@ def merge(
             values[at : at + n] = parts[i].values
             offsets[i] = at
             at += n
-        return analysis.TensorSeries(last.tag, last.info, steps, values), offsets
-    steps = np.concatenate([p.steps for p in parts])
-    values = np.concatenate([p.values for p in parts], dtype=np.float64)
-    return analysis.make_series(last.tag, last.info, steps, values), None
+        return records.TensorSeries(last.tag, last.info, steps, values), offsets
+    # Each step's records come from the last part that holds the step (a
+    # restarted job's); within that part all of them (occurrences).
+    claimed = np.zeros(0, np.int64)
+    kept = []
+    for p in reversed(parts):
+        mine = ~np.isin(p.steps, claimed)
+        kept.append((p.steps[mine], p.values[mine]))
+        claimed = np.union1d(claimed, p.steps)
+    steps = np.concatenate([s for s, _ in reversed(kept)])
+    values = np.concatenate([v for _, v in reversed(kept)], dtype=np.float64)
+    return records.make_series(last.tag, last.info, steps, values), None
 
 
-def merge_all(parts: Iterable[analysis.TensorSeries]) -> list[analysis.TensorSeries]:
+def merge_all(parts: Iterable[records.TensorSeries]) -> list[records.TensorSeries]:
     """Series by tag from parts given in the order written (see ``merge``)."""
-    by_tag: dict[str, list[analysis.TensorSeries]] = {}
+    by_tag: dict[str, list[records.TensorSeries]] = {}
     for p in parts:
         by_tag.setdefault(p.tag, []).append(p)
     return [merge(ps)[0] for ps in by_tag.values()]

@@ -36,7 +36,7 @@ from tensorboard.backend import http_util
 from tensorboard.data import provider
 from tensorboard.plugins import base_plugin
 
-from tb_numerics import analysis, metadata, packed
+from tb_numerics import analysis, metadata, packed, records
 
 logger = logging.getLogger(__name__)
 
@@ -185,9 +185,9 @@ class _TagData:
     """
 
     version: tuple  # (max_step, max_wall_time, plugin_content)
-    series: analysis.TensorSeries | None
+    series: records.TensorSeries | None
     problems: list[str]
-    parts: dict[str, analysis.TensorSeries] | None = None
+    parts: dict[str, records.TensorSeries] | None = None
 
 
 def _version(ts: Any) -> tuple:
@@ -317,7 +317,7 @@ class _Refresher:
             self._wake.wait(period)
 
 
-def _merge(tags: Mapping[str, _TagData]) -> list[analysis.TensorSeries]:
+def _merge(tags: Mapping[str, _TagData]) -> list[records.TensorSeries]:
     """Every tensor's series: its own tag's, and its parts in packed blocks.
 
     Blocks are taken oldest first (by their last write), so a step written
@@ -329,7 +329,7 @@ def _merge(tags: Mapping[str, _TagData]) -> list[analysis.TensorSeries]:
     """
     out = [t.series for t in tags.values() if t.series is not None]
     blocks = sorted((t.version[1], tag) for tag, t in tags.items() if t.parts)
-    by_tensor: dict[str, list[tuple[str, analysis.TensorSeries]]] = {}
+    by_tensor: dict[str, list[tuple[str, records.TensorSeries]]] = {}
     for _, tag in blocks:
         for name, part in tags[tag].parts.items():
             by_tensor.setdefault(name, []).append((tag, part))
@@ -344,7 +344,7 @@ def _merge(tags: Mapping[str, _TagData]) -> list[analysis.TensorSeries]:
             for (tag, part), at in zip(placed, offsets):
                 n = len(part.steps)
                 steps = step_slices.setdefault((id(merged.steps), at, n), merged.steps[at : at + n])
-                tags[tag].parts[name] = analysis.TensorSeries(name, part.info, steps, merged.values[at : at + n])
+                tags[tag].parts[name] = records.TensorSeries(name, part.info, steps, merged.values[at : at + n])
         if name in own:  # also logged per tensor in the same run
             out[own[name]] = packed.merge([out[own[name]], merged])[0]
         else:
@@ -372,7 +372,7 @@ def _decode(data: list) -> tuple[np.ndarray, np.ndarray | list]:
 
     Values come back as one ``[n, NUM_FIELDS]`` array when every record has
     the right shape (the fast, usual case), else as a list of arrays for
-    ``analysis.make_series`` to check one by one.
+    ``records.make_series`` to check one by one.
     """
     steps = np.fromiter((d.step for d in data), dtype=np.int64, count=len(data))
     arrays = [d.numpy for d in data]
@@ -407,7 +407,7 @@ def _decode_tags(
         points = data.pop(tag, [])
         if isinstance(info, metadata.TensorInfo):
             steps, values = _decode(points)
-            out[tag] = _TagData(version, analysis.make_series(tag, info, steps, values, problems), problems)
+            out[tag] = _TagData(version, records.make_series(tag, info, steps, values, problems), problems)
         else:
             steps = np.fromiter((d.step for d in points), dtype=np.int64, count=len(points))
             parts = packed.unpack_block(tag, info, steps, [np.asarray(d.numpy) for d in points], problems)
@@ -998,7 +998,7 @@ def _series_points(
     """Chart points of records, bucketed by equal counts beyond ``max_points``."""
     values = values.astype(np.float64, copy=False)  # bucket sums of float32 counts would round
     n = len(steps)
-    d = analysis.derived(values) if n else {k: np.zeros(0) for k in ("mean", "std", "max_abs", "l2")}
+    d = records.derived(values) if n else {k: np.zeros(0) for k in ("mean", "std", "max_abs", "l2")}
     col = {name: values[:, i] if n else np.zeros(0) for i, name in enumerate(metadata.FIELDS)}
     counts = ("count", "nan", "posinf", "neginf", "zeros", "overflow", "underflow")
     # Op-level records leave out the sums (see oplevel.py): their mean, std

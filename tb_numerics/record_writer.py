@@ -197,34 +197,3 @@ class NumericsRecordWriter:
 
     def __exit__(self, *exc) -> None:
         self.close()
-
-
-def numpy_stats(values: np.ndarray, dtype: str | None = None) -> np.ndarray:
-    """The record of a numpy array, computed in numpy (the reference).
-
-    The TensorFlow path (``stats.py``) must agree with this; tests compare
-    the two, and tools without TensorFlow use it directly.
-    """
-    arr = np.asarray(values)
-    if dtype is None:
-        dtype = str(arr.dtype)
-    if dtype not in metadata.DTYPE_LIMITS:
-        raise TypeError("numerics are only defined for float tensors, got %s" % dtype)
-    x = arr.astype(np.float64).reshape(-1)
-    finite = np.isfinite(x)
-    xf = x[finite]
-    absf = np.abs(xf)
-    out = np.zeros(metadata.NUM_FIELDS, dtype=np.float64)
-    f = metadata.FIELD_INDEX
-    out[f["count"]] = x.size
-    out[f["nan"]] = np.count_nonzero(np.isnan(x))
-    out[f["posinf"]] = np.count_nonzero(x == np.inf)
-    out[f["neginf"]] = np.count_nonzero(x == -np.inf)
-    out[f["min"]] = xf.min() if xf.size else np.nan
-    out[f["max"]] = xf.max() if xf.size else np.nan
-    out[f["sum"]] = xf.sum()
-    out[f["sum_sq"]] = np.square(xf).sum()
-    out[f["zeros"]] = np.count_nonzero(x == 0)
-    out[f["overflow"]] = np.count_nonzero(absf > metadata.overflow_margin(dtype))
-    out[f["underflow"]] = np.count_nonzero((absf > 0) & (absf < metadata.smallest_normal(dtype)))
-    return out

@@ -4,7 +4,7 @@
 for a float tensor, computed with ordinary TensorFlow reductions (no
 ``py_function``, no host round trip), so it runs inside a traced or
 ``jit_compile``'d step and its result can be written there or outside.
-``record_writer.numpy_stats`` is the reference it agrees with: counts and
+``records.numpy_stats`` is the reference it agrees with: counts and
 extrema exactly, sums to the accumulation precision.
 
 Cost is the design constraint: every layer output and gradient may be logged

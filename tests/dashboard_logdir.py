@@ -19,7 +19,8 @@ import os
 import numpy as np
 
 from tb_numerics import metadata
-from tb_numerics.record_writer import NumericsRecordWriter, numpy_stats
+from tb_numerics.record_writer import NumericsRecordWriter
+from tb_numerics.records import numpy_stats
 
 NAN_RUN = "diverging"
 HEALTHY_RUN = "healthy"

@@ -3,8 +3,8 @@
 import numpy as np
 import pytest
 
-from tb_numerics import analysis, metadata
-from tb_numerics.record_writer import numpy_stats
+from tb_numerics import analysis, metadata, records
+from tb_numerics.records import numpy_stats
 
 RNG = np.random.default_rng(0)
 
@@ -16,7 +16,7 @@ def info(role="activation", order=0, dtype="float32", op_type=""):
 def series(tag, arrays_by_step, **kw):
     i = info(**kw)
     steps = sorted(arrays_by_step)
-    return analysis.make_series(tag, i, steps, [numpy_stats(arrays_by_step[s], i.dtype) for s in steps])
+    return records.make_series(tag, i, steps, [numpy_stats(arrays_by_step[s], i.dtype) for s in steps])
 
 
 def healthy(n=16, scale=1.0):
@@ -79,7 +79,7 @@ def test_float16_margin_is_much_tighter():
 
 
 def norm_series(values):
-    return analysis.make_series(
+    return records.make_series(
         "gradients/global_norm", info(role="global_norm", order=99), range(len(values)),
         [numpy_stats(np.array([v], np.float32)) for v in values])
 
@@ -175,7 +175,7 @@ def test_timeline_keeps_a_single_bad_step_visible_when_downsampled():
     vals = np.tile(numpy_stats(healthy()), (n, 1))
     vals[7777] = numpy_stats(with_values(healthy(), a=np.nan))
     vals[1234] = numpy_stats(with_values(healthy(), a=1e37))
-    s = analysis.make_series("x", info(), steps, vals)
+    s = records.make_series("x", info(), steps, vals)
     ra = analysis.analyze_run("r", [s])
     tl = analysis.timeline(ra, width=100)
     cells = tl["rows"][0]["cells"]
@@ -200,7 +200,7 @@ def test_timeline_marks_missing_records_and_orders_rows():
     assert tl["rows"][1]["cells"] == [0, 0, -1]
 
 
-def test_make_series_drops_malformed_records_and_keeps_the_last_duplicate():
+def test_make_series_drops_malformed_records_and_keeps_every_occurrence():
     good = numpy_stats(healthy())
     later = numpy_stats(healthy(scale=5))
     bad_len = good[:5]
@@ -209,16 +209,21 @@ def test_make_series_drops_malformed_records_and_keeps_the_last_duplicate():
     too_many = good.copy()
     too_many[metadata.FIELD_INDEX["zeros"]] = 1e9
     problems = []
-    s = analysis.make_series("x", info(), [3, 1, 2, 2, 4, 5], [good, good, bad_len, later, nan_count, too_many], problems)
+    s = records.make_series("x", info(), [3, 1, 2, 2, 4, 5], [good, good, bad_len, later, nan_count, too_many], problems)
+    # Both records of step 2 are kept, in the order written (micro-batches).
     assert s.steps.tolist() == [1, 2, 3]
     np.testing.assert_array_equal(s.values[1], later)
+    s = records.make_series("x", info(), [3, 1, 2, 2], [good, good, good, later])
+    assert s.steps.tolist() == [1, 2, 2, 3]
+    np.testing.assert_array_equal(s.values[2], later)
+    assert s.occurrence(1) == (1, 2) and s.occurrence(2) == (2, 2) and s.occurrence(3) == (1, 1)
     assert problems == ["x: 3 malformed record(s) skipped"]
 
 
 def test_derived_statistics_match_numpy():
     x = RNG.normal(size=1000).astype(np.float64) * 3 + 1
     x[:3] = [np.nan, np.inf, -np.inf]
-    d = analysis.derived(numpy_stats(x))
+    d = records.derived(numpy_stats(x))
     f = x[np.isfinite(x)]
     assert d["mean"][0] == pytest.approx(f.mean())
     assert d["std"][0] == pytest.approx(f.std(), rel=1e-9)
@@ -256,17 +261,17 @@ def test_a_gradient_spike_before_the_anomaly_gives_the_learning_rate_hint():
     assert "4e+03x the median" in a["likely_cause"]["detail"]
 
 
-def _float32_sums(s: analysis.TensorSeries) -> analysis.TensorSeries:
+def _float32_sums(s: records.TensorSeries) -> records.TensorSeries:
     """``s`` with its sums rounded to float32, as TensorFlow accumulates them
     for float32 tensors (numpy_stats sums in float64)."""
-    return analysis.TensorSeries(s.tag, s.info, s.steps, s.values.astype(np.float32).astype(np.float64))
+    return records.TensorSeries(s.tag, s.info, s.steps, s.values.astype(np.float32).astype(np.float64))
 
 
-def _as_float32(s: analysis.TensorSeries) -> analysis.TensorSeries:
+def _as_float32(s: records.TensorSeries) -> records.TensorSeries:
     """The same series held as packed readers hold exact float32 records."""
     v32 = np.asfortranarray(s.values, np.float32)
     assert np.array_equal(v32, s.values, equal_nan=True)
-    return analysis.TensorSeries(s.tag, s.info, s.steps, v32)
+    return records.TensorSeries(s.tag, s.info, s.steps, v32)
 
 
 @pytest.mark.parametrize(

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from tb_numerics import metadata
-from tb_numerics.record_writer import NumericsRecordWriter, numpy_stats
+from tb_numerics.record_writer import NumericsRecordWriter
+from tb_numerics.records import numpy_stats
 
 RNG = np.random.default_rng(1)
 ACT = metadata.TensorInfo(dtype="float32", role="activation", order=0)

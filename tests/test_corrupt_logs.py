@@ -24,7 +24,8 @@ from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, tensor_
 from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
 
 from tb_numerics import event_reader, metadata
-from tb_numerics.record_writer import NumericsRecordWriter, numpy_stats, stats_tensor_proto
+from tb_numerics.record_writer import NumericsRecordWriter
+from tb_numerics.records import numpy_stats, stats_tensor_proto
 
 from tb_process import tensorboard, wait_for
 

@@ -370,7 +370,8 @@ def test_op_level_charts_show_sums_as_not_recorded(open_page, tmp_path):
     import numpy as np
 
     from tb_numerics import metadata
-    from tb_numerics.record_writer import NumericsRecordWriter, numpy_stats
+    from tb_numerics.record_writer import NumericsRecordWriter
+    from tb_numerics.records import numpy_stats
 
     logdir = str(tmp_path / "logs")
     info = metadata.TensorInfo(role="activation", op_type="MatMul", description="model.py:7 (call)")

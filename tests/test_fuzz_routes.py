@@ -25,7 +25,8 @@ from tensorboard.plugins.core import core_plugin
 from werkzeug import test as wtest
 
 from tb_numerics import analysis, metadata, plugin
-from tb_numerics.record_writer import NumericsRecordWriter, numpy_stats
+from tb_numerics.record_writer import NumericsRecordWriter
+from tb_numerics.records import numpy_stats
 
 P = "/data/plugin/numerics"
 API_ROUTES = ("runs", "summary", "timeline", "series", "safe_range")

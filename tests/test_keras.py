@@ -245,7 +245,7 @@ _MIRRORED_FIT = """
     import keras
     from tb_numerics import event_reader
     from tb_numerics.keras import NumericsCallback
-    from tb_numerics.record_writer import numpy_stats
+    from tb_numerics.records import numpy_stats
 
     keras.utils.set_random_seed(0)
     with strategy.scope():

@@ -7,7 +7,7 @@ import pytest
 from tensorboard.compat.proto import summary_pb2
 
 from tb_numerics import metadata
-from tb_numerics.record_writer import numpy_stats
+from tb_numerics.records import numpy_stats
 
 
 def test_metadata_marks_tensor_data_class_and_round_trips():

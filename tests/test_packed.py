@@ -11,8 +11,9 @@ import pytest
 from tensorboard.backend.event_processing import event_file_loader
 from tensorboard.compat.proto import types_pb2
 
-from tb_numerics import analysis, event_reader, metadata, packed
-from tb_numerics.record_writer import NumericsRecordWriter, numpy_stats
+from tb_numerics import analysis, event_reader, metadata, packed, records
+from tb_numerics.record_writer import NumericsRecordWriter
+from tb_numerics.records import numpy_stats
 
 ACT = metadata.TensorInfo(role="activation", order=0, shape=(3,), description="model.py:3")
 LOSS = metadata.TensorInfo(role="loss", order=1, shape=())
@@ -193,26 +194,27 @@ def test_damaged_rows_are_skipped_and_reported_the_rest_kept():
 
 def test_a_step_written_twice_keeps_the_later_record():
     """A restarted job writes steps again under a new writer: its records win."""
-    old = analysis.TensorSeries("t", ACT, np.arange(0, 10), np.tile(numpy_stats(np.float32([1.0])), (10, 1)))
-    new = analysis.TensorSeries("t", ACT, np.arange(5, 15), np.tile(numpy_stats(np.float32([2.0])), (10, 1)))
+    old = records.TensorSeries("t", ACT, np.arange(0, 10), np.tile(numpy_stats(np.float32([1.0])), (10, 1)))
+    new = records.TensorSeries("t", ACT, np.arange(5, 15), np.tile(numpy_stats(np.float32([2.0])), (10, 1)))
     merged, offsets = packed.merge([old, new])
     assert offsets is None
     assert merged.steps.tolist() == list(range(15))
     assert merged.values[:5, metadata.FIELD_INDEX["max"]].tolist() == [1.0] * 5
     assert merged.values[5:, metadata.FIELD_INDEX["max"]].tolist() == [2.0] * 10
     # Parts side by side (several writers, any order): laid end to end.
-    head = analysis.TensorSeries("t", ACT, np.arange(0, 5), old.values[:5])
+    head = records.TensorSeries("t", ACT, np.arange(0, 5), old.values[:5])
     merged, offsets = packed.merge([new, head])
     assert merged.steps.tolist() == list(range(15)) and offsets == [5, 0]
 
 
-def test_duplicate_tags_in_one_step_keep_the_last():
+def test_a_tag_logged_twice_in_one_step_keeps_both_occurrences():
     packer = packed.StepPacker()
     packer.add(3, [("a", numpy_stats(np.float32([1.0])), ACT), ("a", numpy_stats(np.float32([9.0])), ACT)], 0.0)
     (e,) = packer.flush()
     table = metadata.parse_content(e.metadata.plugin_data.content)
     parts = packed.unpack_block(e.tag, table, np.array([3]), [e.rows], [])
-    assert len(parts) == 1 and parts[0].values[0, metadata.FIELD_INDEX["max"]] == 9.0
+    assert len(parts) == 1 and parts[0].steps.tolist() == [3, 3]
+    assert parts[0].values[:, metadata.FIELD_INDEX["max"]].tolist() == [1.0, 9.0]
 
 
 def test_block_metadata_is_version_3_and_refused_by_the_per_tensor_parser():

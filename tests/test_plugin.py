@@ -30,7 +30,8 @@ from tensorboard.summary.writer.event_file_writer import EventFileWriter
 from werkzeug import test as wtest
 
 from tb_numerics import analysis, cli, metadata, packed, plugin
-from tb_numerics.record_writer import NumericsRecordWriter, numpy_stats
+from tb_numerics.record_writer import NumericsRecordWriter
+from tb_numerics.records import numpy_stats
 
 P = "/data/plugin/numerics"
 STEPS = 200

@@ -19,7 +19,8 @@ import numpy as np
 import pytest
 
 from tb_numerics import metadata
-from tb_numerics.record_writer import NumericsRecordWriter, numpy_stats
+from tb_numerics.record_writer import NumericsRecordWriter
+from tb_numerics.records import numpy_stats
 from tb_process import tensorboard, wait_for
 
 P = "/data/plugin/numerics"

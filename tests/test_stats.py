@@ -5,7 +5,7 @@ import pytest
 import tensorflow as tf
 
 from tb_numerics import metadata, stats
-from tb_numerics.record_writer import numpy_stats
+from tb_numerics.records import numpy_stats
 
 F = metadata.FIELD_INDEX
 COUNTS = ["count", "nan", "posinf", "neginf", "zeros", "overflow", "underflow"]

@@ -12,7 +12,7 @@ from tensorboard.compat.proto import event_pb2
 
 import tb_numerics as tbn
 from tb_numerics import cli, event_reader, metadata, stats, summary
-from tb_numerics.record_writer import numpy_stats
+from tb_numerics.records import numpy_stats
 
 import two_replicas
 
@@ -262,7 +262,7 @@ def test_every_n_steps_still_records_first_nonfinite_step_and_the_step_before(tm
 _DISTRIBUTED = """
     import tb_numerics as tbn
     from tb_numerics import event_reader
-    from tb_numerics.record_writer import numpy_stats
+    from tb_numerics.records import numpy_stats
 
     rng = np.random.default_rng(0)
     parts = [rng.standard_normal((4, 2)).astype(np.float32) for _ in range(2)]
