@@ -20,12 +20,12 @@ import dataclasses
 import fnmatch
 import functools
 import math
-import re
 from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from tb_numerics import metadata
+from tb_numerics import hints, metadata
+from tb_numerics import records
 from tb_numerics.records import F, TensorSeries, derived
 
 HEALTHY = 0
@@ -40,6 +40,9 @@ WARNING_KINDS = (
     "overflow_risk",
     "exploding_gradient",
     "gradient_spike",
+    # max |x| many times its previous record's in one step: fast divergence,
+    # before the spike and growth rules have enough history.
+    "fast_growth",
     "growth",
     "vanishing_gradient",
     "underflow",
@@ -75,6 +78,9 @@ class SafeRange:
     growth_window: int = 8
     growth_factor: float = 10.0
     growth_floor: float = 100.0
+    # max |x| at least jump_factor x its previous record, and above
+    # growth_floor, is fast growth.
+    jump_factor: float = 100.0
     # Tag patterns (fnmatch) where -Inf is intended, e.g. attention masks.
     allow_neginf: tuple[str, ...] = ()
 
@@ -216,6 +222,21 @@ def _growth_flags(max_abs: np.ndarray, sr: SafeRange) -> np.ndarray:
     return flags
 
 
+def _jump_flags(max_abs: np.ndarray, sr: SafeRange) -> np.ndarray:
+    """max |x| at least ``jump_factor`` x the previous record's, above the floor."""
+    flags = np.zeros(len(max_abs), dtype=bool)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        flags[1:] = (max_abs[1:] >= sr.growth_floor) & (max_abs[:-1] > 0) & (
+            max_abs[1:] >= sr.jump_factor * max_abs[:-1])
+    return flags
+
+
+def neginf_intended(tag: str, info: metadata.TensorInfo, sr: SafeRange) -> bool:
+    """Whether -Inf is intended in a tensor: its writer said so
+    (``TensorInfo.neginf_ok``) or the user's patterns match its tag."""
+    return info.neginf_ok or _allowlisted(tag, sr.allow_neginf)
+
+
 def series_health(series: TensorSeries, sr: SafeRange) -> SeriesHealth:
     """Classifies every record of one series under the safe range ``sr``."""
     # float64 whatever the series holds, so that thresholds compare the same.
@@ -226,10 +247,7 @@ def series_health(series: TensorSeries, sr: SafeRange) -> SeriesHealth:
     if n == 0:
         return SeriesHealth(series, codes, kinds)
     d = derived(v)
-    neginf = v[:, F["neginf"]]
-    if _allowlisted(series.tag, sr.allow_neginf):
-        neginf = np.zeros_like(neginf)
-    nonfinite = (v[:, F["nan"]] + v[:, F["posinf"]] + neginf) > 0
+    nonfinite = records.nonfinite_count(v, neginf_intended(series.tag, series.info, sr)) > 0
 
     def flag(kind: str, mask: np.ndarray) -> None:
         # The first kind that applies to a record names its warning.
@@ -249,6 +267,7 @@ def series_health(series: TensorSeries, sr: SafeRange) -> SeriesHealth:
             med = _rolling_median_before(norm, sr.spike_window)
             flag("gradient_spike", (med > 0) & (norm > sr.spike_factor * med))
             flag("vanishing_gradient", norm < sr.vanishing_floor)
+        flag("fast_growth", _jump_flags(max_abs, sr))
         flag("growth", _growth_flags(max_abs, sr))
         nonzero = d["finite"] - v[:, F["zeros"]]
         share = np.where(nonzero > 0, v[:, F["underflow"]] / np.maximum(nonzero, 1), 0.0)
@@ -288,18 +307,24 @@ class RunAnalysis:
 
 
 # Mixed precision: a LossScaleOptimizer skips a step whose (scaled) gradients
-# are not finite and halves its loss scale. While the scale is at least 1
-# that is the scaling overflowing float16, which the skip handles: the
-# gradients' non-finite records of such a step are warnings ("skipped_step").
-# Below 1 the gradients are non-finite even unscaled (a NaN in the backward
-# pass, or gradients beyond float16's range), so they stay anomalies; so do
-# non-finite forward values, which no loss scale changes.
+# are not finite and lowers its loss scale. While the scale is at least 1
+# and a later step's update goes through, that is the scaling overflowing
+# float16, which the skip handled: the gradients' non-finite records of such
+# a step are "skipped_step" warnings (and listed as information, not as the
+# run's first warning: a LossScaleOptimizer calibrating its scale skips a
+# few steps in every healthy run). A run of skips that no applied step
+# follows is a NaN that loss scaling cannot fix: an anomaly, at the first
+# skip of that run. So are skips at a scale below 1, and non-finite forward
+# values, which no loss scale changes.
 LOSS_SCALE_HANDLED_MIN = 1.0
+# Warning kinds that are information about handled events, never the run's
+# first warning.
+INFO_KINDS = frozenset({"skipped_step"})
 
 
 def skip_handled(info: metadata.TensorInfo, loss_scale: float | None) -> bool:
     """Whether a non-finite record of ``info`` at a step run with ``loss_scale``
-    (None: no loss scaling) is a skipped step that loss scaling handled."""
+    (None: no loss scaling) may be a skipped step that loss scaling handles."""
     return loss_scale is not None and loss_scale >= LOSS_SCALE_HANDLED_MIN and info.phase == "backward"
 
 
@@ -307,9 +332,10 @@ def record_is_anomaly(
     tag: str, v: np.ndarray, info: metadata.TensorInfo, sr: SafeRange, loss_scale: float | None = None
 ) -> bool:
     """Whether one record is non-finite by the same rules as ``analyze_run``
-    (for a training loop that must decide at once, e.g. to stop)."""
-    neginf = 0.0 if _allowlisted(tag, sr.allow_neginf) else v[F["neginf"]]
-    return v[F["nan"]] + v[F["posinf"]] + neginf > 0 and not skip_handled(info, loss_scale)
+    (for a training loop that must decide at once, e.g. to stop; a skip it
+    lets pass becomes an anomaly later if no applied step follows it)."""
+    bad = records.nonfinite_count(v, neginf_intended(tag, info, sr)) > 0
+    return bool(bad) and not skip_handled(info, loss_scale)
 
 
 def _mark_skipped_steps(health: list[SeriesHealth]) -> None:
@@ -318,6 +344,7 @@ def _mark_skipped_steps(health: list[SeriesHealth]) -> None:
     if not scales:
         return
     sc = scales[0]
+    candidates = []
     for h in health:
         if not skip_handled(h.series.info, LOSS_SCALE_HANDLED_MIN):
             continue
@@ -325,9 +352,17 @@ def _mark_skipped_steps(health: list[SeriesHealth]) -> None:
         j = np.minimum(np.searchsorted(sc.steps, st), len(sc.steps) - 1)
         with np.errstate(invalid="ignore"):
             handled = (sc.steps[j] == st) & (sc.values[j, F["max"]].astype(np.float64) >= LOSS_SCALE_HANDLED_MIN)
-        handled &= h.codes == NONFINITE
-        h.codes[handled] = WARNING
-        h.kinds[handled] = _KIND_CODE["skipped_step"]
+        candidates.append((h, handled & (h.codes == NONFINITE)))
+    skipped = np.unique(np.concatenate([h.series.steps[m] for h, m in candidates])) if candidates else []
+    if not len(skipped):
+        return
+    # Steps with a loss-scale record that were not skipped: updates applied.
+    applied = np.setdiff1d(sc.steps, skipped)
+    recovered_before = applied[-1] if applied.size else -1
+    for h, mask in candidates:
+        mask &= h.series.steps < recovered_before
+        h.codes[mask] = WARNING
+        h.kinds[mask] = _KIND_CODE["skipped_step"]
 
 
 def analyze_run(
@@ -351,11 +386,16 @@ def skipped_steps(ra: RunAnalysis) -> list[int]:
     return np.unique(np.concatenate(steps)).astype(int).tolist() if steps else []
 
 
-def _first_cell(ra: RunAnalysis, code: int, before: tuple[int, int] | None = None):
-    """(step, row index, record index) of the first cell with ``code``."""
+def _first_cell(ra: RunAnalysis, code: int, before: tuple[int, int] | None = None, skip_kinds=frozenset()):
+    """(step, row index, record index) of the first cell with ``code``,
+    leaving out warnings of ``skip_kinds``."""
+    skip_codes = [_KIND_CODE[k] for k in skip_kinds]
     best = None
     for row, h in enumerate(ra.health):
-        idx = np.flatnonzero(h.codes == code)
+        mask = h.codes == code
+        if skip_codes:
+            mask &= ~np.isin(h.kinds, skip_codes)
+        idx = np.flatnonzero(mask)
         if idx.size == 0:
             continue
         i = int(idx[0])
@@ -370,125 +410,55 @@ def _first_cell(ra: RunAnalysis, code: int, before: tuple[int, int] | None = Non
     return step, row, i
 
 
-_HINT_TOKENS = {
-    "sqrt": "sqrt",
-    "rsqrt": "sqrt",
-    "log": "log",
-    "log1p": "log",
-    "logsoftmax": None,
-    "xlogy": "log",
-    "div": "div",
-    "realdiv": "div",
-    "truediv": "div",
-    "floordiv": "div",
-    "divnonan": "div",
-    "reciprocal": "div",
-    "inv": "div",
-    "cosine": "div",
-    "normalize": "div",
-    "exp": "exp",
-    "expm1": "exp",
-    "softplus": "exp",
-    "pow": "pow",
-}
-
-_HINTS = {
-    ("sqrt", "backward"): "The gradient of sqrt is infinite at 0: sqrt of a value that reaches 0 "
-    "(e.g. sqrt of a squared error) gives an infinite gradient. Drop the sqrt, or use sqrt(x + eps).",
-    ("sqrt", "forward"): "sqrt of a negative value is NaN, and its gradient at 0 is infinite: "
-    "keep the input positive, e.g. sqrt(maximum(x, eps)).",
-    ("log", "forward"): "log(0) = -inf: the log of a value that reaches 0 (e.g. a saturated softmax "
-    "probability). Use tf.nn.softmax_cross_entropy_with_logits / log_softmax, or clip the input away from 0.",
-    ("log", "backward"): "The gradient of log is infinite at 0: the log's input reached 0. Use "
-    "log_softmax or softmax_cross_entropy_with_logits, or add an epsilon.",
-    ("div", "forward"): "Division by zero: 0/0 is NaN and x/0 is Inf (e.g. a norm of an all-zero "
-    "vector in a denominator). Add an epsilon to the denominator, e.g. inside the norm.",
-    ("div", "backward"): "Division by zero in the backward pass (e.g. the gradient of a norm or sqrt "
-    "at 0). Add an epsilon inside the norm or to the denominator.",
-    ("exp", "forward"): "exp overflows above ~88 in float32 (~11 in float16): its input grew too "
-    "large. Use a numerically stable form (log-sum-exp, softmax with logits) or bound the input.",
-    ("exp", "backward"): "exp overflowed in the backward pass: its input grew too large. Use a "
-    "numerically stable form or bound the input.",
-    ("pow", "forward"): "pow of a negative base with a fractional exponent is NaN, and 0 to a "
-    "negative power is Inf: keep the base positive and away from 0.",
-    ("pow", "backward"): "The gradient of pow is infinite at 0 for exponents below 1: keep the base "
-    "away from 0.",
-}
-_GROWTH_HINT = (
-    "Values grew steadily over the preceding steps until they overflowed: something keeps scaling "
-    "them up, most often a too-large learning rate, also a loss that rewards growth or a layer "
-    "that does not normalise. Lower the learning rate or clip gradients, and check the loss."
-)
-_SPIKE_HINT = (
-    "The gradient norm spiked just before the first non-finite value: the learning rate is likely "
-    "too large for this loss surface. Lower it, or clip gradients (clip_by_global_norm)."
-)
-_OVERFLOW_HINT = (
-    "Values were already beyond the safe range before the first non-finite value: look at the "
-    "likely cause below (a large input or a layer whose values overflow)."
-)
+def number(x: float) -> str:
+    """A number as people read it: 3 significant digits, "4.2e15" not "4.2e+15"."""
+    x = float(x)
+    if x != x or x in (np.inf, -np.inf):
+        return str(x)
+    text = "%.4g" % x if x == 0 or 1e-3 <= abs(x) < 1e4 else "%.3g" % x
+    return text.replace("e+", "e").replace("e-0", "e-").replace("e0", "e")
 
 
-def _op_family(tag: str, op_type: str) -> str | None:
-    for token in [op_type] + re.split(r"[^A-Za-z0-9]+", tag)[::-1]:
-        key = token.lower().removesuffix("grad").rstrip("_")
-        if key in _HINT_TOKENS:
-            return _HINT_TOKENS[key]
-    return None
-
-
-def cause_hint(tag: str, info: metadata.TensorInfo, warnings_before: set[str]) -> str:
-    """A short plain-language hint for a first anomaly, or "" if none fits.
-
-    The op type (or a token of the tag) decides first; otherwise the kinds of
-    warning that came before the anomaly do.
-    """
-    family = _op_family(tag, info.op_type)
-    if family is not None:
-        phase = "backward" if info.phase == "backward" else "forward"
-        return _HINTS[(family, phase)]
-    if "growth" in warnings_before:
-        return _GROWTH_HINT
-    if warnings_before & {"gradient_spike", "exploding_gradient"}:
-        return _SPIKE_HINT
-    if "overflow_risk" in warnings_before:
-        return _OVERFLOW_HINT
-    return ""
+def _spike_detail(h: SeriesHealth, i: int, sr: SafeRange) -> str:
+    norms = h.series.values[: i + 1, F["max"]].astype(np.float64)
+    med = _rolling_median_before(norms, sr.spike_window)[-1]
+    used = int(np.isfinite(norms[max(0, i - sr.spike_window) : i]).sum())
+    return "global gradient norm %s is %s× the median %s of the previous %d record%s" % (
+        number(norms[i]), number(norms[i] / med), number(med), used, "" if used == 1 else "s",
+    )
 
 
 def warning_detail(h: SeriesHealth, i: int, sr: SafeRange) -> str:
-    """Words for the warning of record ``i`` of a series."""
+    """Words for the warning of record ``i`` of a series: what was computed, in readable numbers."""
     kind = WARNING_KINDS[h.kinds[i] - 1]
-    v = h.series.values[i]
+    v = h.series.values[i].astype(np.float64)
     if kind == "skipped_step":
-        return "%s at a step the LossScaleOptimizer skipped (it lowered the loss scale)" % (
-            describe_nonfinite(v))
-    d = derived(v)
-    max_abs = float(d["max_abs"][0])
+        return "%s at a step the LossScaleOptimizer skipped (it lowered the loss scale)" % describe_nonfinite(v)
+    max_abs = float(derived(v)["max_abs"][0])
     dtype = h.series.info.dtype
     if kind == "overflow_risk":
         if v[F["overflow"]] > 0:
-            return "%d of %d values beyond the %s margin %.3g (max |x| = %.3g)" % (
-                v[F["overflow"]], v[F["count"]], dtype, metadata.overflow_margin(dtype), max_abs,
+            return "%s of %s values beyond the %s margin %s (max |x| = %s)" % (
+                format(int(v[F["overflow"]]), ","), format(int(v[F["count"]]), ","), dtype,
+                number(metadata.overflow_margin(dtype)), number(max_abs),
             )
-        return "max |x| = %.3g beyond the limit %.3g" % (max_abs, sr.max_abs)
+        return "max |x| = %s beyond the limit %s" % (number(max_abs), number(sr.max_abs))
     if kind == "exploding_gradient":
-        return "global gradient norm %.3g beyond the limit %.3g" % (v[F["max"]], sr.grad_norm_limit)
+        return "global gradient norm %s beyond the limit %s" % (number(v[F["max"]]), number(sr.grad_norm_limit))
     if kind == "gradient_spike":
-        med = _rolling_median_before(h.series.values[: i + 1, F["max"]], sr.spike_window)[-1]
-        return "global gradient norm %.3g is %.3gx the median %.3g of the previous %d records" % (
-            v[F["max"]], v[F["max"]] / med, med, sr.spike_window,
-        )
+        return _spike_detail(h, i, sr)
     if kind == "vanishing_gradient":
-        return "global gradient norm %.3g below the floor %.3g" % (v[F["max"]], sr.vanishing_floor)
-    if kind == "growth":
-        prev = float(derived(h.series.values[i - sr.growth_window])["max_abs"][0])
-        return "max |x| grew %.3gx over the last %d records, to %.3g" % (
-            max_abs / prev, sr.growth_window, max_abs,
+        return "global gradient norm %s below the floor %s" % (number(v[F["max"]]), number(sr.vanishing_floor))
+    if kind in ("growth", "fast_growth"):
+        back = 1 if kind == "fast_growth" else sr.growth_window
+        prev = float(derived(h.series.values[i - back])["max_abs"][0])
+        return "max |x| grew %s× in %d record%s (steps %d to %d), to %s" % (
+            number(max_abs / prev), back, "" if back == 1 else "s",
+            int(h.series.steps[i - back]), int(h.series.steps[i]), number(max_abs),
         )
-    nonzero = v[F["count"]] - v[F["nan"]] - v[F["posinf"]] - v[F["neginf"]] - v[F["zeros"]]
-    return "%d of %d nonzero values below the %s smallest normal %.3g" % (
-        v[F["underflow"]], nonzero, dtype, metadata.smallest_normal(dtype),
+    nonzero = v[F["count"]] - records.nonfinite_count(v) - v[F["zeros"]]
+    return "%s of %s nonzero values below the %s smallest normal %s" % (
+        format(int(v[F["underflow"]]), ","), format(int(nonzero), ","), dtype, number(metadata.smallest_normal(dtype)),
     )
 
 
@@ -517,6 +487,15 @@ def _warning_json(ra: RunAnalysis, cell) -> dict[str, Any]:
     }
 
 
+def _last_step_where(h: SeriesHealth, i: int, mask: np.ndarray) -> int | None:
+    """The last step before record ``i``'s step whose records all satisfy ``mask``."""
+    steps = h.series.steps
+    before = steps < steps[i]
+    bad_steps = np.unique(steps[before & ~mask])
+    ok = np.setdiff1d(steps[before & mask], bad_steps)
+    return int(ok[-1]) if ok.size else None
+
+
 def first_anomaly(ra: RunAnalysis) -> dict[str, Any] | None:
     """The first non-finite record of the run, in words and numbers."""
     cell = _first_cell(ra, NONFINITE)
@@ -525,12 +504,8 @@ def first_anomaly(ra: RunAnalysis) -> dict[str, Any] | None:
     step, row, i = cell
     h = ra.health[row]
     v = h.series.values[i]
-    healthy_before = np.flatnonzero(h.codes[:i] != NONFINITE)
-    last_healthy = int(h.series.steps[healthy_before[-1]]) if healthy_before.size else None
-    earlier_kinds = {WARNING_KINDS[k - 1] for k in np.unique(h.kinds[:i]) if k}
+    index, of = h.series.occurrence(i)
     cause = likely_cause(ra, cell)
-    if cause is not None:
-        earlier_kinds.add(cause["kind"])
     return {
         "step": step,
         "tensor": h.series.tag,
@@ -544,11 +519,54 @@ def first_anomaly(ra: RunAnalysis) -> dict[str, Any] | None:
         "neginf": int(v[F["neginf"]]),
         "size": int(v[F["count"]]),
         "description": describe_nonfinite(v),
-        "last_healthy_step": last_healthy,
-        "hint": cause_hint(h.series.tag, h.series.info, earlier_kinds),
+        # The tag was logged more than once in that step: which record it was.
+        "occurrence": {"index": index, "of": of} if of > 1 else None,
+        # The last step with neither an anomaly nor a warning in this tensor,
+        # and the last step whose records were merely finite.
+        "last_healthy_step": _last_step_where(h, i, h.codes == HEALTHY),
+        "last_finite_step": _last_step_where(h, i, h.codes != NONFINITE),
+        "hint": hints.choose(_evidence(ra, cell, cause)),
         "likely_cause": cause,
         "row": row,
     }
+
+
+def _evidence(ra: RunAnalysis, cell, cause: dict[str, Any] | None) -> hints.Evidence:
+    """What the records say about the anomaly at ``cell``, for its hint."""
+    step, row, i = cell
+    h = ra.health[row]
+    before: dict[str, dict[str, Any]] = {}
+    own = np.flatnonzero((h.codes[:i] == WARNING) & ~np.isin(h.kinds[:i], [_KIND_CODE[k] for k in INFO_KINDS]))
+    for j in own[::-1]:  # the latest warning of each kind
+        before.setdefault(WARNING_KINDS[h.kinds[j] - 1], _warning_json(ra, (int(h.series.steps[j]), row, int(j))))
+    if cause is not None:
+        before[cause["kind"]] = cause
+    return hints.Evidence(h.series.tag, h.series.info, step, before, _loss_input(ra, row, step))
+
+
+def _loss_input(ra: RunAnalysis, row: int, step: int) -> hints.LossInput | None:
+    """The tensor logged just before a loss row (its input), at ``step``."""
+    if ra.health[row].series.info.role != "loss":
+        return None
+    for r in range(row - 1, -1, -1):
+        s = ra.health[r].series
+        if s.info.role != "activation":
+            continue
+        at = np.flatnonzero(s.steps == step)
+        if not at.size:
+            return None
+        v = s.values[at[-1]].astype(np.float64)
+        first = s.values[0].astype(np.float64)
+        with np.errstate(invalid="ignore"):
+            return hints.LossInput(
+                tag=s.tag,
+                zeros=int(v[F["zeros"]]),
+                negatives=bool(v[F["min"]] < 0),
+                count=int(v[F["count"]]),
+                first_zero_share=float(first[F["zeros"]] / max(first[F["count"]], 1)),
+                first_step=int(s.steps[0]),
+            )
+    return None
 
 
 def likely_cause(ra: RunAnalysis, anomaly_cell) -> dict[str, Any] | None:
@@ -559,19 +577,16 @@ def likely_cause(ra: RunAnalysis, anomaly_cell) -> dict[str, Any] | None:
     steps just before (growth, overflow risk, a gradient spike).
     """
     step, row, _ = anomaly_cell
-    same_step = None
+    info_codes = [_KIND_CODE[k] for k in INFO_KINDS]
     for r in range(row):
         h = ra.health[r]
-        j = np.searchsorted(h.series.steps, step)
-        if j < len(h.series.steps) and h.series.steps[j] == step and h.codes[j] == WARNING:
-            same_step = (step, r, int(j))
-            break
-    if same_step is not None:
-        return _warning_json(ra, same_step)
+        at = np.flatnonzero((h.series.steps == step) & (h.codes == WARNING) & ~np.isin(h.kinds, info_codes))
+        if at.size:
+            return _warning_json(ra, (step, r, int(at[0])))
     # The latest warning of any tensor in the records just before.
     best = None
     for r, h in enumerate(ra.health):
-        idx = np.flatnonzero((h.codes == WARNING) & (h.series.steps < step))
+        idx = np.flatnonzero((h.codes == WARNING) & (h.series.steps < step) & ~np.isin(h.kinds, info_codes))
         if idx.size == 0:
             continue
         i = int(idx[-1])
@@ -584,11 +599,29 @@ def likely_cause(ra: RunAnalysis, anomaly_cell) -> dict[str, Any] | None:
 
 
 def first_warning(ra: RunAnalysis) -> dict[str, Any] | None:
-    """The first warning of the run that comes before its first anomaly."""
+    """The first warning of the run that comes before its first anomaly
+    (information about handled events, such as skipped steps, aside)."""
     anomaly = _first_cell(ra, NONFINITE)
     before = None if anomaly is None else (anomaly[0], anomaly[1])
-    cell = _first_cell(ra, WARNING, before=before)
+    cell = _first_cell(ra, WARNING, before=before, skip_kinds=INFO_KINDS)
     return None if cell is None else _warning_json(ra, cell)
+
+
+def info_events(ra: RunAnalysis) -> list[dict[str, Any]]:
+    """Handled events worth knowing (each skipped step, first tensor of it)."""
+    out = []
+    for kind in sorted(INFO_KINDS):
+        code = _KIND_CODE[kind]
+        seen: set[int] = set()
+        cells = []
+        for row, h in enumerate(ra.health):
+            for i in np.flatnonzero(h.kinds == code):
+                cells.append((int(h.series.steps[i]), row, int(i)))
+        for cell in sorted(cells):
+            if cell[0] not in seen:
+                seen.add(cell[0])
+                out.append(_warning_json(ra, cell))
+    return out
 
 
 def run_summary(ra: RunAnalysis) -> dict[str, Any]:
@@ -598,6 +631,7 @@ def run_summary(ra: RunAnalysis) -> dict[str, Any]:
         "run": ra.run,
         "first_anomaly": first_anomaly(ra),
         "first_warning": first_warning(ra),
+        "info": info_events(ra),
         "tensors": len(ra.health),
         "records": int(sum(len(h.series.steps) for h in ra.health)),
         "first_step": int(steps[0]) if steps.size else None,

@@ -152,7 +152,7 @@ def test_cause_hints_by_op_type_and_name(tag, op_type, role, expect):
     if expect:
         assert expect in a["hint"]
     else:
-        assert a["hint"] == ""
+        assert a["hint"].startswith("no hint: checked op type")
 
 
 def test_likely_cause_points_at_a_finite_input_beyond_the_safe_range():
@@ -258,7 +258,8 @@ def test_a_gradient_spike_before_the_anomaly_gives_the_learning_rate_hint():
     a = analysis.first_anomaly(analysis.analyze_run("r", [act, norms]))
     assert a["step"] == 6 and a["likely_cause"]["kind"] == "gradient_spike"
     assert "learning rate" in a["hint"] and "clip" in a["hint"]
-    assert "4e+03x the median" in a["likely_cause"]["detail"]
+    # What was computed, in readable numbers: 5 earlier records, not "20".
+    assert "4000× the median 1 of the previous 5 records" in a["likely_cause"]["detail"]
 
 
 def _float32_sums(s: records.TensorSeries) -> records.TensorSeries:
@@ -318,3 +319,105 @@ def test_growth_flags_match_their_definition(seed):
         want[i] = rising and x[i] >= sr.growth_floor and x[i - w] > 0 and x[i] >= sr.growth_factor * x[i - w]
     np.testing.assert_array_equal(analysis._growth_flags(x, sr), want)
     assert want.any()
+
+
+def test_last_healthy_step_is_before_the_warnings_and_last_finite_step_before_the_anomaly():
+    """Issue 13 item 9: warns from step 12 to 22, NaN at 23: last healthy 11, last finite 22."""
+    arrays = {s: healthy() for s in range(12)}
+    arrays.update({s: with_values(healthy(), a=1e37) for s in range(12, 23)})
+    arrays[23] = with_values(healthy(), a=np.nan)
+    a = analysis.first_anomaly(analysis.analyze_run("r", [series("x", arrays)]))
+    assert (a["step"], a["last_healthy_step"], a["last_finite_step"]) == (23, 11, 22)
+
+
+def test_number_words_are_readable():
+    """Issue 13 item 10: ratios as 4.2e15, not 4217953385713646.0."""
+    assert analysis.number(4217953385713646.0) == "4.22e15"
+    assert analysis.number(4000.0) == "4000"
+    assert analysis.number(0.0123) == "0.0123"
+    assert analysis.number(2.5e-7) == "2.5e-7"
+
+
+def test_a_step_over_step_explosion_warns_from_the_second_record():
+    """Issue 13 item 11: loss growing 1e8x per step for three steps, then Inf."""
+    arrays = {0: np.float32([1.0, 2.0]), 1: np.float32([1e8, 2e8]), 2: np.float32([1e16, 2e16]),
+              3: np.float32([np.inf, 1.0])}
+    ra = analysis.analyze_run("r", [series("loss", arrays, role="loss")])
+    w = analysis.first_warning(ra)
+    assert (w["step"], w["kind"]) == (1, "fast_growth")
+    assert "grew 1e8× in 1 record (steps 0 to 1), to 2e8" in w["detail"]
+    a = analysis.first_anomaly(ra)
+    assert "learning rate" in a["hint"] and "loss, step 2" in a["hint"]
+
+
+def test_a_tag_logged_twice_in_a_step_finds_the_bad_occurrence():
+    """Issue 13 item 3: -Inf in the first of two micro-batches of one step."""
+    i = info()
+    good, bad = numpy_stats(healthy()), numpy_stats(with_values(healthy(), a=-np.inf))
+    s = records.make_series("grads/micro", i, [0, 0, 1, 1], [good, good, bad, good])
+    a = analysis.first_anomaly(analysis.analyze_run("r", [s]))
+    assert (a["step"], a["neginf"], a["occurrence"]) == (1, 1, {"index": 1, "of": 2})
+    assert a["last_healthy_step"] == 0
+
+
+def test_neginf_intended_by_the_writer_is_applied_without_the_users_flag():
+    """Issue 13 item 1: TensorInfo.neginf_ok written into the run."""
+    mask = np.zeros(8, np.float32)
+    mask[5:] = -np.inf
+    i = metadata.TensorInfo(neginf_ok=True)
+    s = records.make_series("attn/mask", i, [0, 1, 2], [numpy_stats(mask), numpy_stats(mask),
+                                                         numpy_stats(with_values(mask, a=np.nan))])
+    a = analysis.first_anomaly(analysis.analyze_run("r", [s]))
+    assert a["step"] == 2 and a["nan"] == 1
+
+
+def _scale_series(scales):
+    return records.make_series("loss_scale", metadata.TensorInfo(role="loss_scale", order=9), range(len(scales)),
+                               [numpy_stats(np.float32([v])) for v in scales])
+
+
+def test_a_skip_that_recovers_is_information_and_a_persistent_skip_is_the_anomaly():
+    """Issue 13 item 5: skips followed by an applied step are handled; a run
+    of skips with no applied step after it is an anomaly at its first skip."""
+    bad = with_values(healthy(), a=np.inf)
+    # Steps 2 and 3 skip, then training recovers; from step 6 every step skips.
+    grads = series("gradients/w", {s: bad if s in (2, 3) or s >= 6 else healthy() for s in range(12)},
+                   role="gradient")
+    scales = [2.0**15] * 2 + [2.0**15, 2.0**14] + [2.0**13] * 2 + [2.0**(12 - k) for k in range(6)]
+    ra = analysis.analyze_run("r", [grads, _scale_series(scales)])
+    summary = analysis.run_summary(ra)
+    assert summary["skipped_steps"] == [2, 3]
+    assert summary["first_warning"] is None
+    assert [e["step"] for e in summary["info"]] == [2, 3] and summary["info"][0]["kind"] == "skipped_step"
+    a = summary["first_anomaly"]
+    assert (a["step"], a["tensor"]) == (6, "gradients/w")
+
+
+def test_log_loss_fed_exact_zeros_gets_the_log_of_zero_hint_with_its_evidence():
+    """Issue 13 item 11: a ReLU output's zero share climbs, then NaN in a cross-entropy."""
+    out = {}
+    for s in range(6):
+        x = np.abs(healthy(n=100))
+        x[: 10 * s] = 0.0  # 0%, 10%, ... 50% exact zeros
+        out[s] = x
+    loss = {s: np.float32([1.0]) if s < 5 else np.float32([np.nan]) for s in range(6)}
+    li = records.make_series("out/output", info(order=0), range(6), [numpy_stats(out[s]) for s in range(6)])
+    lo = records.make_series("loss", metadata.TensorInfo(role="loss", order=1, activation="categorical_crossentropy"),
+                             range(6), [numpy_stats(loss[s]) for s in range(6)])
+    a = analysis.first_anomaly(analysis.analyze_run("r", [li, lo]))
+    assert a["step"] == 5 and a["tensor"] == "loss"
+    assert "categorical_crossentropy" in a["hint"] and "out/output held exact zeros at step 5" in a["hint"]
+    assert "50 of 100 values, 50%" in a["hint"] and "(0% at step 0)" in a["hint"]
+    assert "softmax" in a["hint"] and "learning rate" not in a["hint"]
+    # A loss that takes no log gets no such hint.
+    lo_mse = records.make_series("loss", metadata.TensorInfo(role="loss", order=1, activation="mean_squared_error"),
+                                 range(6), [numpy_stats(loss[s]) for s in range(6)])
+    a = analysis.first_anomaly(analysis.analyze_run("r", [li, lo_mse]))
+    assert a["hint"].startswith("no hint: ") and "mean_squared_error" in a["hint"]
+
+
+def test_exponential_activation_gets_the_exp_hint():
+    """Issue 13 item 11: the layer's activation function is the op."""
+    i = metadata.TensorInfo(op_type="Dense", activation="exponential")
+    s = records.make_series("dense/output", i, [0], [numpy_stats(with_values(healthy(), a=np.inf))])
+    assert "exp overflows" in analysis.first_anomaly(analysis.analyze_run("r", [s]))["hint"]

@@ -1,0 +1,200 @@
+"""Plain-language hints for a first anomaly, each following from the records it cites.
+
+Part of the numpy-only analysis core. A hint is chosen by the first rule
+whose evidence is in the records:
+
+1. the op: its type, the layer's activation function, or a token of the
+   tag (sqrt, log, division, exp, pow) says how a NaN or an Inf is made;
+2. the loss: a loss that takes a log (cross-entropies, KL divergence,
+   Poisson) whose input, the tensor logged just before it, holds exact
+   zeros or negative values at the anomaly's step;
+3. the trend: warnings in the steps before (growth, a jump, a gradient
+   spike, values beyond the safe range) point at divergence;
+4. otherwise no hint, and the text says what was checked: a wrong hint
+   sends a user to change the wrong thing, which is worse than none.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from typing import Any
+
+from tb_numerics import metadata
+
+__all__ = ["Evidence", "LossInput", "choose", "op_family", "NO_HINT_PREFIX"]
+
+NO_HINT_PREFIX = "no hint: "
+
+_HINT_TOKENS = {
+    "sqrt": "sqrt",
+    "rsqrt": "sqrt",
+    "log": "log",
+    "log1p": "log",
+    "logsoftmax": None,
+    "xlogy": "log",
+    "div": "div",
+    "realdiv": "div",
+    "truediv": "div",
+    "floordiv": "div",
+    "divnonan": "div",
+    "reciprocal": "div",
+    "inv": "div",
+    "cosine": "div",
+    "normalize": "div",
+    "exp": "exp",
+    "exponential": "exp",
+    "expm1": "exp",
+    "softplus": "exp",
+    "pow": "pow",
+}
+
+_OP_HINTS = {
+    ("sqrt", "backward"): "The gradient of sqrt is infinite at 0: sqrt of a value that reaches 0 "
+    "(e.g. sqrt of a squared error) gives an infinite gradient. Drop the sqrt, or use sqrt(x + eps).",
+    ("sqrt", "forward"): "sqrt of a negative value is NaN, and its gradient at 0 is infinite: "
+    "keep the input positive, e.g. sqrt(maximum(x, eps)).",
+    ("log", "forward"): "log(0) = -inf: the log of a value that reaches 0 (e.g. a saturated softmax "
+    "probability). Use tf.nn.softmax_cross_entropy_with_logits / log_softmax, or clip the input away from 0.",
+    ("log", "backward"): "The gradient of log is infinite at 0: the log's input reached 0. Use "
+    "log_softmax or softmax_cross_entropy_with_logits, or add an epsilon.",
+    ("div", "forward"): "Division by zero: 0/0 is NaN and x/0 is Inf (e.g. a norm of an all-zero "
+    "vector in a denominator). Add an epsilon to the denominator, e.g. inside the norm.",
+    ("div", "backward"): "Division by zero in the backward pass (e.g. the gradient of a norm or sqrt "
+    "at 0). Add an epsilon inside the norm or to the denominator.",
+    ("exp", "forward"): "exp overflows above ~88 in float32 (~11 in float16): its input grew too "
+    "large. Use a numerically stable form (log-sum-exp, softmax with logits) or bound the input.",
+    ("exp", "backward"): "exp overflowed in the backward pass: its input grew too large. Use a "
+    "numerically stable form or bound the input.",
+    ("pow", "forward"): "pow of a negative base with a fractional exponent is NaN, and 0 to a "
+    "negative power is Inf: keep the base positive and away from 0.",
+    ("pow", "backward"): "The gradient of pow is infinite at 0 for exponents below 1: keep the base "
+    "away from 0.",
+}
+
+# Loss functions that take the log of (or divide by the sum of) their input.
+_LOG_LOSS = re.compile(r"crossentropy|cross_entropy|kl_?div|kld|poisson|nll|log_?loss", re.I)
+
+
+@dataclasses.dataclass(frozen=True)
+class LossInput:
+    """The tensor logged just before a loss, at the anomaly's step."""
+
+    tag: str
+    zeros: int
+    negatives: bool
+    count: int
+    # The share of exact zeros at the first record of the run, for the trend.
+    first_zero_share: float
+    first_step: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Evidence:
+    """What the records say about a first anomaly, for choosing its hint."""
+
+    tag: str
+    info: metadata.TensorInfo
+    step: int
+    # Earlier warnings that bear on the anomaly: kind -> its warning JSON
+    # (the likely cause, and the tensor's own warnings before it).
+    warnings_before: dict[str, dict[str, Any]]
+    loss_input: LossInput | None = None
+
+
+def op_family(tag: str, op_type: str, activation: str = "") -> str | None:
+    """sqrt / log / div / exp / pow where the op type, the activation
+    function or a token of the tag names one, else None."""
+    for token in [op_type, activation] + re.split(r"[^A-Za-z0-9]+", tag)[::-1]:
+        key = token.lower().removesuffix("grad").rstrip("_")
+        if key in _HINT_TOKENS:
+            return _HINT_TOKENS[key]
+    return None
+
+
+def choose(ev: Evidence) -> str:
+    """The hint for a first anomaly: the first rule whose evidence holds."""
+    for rule in (_by_op, _by_loss_input, _by_trend):
+        text = rule(ev)
+        if text:
+            return text
+    return _no_hint(ev)
+
+
+def _by_op(ev: Evidence) -> str:
+    family = op_family(ev.tag, ev.info.op_type, ev.info.activation)
+    if family is None:
+        return ""
+    return _OP_HINTS[(family, "backward" if ev.info.phase == "backward" else "forward")]
+
+
+def _by_loss_input(ev: Evidence) -> str:
+    li = ev.loss_input
+    if ev.info.role != "loss" or li is None:
+        return ""
+    loss_fn = ev.info.activation
+    if loss_fn and not _LOG_LOSS.search(loss_fn):
+        return ""
+    what = "The loss (%s)" % loss_fn if loss_fn else "The loss"
+    if li.zeros > 0:
+        share = li.zeros / max(li.count, 1)
+        trend = ""
+        if li.first_step < ev.step:
+            trend = " (%s at step %d)" % (_share(li.first_zero_share), li.first_step)
+        return (
+            "%s takes the log of its input, and %s held exact zeros at step %d: %s of %s values, %s%s. "
+            "log(0) is -Inf, and a cross-entropy that normalises an all-zero row divides 0 by 0. "
+            "An output that can be exactly 0 (ReLU, linear) does not fit a log loss: use a softmax or "
+            "sigmoid output, or from_logits=True on the loss."
+            % (what, li.tag, ev.step, format(li.zeros, ","), format(li.count, ","), _share(share), trend)
+        )
+    if li.negatives:
+        return (
+            "%s takes the log of its input, and %s held negative values at step %d: the log of a negative "
+            "value is NaN. Use a softmax or sigmoid output, or from_logits=True on the loss."
+            % (what, li.tag, ev.step)
+        )
+    return ""
+
+
+def _by_trend(ev: Evidence) -> str:
+    w = ev.warnings_before
+    if "growth" in w or "fast_growth" in w:
+        c = w.get("fast_growth") or w["growth"]
+        return (
+            "Values grew before the first non-finite value (%s, step %d: %s): something keeps scaling them "
+            "up, most often a too-large learning rate, also a loss that rewards growth or a layer that does "
+            "not normalise. Lower the learning rate or clip gradients, and check the loss."
+            % (c["tensor"], c["step"], c["detail"])
+        )
+    for kind in ("gradient_spike", "exploding_gradient"):
+        if kind in w:
+            c = w[kind]
+            return (
+                "The gradient norm jumped before the first non-finite value (step %d: %s): the learning "
+                "rate is likely too large for this loss surface. Lower it, or clip gradients "
+                "(clip_by_global_norm)." % (c["step"], c["detail"])
+            )
+    if "overflow_risk" in w:
+        c = w["overflow_risk"]
+        return (
+            "Values were already beyond the safe range before the first non-finite value (%s, step %d: %s): "
+            "look at where they come from (a large input, or a layer whose values overflow)."
+            % (c["tensor"], c["step"], c["detail"])
+        )
+    return ""
+
+
+def _no_hint(ev: Evidence) -> str:
+    checked = ["op type %s" % (ev.info.op_type or "unknown")]
+    if ev.info.activation:
+        checked.append("function %s" % ev.info.activation)
+    checked.append("no warning before it" if not ev.warnings_before else
+                   "warnings before it (%s) that suggest no cause" % ", ".join(sorted(ev.warnings_before)))
+    if ev.info.role == "loss":
+        checked.append("the loss's input" if ev.loss_input is None else "%s (no zeros, no negatives)" % ev.loss_input.tag)
+    return NO_HINT_PREFIX + "checked " + "; ".join(checked) + "."
+
+
+def _share(x: float) -> str:
+    return "%.3g%%" % (100 * x)
