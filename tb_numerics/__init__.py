@@ -17,12 +17,19 @@ _LAZY = {
     "op_numerics": "tb_numerics.oplevel",
 }
 
-__all__ = sorted(_LAZY)
+# Submodules the README documents as ``tb_numerics.<name>``: imported on
+# first access too, so ``tb_numerics.keras.NumericsCallback`` works after a
+# plain ``import tb_numerics``.
+_SUBMODULES = ("keras", "xla", "analysis", "records", "record_writer", "event_reader", "cli", "metadata")
+
+__all__ = sorted(_LAZY) + sorted(_SUBMODULES)
 
 
 def __getattr__(name):
-    if name in _LAZY:
-        import importlib
+    import importlib
 
+    if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
+    if name in _SUBMODULES:
+        return importlib.import_module("tb_numerics." + name)
     raise AttributeError("module 'tb_numerics' has no attribute %r" % name)

@@ -45,6 +45,27 @@ def _safe_text(s: str) -> str:
     )
 
 
+def anomaly_lines(a: dict, head: str = "first anomaly: ") -> list[str]:
+    """A first anomaly (``analysis.first_anomaly``) in words, names escaped
+    for a terminal: the report's lines, and the Keras callback's stop message."""
+    op = " (%s)" % _safe_text(a["op_type"]) if a["op_type"] else ""
+    occurrence = ""
+    if a.get("occurrence"):
+        occurrence = " (record %d of %d in that step)" % (a["occurrence"]["index"], a["occurrence"]["of"])
+    lines = ["%sstep %d, %s%s, %s: %s%s" % (
+        head, a["step"], _safe_text(a["tensor"]), op, a["phase"], a["description"], occurrence)]
+    if a.get("tensor_description"):
+        lines.append("  tensor: %s" % _safe_text(a["tensor_description"]))
+    lines.append("  last healthy step: %s" % a["last_healthy_step"])
+    if a["hint"]:
+        lines.append("  hint: %s" % a["hint"])
+    c = a["likely_cause"]
+    if c is not None:
+        lines.append("  likely cause: step %d, %s: %s (%s)" % (
+            c["step"], _safe_text(c["tensor"]), c["kind"], c["detail"]))
+    return lines
+
+
 def _table(summaries: list[dict]) -> str:
     lines = []
     for s in summaries:
@@ -54,18 +75,7 @@ def _table(summaries: list[dict]) -> str:
             lines.append("  first anomaly: none (%d tensors, steps %s-%s)" % (
                 s["tensors"], s["first_step"], s["last_step"]))
         else:
-            op = " (%s)" % _safe_text(a["op_type"]) if a["op_type"] else ""
-            lines.append("  first anomaly: step %d, %s%s, %s: %s" % (
-                a["step"], _safe_text(a["tensor"]), op, a["phase"], a["description"]))
-            if a.get("tensor_description"):
-                lines.append("    tensor: %s" % _safe_text(a["tensor_description"]))
-            lines.append("    last healthy step: %s" % a["last_healthy_step"])
-            if a["hint"]:
-                lines.append("    hint: %s" % a["hint"])
-            c = a["likely_cause"]
-            if c is not None:
-                lines.append("    likely cause: step %d, %s: %s (%s)" % (
-                    c["step"], _safe_text(c["tensor"]), c["kind"], c["detail"]))
+            lines.extend("  " + line for line in anomaly_lines(a))
         w = s["first_warning"]
         if w is None:
             lines.append("  first warning: none")
@@ -97,6 +107,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except analysis.SafeRangeError as e:
         print("tb-numerics: error: %s" % e, file=sys.stderr)
         return EXIT_USAGE
+    # Warning texts hold "×": never fail on a terminal that cannot show it.
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     summaries, problems = report(args.logdir, sr)
     for p in problems:
         print("tb-numerics: warning: %s" % _safe_text(p), file=sys.stderr)

@@ -33,7 +33,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tb_numerics import analysis, event_reader, metadata, record_writer, records, stats
+from tb_numerics import analysis, cli, event_reader, metadata, record_writer, records, stats, summary
 
 F = metadata.FIELD_INDEX
 _NONFINITE = slice(F["nan"], F["neginf"] + 1)
@@ -51,6 +51,7 @@ class _Row:
     shape: tuple[int | None, ...] | None = None
     op_type: str = ""
     description: str = ""
+    activation: str = ""  # the layer's activation function, or the loss function's name
     present: bool = False  # set when the training step is traced
 
 
@@ -82,6 +83,21 @@ def _may_be_anomaly(step_stats: np.ndarray, aux: np.ndarray) -> bool:
     """Whether a step's records may hold an anomaly: a non-finite count, or a
     non-finite update norm (an update that overflowed finite weights)."""
     return bool(step_stats[:, _NONFINITE].any() or not np.isfinite(aux[_NUM_AUX:]).all())
+
+
+def _function_name(fn: Any) -> str:
+    """The name of a Keras activation or loss: a string, a function, or a
+    Loss object ("" where none is known)."""
+    if fn is None:
+        return ""
+    if isinstance(fn, str):
+        return fn
+    if isinstance(fn, (list, tuple)):
+        return ",".join(filter(None, (_function_name(f) for f in fn)))
+    if isinstance(fn, dict):
+        return ",".join(filter(None, (_function_name(f) for f in fn.values())))
+    name = getattr(fn, "name", None) or getattr(fn, "__name__", None) or type(fn).__name__
+    return str(name)
 
 
 def _layer_of_variables(model: keras.Model) -> dict[int, int]:
@@ -217,9 +233,10 @@ class NumericsCallback(keras.callbacks.Callback):
         if self.activations:
             for i, layer in enumerate(layers):
                 self._act_rows[i] = len(self._rows)
-                self._rows.append(_Row("%s/output" % layer.name, "activation", op_type=type(layer).__name__))
+                self._rows.append(_Row("%s/output" % layer.name, "activation", op_type=type(layer).__name__,
+                                       activation=_function_name(getattr(layer, "activation", None))))
         self._loss_row = len(self._rows)
-        self._rows.append(_Row("loss", "loss"))
+        self._rows.append(_Row("loss", "loss", activation=_function_name(getattr(model, "loss", None))))
         # Trainable variables in layer order; those of no top-level layer last.
         self._vars = sorted(trainable, key=lambda v: owner.get(id(v), len(layers)))
         self._var_layer = [owner.get(id(v), -1) for v in self._vars]
@@ -231,7 +248,8 @@ class NumericsCallback(keras.callbacks.Callback):
             for j in reversed(range(len(self._vars))):
                 v = self._vars[j]
                 self._grad_rows[j] = len(self._rows)
-                self._rows.append(_Row("gradients/%s" % v.path, "gradient", str(v.dtype), tuple(v.shape), present=True))
+                tag = summary.gradient_tag(v)
+                self._rows.append(_Row(tag, "gradient", str(v.dtype), tuple(v.shape), present=True))
         self._weight_row0 = len(self._rows)
         if self.weights:
             for v in self._vars:
@@ -495,11 +513,16 @@ class NumericsCallback(keras.callbacks.Callback):
         while self._pending:
             self._pending.pop(0).result()
 
-    def _info(self, tag: str, role: str, dtype: str, shape, op_type: str = "", description: str = "") -> metadata.TensorInfo:
+    def _info(
+        self, tag: str, role: str, dtype: str, shape, op_type: str = "", description: str = "", activation: str = ""
+    ) -> metadata.TensorInfo:
         info = self._infos.get(tag)
         if info is None:
             info = self._infos[tag] = metadata.TensorInfo(
-                dtype=dtype, shape=shape, role=role, order=len(self._infos), op_type=op_type, description=description
+                dtype=dtype, shape=shape, role=role, order=len(self._infos), op_type=op_type,
+                description=description, activation=activation,
+                # Written into the run, so every reader applies it.
+                neginf_ok=analysis.neginf_intended(tag, metadata.TensorInfo(), self.safe_range),
             )
         return info
 
@@ -511,7 +534,8 @@ class NumericsCallback(keras.callbacks.Callback):
         for r, row in enumerate(self._rows):
             if not row.present or (r >= self._weight_row0 and not weights_due):
                 continue
-            out.append((row.tag, step_stats[r], self._info(row.tag, row.role, row.dtype, row.shape, row.op_type)))
+            info = self._info(row.tag, row.role, row.dtype, row.shape, row.op_type, activation=row.activation)
+            out.append((row.tag, step_stats[r], info))
             if row.role == "gradient":
                 grads.append(step_stats[r])
         if grads:
@@ -545,21 +569,21 @@ class NumericsCallback(keras.callbacks.Callback):
         LossScaleOptimizer skipped are always written, so that they show.
         """
         step = int(aux[1])
-        records = self._records(step_stats, aux)
-        nonfinite = any(v[F["nan"]] + v[F["posinf"]] + v[F["neginf"]] > 0 for _, v, _ in records)
+        step_records = self._records(step_stats, aux)
+        nonfinite = any(records.nonfinite_count(v, info.neginf_ok) > 0 for _, v, info in step_records)
         first_bad = nonfinite and not self._latched
         if first_bad and self._prev is not None and self._prev[0] == step - 1:
             self._writer.write_many(*self._prev)
         if step % self.every_n_steps == 0 or first_bad or (nonfinite and self._lso):
-            self._writer.write_many(step, records)
+            self._writer.write_many(step, step_records)
             self._prev = None
         else:
-            self._prev = (step, records)
+            self._prev = (step, step_records)
         self._latched = self._latched or nonfinite
         if not self.stop_on_anomaly:
             return False
         scale = float(aux[2]) if self._lso else None
-        if not any(analysis.record_is_anomaly(tag, v, info, self.safe_range, scale) for tag, v, info in records):
+        if not any(analysis.record_is_anomaly(tag, v, info, self.safe_range, scale) for tag, v, info in step_records):
             return False
         self._stop()
         return True
@@ -574,15 +598,4 @@ class NumericsCallback(keras.callbacks.Callback):
         a = self.anomaly
         if a is None:  # not written (cannot happen: the first bad step always is)
             return
-        op = " (%s)" % a["op_type"] if a["op_type"] else ""
-        lines = [
-            "tb-numerics: stopping training at step %d: %s%s, %s: %s"
-            % (a["step"], a["tensor"], op, a["phase"], a["description"]),
-            "  last healthy step: %s" % a["last_healthy_step"],
-        ]
-        if a["hint"]:
-            lines.append("  hint: %s" % a["hint"])
-        c = a["likely_cause"]
-        if c is not None:
-            lines.append("  likely cause: step %d, %s: %s (%s)" % (c["step"], c["tensor"], c["kind"], c["detail"]))
-        print("\n".join(lines), file=sys.stderr)
+        print("\n".join(cli.anomaly_lines(a, head="tb-numerics: stopping training at ")), file=sys.stderr)

@@ -2,12 +2,12 @@
 
 import json
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
 
-keras = pytest.importorskip("keras")
-
+import tb_numerics
 from tb_numerics import analysis, cli, event_reader
 from tb_numerics.keras import NumericsCallback
 
@@ -215,30 +215,41 @@ def _masked_model():
     return keras.Model(inp, keras.layers.Dense(2, name="out")(h), name="net")
 
 
-def test_allowlisted_neginf_is_not_an_anomaly_but_nan_in_it_is(tmp_path, capsys):
+@pytest.mark.parametrize("every_n_steps", [1, 2])
+def test_allowlisted_neginf_is_not_an_anomaly_but_nan_in_it_is(tmp_path, capsys, every_n_steps):
+    """Issue 13 item 1: the allowlist is known where the every-N latch
+    decides, and is written into the run: the CLI applies it unasked."""
     keras.utils.set_random_seed(0)
     model = _masked_model()
     model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
     rs = np.random.RandomState(0)
-    x, y = rs.randn(32, 4).astype("float32"), rs.randn(32, 2).astype("float32")
+    x, y = rs.randn(40, 4).astype("float32"), rs.randn(40, 2).astype("float32")
     x[3 * 8, 0] = np.nan  # batch 3: a NaN in the masked tensor itself
-    cb = NumericsCallback(str(tmp_path), stop_on_anomaly=True, allow_neginf=["mask/output"])
+    cb = NumericsCallback(str(tmp_path), every_n_steps=every_n_steps, stop_on_anomaly=True,
+                          allow_neginf=["mask/output"])
     model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[cb])
     # Steps 0-2 carried the intended -inf and went on; the NaN at step 3 stopped it.
     assert (cb.anomaly["step"], cb.anomaly["tensor"], cb.anomaly["nan"]) == (3, "mask/output", 1)
-    mask = _analysis(tmp_path, allow_neginf="mask/output").find("mask/output")
-    assert mask.series.values[:3, 3].tolist() == [16.0] * 3  # 2 of 4 columns x 8 rows are -inf
-    assert mask.codes.tolist() == [analysis.HEALTHY] * 3 + [analysis.NONFINITE]
+    assert "stopping training at step 3, mask/output" in capsys.readouterr().err
+    mask = _analysis(tmp_path).find("mask/output")
+    # The N-th steps, and the NaN step with the step before it: the -Inf did not latch.
+    written = [0, 1, 2, 3] if every_n_steps == 1 else [0, 2, 3]
+    assert mask.series.steps.tolist() == written
+    assert mask.series.values[:-1, 3].tolist() == [16.0] * (len(written) - 1)  # 2 of 4 columns x 8 rows
+    assert mask.codes.tolist() == [analysis.HEALTHY] * (len(written) - 1) + [analysis.NONFINITE]
+    assert mask.series.info.neginf_ok
 
-    # The same through the CLI: with the allowlist the first anomaly is the NaN,
-    # without it the -inf of step 0.
+    # The same through the CLI, without repeating the allowlist: the NaN.
     capsys.readouterr()
-    assert cli.main(["report", "--json", "--allow-neginf", "mask/output", str(tmp_path)]) == 1
-    (run,) = json.loads(capsys.readouterr().out)["runs"]
-    assert (run["first_anomaly"]["step"], run["first_anomaly"]["nan"]) == (3, 1)
     assert cli.main(["report", "--json", str(tmp_path)]) == 1
     (run,) = json.loads(capsys.readouterr().out)["runs"]
-    assert (run["first_anomaly"]["step"], run["first_anomaly"]["neginf"]) == (0, 16)
+    assert (run["first_anomaly"]["step"], run["first_anomaly"]["nan"]) == (3, 1)
+
+
+def test_the_documented_spelling_works_after_a_plain_import():
+    """Issue 13 item 12: ``import tb_numerics`` then ``tb_numerics.keras.NumericsCallback``."""
+    assert tb_numerics.keras.NumericsCallback is NumericsCallback
+    assert tb_numerics.xla.CompiledStats is not None
 
 
 _MIRRORED_FIT = """

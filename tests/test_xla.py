@@ -1,10 +1,9 @@
 """jit_compile=True: statistics computed inside the compiled step, written outside, same records."""
 
+import keras
 import numpy as np
 import pytest
 import tensorflow as tf
-
-keras = pytest.importorskip("keras")
 
 import tb_numerics as tbn
 from tb_numerics import event_reader, xla
