@@ -2,7 +2,6 @@
 
 import keras
 import numpy as np
-import pytest
 import tensorflow as tf
 
 import tb_numerics as tbn
