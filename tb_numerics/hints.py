@@ -135,22 +135,24 @@ def _by_loss_input(ev: Evidence) -> str:
     loss_fn = ev.info.activation
     if loss_fn and not _LOG_LOSS.search(loss_fn):
         return ""
-    what = "The loss (%s)" % loss_fn if loss_fn else "The loss"
+    # A loss function of unknown name: only exact zeros, which no loss but a
+    # log (or a normalisation) turns into a NaN, are evidence enough.
+    what = "The loss (%s) takes" % loss_fn if loss_fn else "If the loss takes"
     if li.zeros > 0:
         share = li.zeros / max(li.count, 1)
         trend = ""
         if li.first_step < ev.step:
             trend = " (%s at step %d)" % (_share(li.first_zero_share), li.first_step)
         return (
-            "%s takes the log of its input, and %s held exact zeros at step %d: %s of %s values, %s%s. "
+            "%s the log of its input: %s held exact zeros at step %d: %s of %s values, %s%s. "
             "log(0) is -Inf, and a cross-entropy that normalises an all-zero row divides 0 by 0. "
             "An output that can be exactly 0 (ReLU, linear) does not fit a log loss: use a softmax or "
             "sigmoid output, or from_logits=True on the loss."
             % (what, li.tag, ev.step, format(li.zeros, ","), format(li.count, ","), _share(share), trend)
         )
-    if li.negatives:
+    if li.negatives and loss_fn:
         return (
-            "%s takes the log of its input, and %s held negative values at step %d: the log of a negative "
+            "%s the log of its input: %s held negative values at step %d: the log of a negative "
             "value is NaN. Use a softmax or sigmoid output, or from_logits=True on the loss."
             % (what, li.tag, ev.step)
         )
@@ -192,7 +194,8 @@ def _no_hint(ev: Evidence) -> str:
     checked.append("no warning before it" if not ev.warnings_before else
                    "warnings before it (%s) that suggest no cause" % ", ".join(sorted(ev.warnings_before)))
     if ev.info.role == "loss":
-        checked.append("the loss's input" if ev.loss_input is None else "%s (no zeros, no negatives)" % ev.loss_input.tag)
+        checked.append("no tensor logged before the loss" if ev.loss_input is None
+                       else "the loss's input %s (no exact zeros)" % ev.loss_input.tag)
     return NO_HINT_PREFIX + "checked " + "; ".join(checked) + "."
 
 

@@ -406,7 +406,8 @@ def test_log_loss_fed_exact_zeros_gets_the_log_of_zero_hint_with_its_evidence():
                              range(6), [numpy_stats(loss[s]) for s in range(6)])
     a = analysis.first_anomaly(analysis.analyze_run("r", [li, lo]))
     assert a["step"] == 5 and a["tensor"] == "loss"
-    assert "categorical_crossentropy" in a["hint"] and "out/output held exact zeros at step 5" in a["hint"]
+    assert "The loss (categorical_crossentropy) takes the log" in a["hint"]
+    assert "out/output held exact zeros at step 5" in a["hint"]
     assert "50 of 100 values, 50%" in a["hint"] and "(0% at step 0)" in a["hint"]
     assert "softmax" in a["hint"] and "learning rate" not in a["hint"]
     # A loss that takes no log gets no such hint.

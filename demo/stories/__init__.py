@@ -20,8 +20,9 @@ from demo.stories import cosine_zero_tower, gru_sqrt_loss, keras_fit, regression
 class Story:
     name: str  # the run's directory under the logdir
     run: Callable[[str], None]  # run(logdir) trains and writes <logdir>/<name>
-    cause: str
+    cause: str  # what went wrong, as built (the README's table)
     fix: str
+    truth: str | None = None  # a word a right hint holds (scored by demo.hint_suite)
 
 
 STORIES = (
@@ -30,12 +31,14 @@ STORIES = (
         gru_sqrt_loss.run,
         cause="sqrt of a squared error: its gradient is infinite where the error is exactly 0",
         fix="drop the sqrt around the squared error (use tf.abs or the squared error itself)",
+        truth="gradient of sqrt",
     ),
     Story(
         softmax_log.NAME,
         softmax_log.run,
         cause="log of a softmax that saturated to exactly 0 at a too-high learning rate",
         fix="use tf.nn.softmax_cross_entropy_with_logits (or log_softmax), and a lower peak learning rate",
+        truth="log(0)",
     ),
     Story(
         repeated_bn_fp16.NAME,
@@ -43,18 +46,21 @@ STORIES = (
         cause="an MAE written without abs rewards ever larger outputs, and BatchNorm called without "
         "training=True does not normalise: 8 passes compound the growth until float16 overflows",
         fix="tf.abs in the loss (or keras.losses.MeanAbsoluteError), and call the model with training=True",
+        truth="grew",
     ),
     Story(
         cosine_zero_tower.NAME,
         cosine_zero_tower.run,
         cause="cosine similarity of an all-zero ReLU embedding: norm 0, 0/0",
         fix="add an epsilon inside the norm (or use tf.math.l2_normalize)",
+        truth="Division by zero",
     ),
     Story(
         "exploding_lr",
         regression.run_exploding_lr,
         cause="learning rate too large: each step overshoots more, the gradient norm spikes, activations overflow",
         fix="lower the learning rate (or clip gradients)",
+        truth="learning rate",
     ),
     Story(
         keras_fit.NAME,
@@ -62,6 +68,7 @@ STORIES = (
         cause="the same too-large learning rate, trained with model.fit and NumericsCallback: "
         "the gradient norm spikes, then a layer overflows",
         fix="lower the learning rate, or clip gradients (clipnorm= on the optimizer)",
+        truth="learning rate",
     ),
     Story(
         "healthy",
@@ -74,6 +81,7 @@ STORIES = (
         regression.run_bad_input,
         cause="one corrupt record holds 1e38: finite, but its squared error overflows in the loss",
         fix="validate or clip inputs in the input pipeline",
+        truth="(input,",
     ),
 )
 
