@@ -24,7 +24,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from tb_numerics import hints, metadata
+from tb_numerics import detectors, hints, metadata
 from tb_numerics import records
 from tb_numerics.records import F, TensorSeries, derived
 
@@ -43,13 +43,26 @@ WARNING_KINDS = (
     # max |x| many times its previous record's in one step: fast divergence,
     # before the spike and growth rules have enough history.
     "fast_growth",
+    "headroom",
     "growth",
+    "exploding_by_depth",
     "vanishing_gradient",
+    "vanishing_by_depth",
     "underflow",
+    "dead_units",
+    "saturation",
+    "update_ratio",
+    "loss_not_decreasing",
+    "loss_oscillating",
     # Non-finite gradients at a step a LossScaleOptimizer skipped: handled.
     "skipped_step",
 )
 _KIND_CODE = {k: i + 1 for i, k in enumerate(WARNING_KINDS)}
+# The kinds the early-warning detectors (``detectors``) raise.
+_EARLY_KINDS = frozenset({
+    "headroom", "exploding_by_depth", "vanishing_by_depth", "dead_units", "saturation", "update_ratio",
+    "loss_not_decreasing", "loss_oscillating",
+})
 
 
 class SafeRangeError(ValueError):
@@ -83,6 +96,22 @@ class SafeRange:
     jump_factor: float = 100.0
     # Tag patterns (fnmatch) where -Inf is intended, e.g. attention masks.
     allow_neginf: tuple[str, ...] = ()
+    # Early-warning detectors (see ``detectors``): an activation's share of
+    # exact zeros that is dead units, held for ``sustain`` records (as are
+    # saturation and the gradient ratio by depth).
+    dead_share: float = 0.7
+    sustain: int = 5
+    # Warn when a growing tensor reaches its dtype's maximum within this many steps.
+    headroom_steps: float = 30.0
+    # ||w_new - w_old|| / ||w_old|| above this is an update larger than the weights.
+    update_ratio_max: float = 1.0
+    # First layer's gradient norm / last layer's: below (with the first
+    # below 1e-4) vanishing, above exploding (AUTOTRAINER's thresholds).
+    depth_vanishing: float = 1e-3
+    depth_exploding: float = 70.0
+    loss_window: int = 50
+    # Warning kinds switched off.
+    off: tuple[str, ...] = ()
 
 
 # The parameters a user may set from the CLI (--max-abs) and the HTTP API
@@ -95,15 +124,23 @@ SAFE_RANGE_PARAMS: dict[str, tuple[str, str]] = {
     "vanishing_floor": ("nonnegative", "warn when the global gradient norm falls below this"),
     "underflow_share": ("share", "warn when this share of nonzero values is below the smallest normal"),
     "allow_neginf": ("patterns", "comma-separated tag patterns where -inf is intended"),
+    "dead_share": ("share", "warn when this share of an activation's values are exactly 0 (dead units)"),
+    "headroom_steps": ("positive", "warn when a growing tensor reaches its dtype's maximum within this many steps"),
+    "update_ratio_max": ("positive", "warn when a layer's update is this many times its weights' norm"),
+    "off": ("kinds", "comma-separated warning kinds to switch off"),
 }
 
 
 def _parse_param(name: str, kind: str, raw: Any) -> Any:
-    if kind == "patterns":
+    if kind in ("patterns", "kinds"):
         if isinstance(raw, str):
             raw = raw.split(",")
-        pats = tuple(p.strip() for p in raw if p and p.strip())
-        return pats
+        items = tuple(p.strip() for p in raw if p and p.strip())
+        unknown = [k for k in items if kind == "kinds" and k not in WARNING_KINDS]
+        if unknown:
+            raise SafeRangeError("%s names unknown warning kinds %s; the kinds are: %s" % (
+                name, ", ".join(unknown), ", ".join(WARNING_KINDS)))
+        return items
     if isinstance(raw, str):
         raw = raw.strip()
         if raw.lower() in ("", "none", "off"):
@@ -148,6 +185,7 @@ def parse_safe_range(params: Mapping[str, Any], base: SafeRange | None = None) -
 def safe_range_to_json(sr: SafeRange) -> dict[str, Any]:
     d = dataclasses.asdict(sr)
     d["allow_neginf"] = list(sr.allow_neginf)
+    d["off"] = list(sr.off)
     return d
 
 
@@ -237,6 +275,39 @@ def neginf_intended(tag: str, info: metadata.TensorInfo, sr: SafeRange) -> bool:
     return info.neginf_ok or _allowlisted(tag, sr.allow_neginf)
 
 
+def _warning_masks(series: TensorSeries, v: np.ndarray, d: dict[str, np.ndarray], sr: SafeRange):
+    """(kind, mask over the records) of each rule that applies to the series,
+    in order of precedence: the first kind that holds names a record's warning."""
+    max_abs = d["max_abs"]
+    over = v[:, F["overflow"]] > 0
+    compute = series.info.compute_dtype
+    if compute and compute != series.info.dtype:  # held to the range it is computed in
+        over |= max_abs > metadata.overflow_margin(compute)
+    if sr.max_abs is not None:
+        over |= max_abs > sr.max_abs
+    yield "overflow_risk", over
+    is_norm = series.info.role == "global_norm"
+    norm = v[:, F["max"]]
+    if is_norm and sr.grad_norm_limit is not None:
+        yield "exploding_gradient", norm > sr.grad_norm_limit
+    if is_norm:
+        med = _rolling_median_before(norm, sr.spike_window)
+        yield "gradient_spike", (med > 0) & (norm > sr.spike_factor * med)
+    yield "fast_growth", _jump_flags(max_abs, sr)
+    yield "headroom", detectors.headroom(series, d, sr.growth_window, sr.headroom_steps, sr.growth_floor)
+    yield "growth", _growth_flags(max_abs, sr)
+    if is_norm:
+        yield "vanishing_gradient", norm < sr.vanishing_floor
+    nonzero = d["finite"] - v[:, F["zeros"]]
+    share = np.where(nonzero > 0, v[:, F["underflow"]] / np.maximum(nonzero, 1), 0.0)
+    yield "underflow", (v[:, F["underflow"]] > 0) & (share >= sr.underflow_share)
+    yield "dead_units", detectors.dead_units(series, d, sr.dead_share, sr.sustain)
+    yield "saturation", detectors.saturation(series, d, sr.sustain)
+    yield "update_ratio", detectors.update_ratio(series, sr.update_ratio_max)
+    yield "loss_not_decreasing", detectors.loss_not_decreasing(series, d, sr.loss_window)
+    yield "loss_oscillating", detectors.loss_oscillating(series, d, sr.loss_window)
+
+
 def series_health(series: TensorSeries, sr: SafeRange) -> SeriesHealth:
     """Classifies every record of one series under the safe range ``sr``."""
     # float64 whatever the series holds, so that thresholds compare the same.
@@ -247,34 +318,32 @@ def series_health(series: TensorSeries, sr: SafeRange) -> SeriesHealth:
     if n == 0:
         return SeriesHealth(series, codes, kinds)
     d = derived(v)
-    nonfinite = records.nonfinite_count(v, neginf_intended(series.tag, series.info, sr)) > 0
-
-    def flag(kind: str, mask: np.ndarray) -> None:
-        # The first kind that applies to a record names its warning.
-        new = mask & (kinds == 0)
-        kinds[new] = _KIND_CODE[kind]
-
-    max_abs = d["max_abs"]
     with np.errstate(invalid="ignore"):
-        over = v[:, F["overflow"]] > 0
-        if sr.max_abs is not None:
-            over |= max_abs > sr.max_abs
-        flag("overflow_risk", over)
-        if series.info.role == "global_norm":
-            norm = v[:, F["max"]]
-            if sr.grad_norm_limit is not None:
-                flag("exploding_gradient", norm > sr.grad_norm_limit)
-            med = _rolling_median_before(norm, sr.spike_window)
-            flag("gradient_spike", (med > 0) & (norm > sr.spike_factor * med))
-            flag("vanishing_gradient", norm < sr.vanishing_floor)
-        flag("fast_growth", _jump_flags(max_abs, sr))
-        flag("growth", _growth_flags(max_abs, sr))
-        nonzero = d["finite"] - v[:, F["zeros"]]
-        share = np.where(nonzero > 0, v[:, F["underflow"]] / np.maximum(nonzero, 1), 0.0)
-        flag("underflow", (v[:, F["underflow"]] > 0) & (share >= sr.underflow_share))
+        for kind, mask in _warning_masks(series, v, d, sr):
+            if kind not in sr.off:
+                kinds[mask & (kinds == 0)] = _KIND_CODE[kind]
     codes[kinds > 0] = WARNING
-    codes[nonfinite] = NONFINITE
+    codes[records.nonfinite_count(v, neginf_intended(series.tag, series.info, sr)) > 0] = NONFINITE
     return SeriesHealth(series, codes, kinds)
+
+
+def _mark_by_depth(health: list[SeriesHealth], sr: SafeRange) -> None:
+    """Vanishing or exploding gradients by depth, on the first layer's gradient."""
+    grads = [h for h in health if h.series.info.role == "gradient"]
+    if len(grads) < 2:
+        return
+    steps = np.unique(np.concatenate([h.series.steps for h in grads]))
+    depth = detectors.by_depth([h.series for h in grads], steps, sr.depth_vanishing, sr.depth_exploding, sr.sustain)
+    if depth is None:
+        return
+    h = next(g for g in grads if g.series is depth["first"])
+    for kind in ("exploding_by_depth", "vanishing_by_depth"):
+        bad_steps = steps[depth[kind.split("_")[0]]]
+        if kind in sr.off or not bad_steps.size:
+            continue
+        mask = np.isin(h.series.steps, bad_steps) & (h.codes == HEALTHY)
+        h.kinds[mask] = _KIND_CODE[kind]
+        h.codes[mask] = WARNING
 
 
 # ---------------------------------------------------------------- run level
@@ -375,6 +444,7 @@ def analyze_run(
     sr = sr or SafeRange()
     ordered = sorted(series, key=lambda s: s.sort_key)
     health = [series_health(s, sr) for s in ordered]
+    _mark_by_depth(health, sr)
     _mark_skipped_steps(health)
     return RunAnalysis(run, health, sr, list(problems))
 
@@ -428,9 +498,62 @@ def _spike_detail(h: SeriesHealth, i: int, sr: SafeRange) -> str:
     )
 
 
-def warning_detail(h: SeriesHealth, i: int, sr: SafeRange) -> str:
+def _early_detail(kind: str, h: SeriesHealth, i: int, ra: "RunAnalysis") -> str:
+    """Words for the early-warning detectors' kinds (see ``detectors``)."""
+    sr, s = ra.safe_range, h.series
+    v = s.values.astype(np.float64)
+    d = derived(v)
+    first = int(s.steps[max(0, i - sr.sustain + 1)])
+    if kind == "dead_units":
+        return "%s of the values exactly 0 for %d records (steps %d to %d)" % (
+            _percent(v[i, F["zeros"]] / max(d["finite"][i], 1)), sr.sustain, first, int(s.steps[i]))
+    if kind == "saturation":
+        fn = s.info.activation or s.info.op_type
+        return "%s output pinned at its bounds for %d records (steps %d to %d): mean %s, max %s, %s exact zeros" % (
+            fn, sr.sustain, first, int(s.steps[i]), number(d["mean"][i]), number(v[i, F["max"]]),
+            format(int(v[i, F["zeros"]]), ","))
+    if kind == "headroom":
+        dtype = s.info.compute_dtype or s.info.dtype
+        left = float(detectors.headroom_forecast(s, d, sr.growth_window)[i])
+        bits = np.log2(metadata.DTYPE_LIMITS[dtype][0] / d["max_abs"][i])
+        return "max |x| = %s, %.1f bits below the %s maximum: %s overflow in about %d steps at the current growth" % (
+            number(d["max_abs"][i]), bits, dtype, dtype, max(1, int(round(left))))
+    if kind == "update_ratio":
+        return "||w_new - w_old|| / ||w_old|| = %s, above %s: the update moved the weights by more than their size" % (
+            number(v[i, F["max"]]), number(sr.update_ratio_max))
+    if kind in ("exploding_by_depth", "vanishing_by_depth"):
+        return _depth_detail(h, i, ra)
+    loss = d["mean"]
+    if kind == "loss_not_decreasing":
+        q = max(1, sr.loss_window // 4)
+        return "the loss's mean over records %d-%d (%s) is not below its mean over records 1-%d (%s): steps %d to %d" % (
+            sr.loss_window - q + 1, sr.loss_window, number(np.mean(loss[i - q + 1 : i + 1])), q,
+            number(np.mean(loss[:q])), int(s.steps[0]), int(s.steps[i]))
+    lo = max(0, i - sr.loss_window + 1)
+    return "the loss changed direction at most records of the last %d (steps %d to %d), between %s and %s" % (
+        sr.loss_window, int(s.steps[lo]), int(s.steps[i]), number(np.min(loss[lo : i + 1])), number(np.max(loss[lo : i + 1])))
+
+
+def _depth_detail(h: SeriesHealth, i: int, ra: "RunAnalysis") -> str:
+    grads = [g.series for g in ra.health if g.series.info.role == "gradient"]
+    step = h.series.steps[i : i + 1]
+    sr = ra.safe_range
+    depth = detectors.by_depth(grads, step, sr.depth_vanishing, sr.depth_exploding, 1)
+    return "first layer's gradient norm %s is %s× the last layer's (%s, %s) at step %d" % (
+        number(depth["first_norm"][0]), number(depth["ratio"][0]), depth["last"].tag,
+        number(depth["last_norm"][0]), int(step[0]))
+
+
+def _percent(x: float) -> str:
+    return "%.3g%%" % (100 * x)
+
+
+def warning_detail(h: SeriesHealth, i: int, ra: "RunAnalysis") -> str:
     """Words for the warning of record ``i`` of a series: what was computed, in readable numbers."""
     kind = WARNING_KINDS[h.kinds[i] - 1]
+    sr = ra.safe_range
+    if kind in _EARLY_KINDS:
+        return _early_detail(kind, h, i, ra)
     v = h.series.values[i].astype(np.float64)
     if kind == "skipped_step":
         return "%s at a step the LossScaleOptimizer skipped (it lowered the loss scale)" % describe_nonfinite(v)
@@ -479,7 +602,8 @@ def _warning_json(ra: RunAnalysis, cell) -> dict[str, Any]:
         "step": step,
         "tensor": h.series.tag,
         "kind": WARNING_KINDS[h.kinds[i] - 1],
-        "detail": warning_detail(h, i, ra.safe_range),
+        "detail": warning_detail(h, i, ra),
+        "hint": hints.warning_hint(WARNING_KINDS[h.kinds[i] - 1]),
         "phase": h.series.info.phase,
         "role": h.series.info.role,
         "op_type": h.series.info.op_type or None,
@@ -624,6 +748,21 @@ def info_events(ra: RunAnalysis) -> list[dict[str, Any]]:
     return out
 
 
+def warnings_by_tensor(ra: RunAnalysis) -> list[dict[str, Any]]:
+    """Every (tensor, kind) of warning in the run: its first and last step,
+    how many records, and the detail of its first record; in order of
+    the first step, then execution order."""
+    out = []
+    info_codes = [_KIND_CODE[k] for k in INFO_KINDS]
+    for row, h in enumerate(ra.health):
+        for code in np.unique(h.kinds[(h.codes == WARNING) & ~np.isin(h.kinds, info_codes)]):
+            idx = np.flatnonzero((h.kinds == code) & (h.codes == WARNING))
+            entry = _warning_json(ra, (int(h.series.steps[idx[0]]), row, int(idx[0])))
+            entry.update(first_step=entry["step"], last_step=int(h.series.steps[idx[-1]]), records=int(idx.size))
+            out.append(entry)
+    return sorted(out, key=lambda e: (e["first_step"], e["row"]))
+
+
 def run_summary(ra: RunAnalysis) -> dict[str, Any]:
     """The per-run summary shared by the CLI's JSON and the HTTP API."""
     steps = ra.steps
@@ -632,6 +771,7 @@ def run_summary(ra: RunAnalysis) -> dict[str, Any]:
         "first_anomaly": first_anomaly(ra),
         "first_warning": first_warning(ra),
         "info": info_events(ra),
+        "warnings": warnings_by_tensor(ra),
         "tensors": len(ra.health),
         "records": int(sum(len(h.series.steps) for h in ra.health)),
         "first_step": int(steps[0]) if steps.size else None,

@@ -22,7 +22,7 @@ from typing import Any
 
 from tb_numerics import metadata
 
-__all__ = ["Evidence", "LossInput", "choose", "op_family", "NO_HINT_PREFIX"]
+__all__ = ["Evidence", "LossInput", "choose", "op_family", "warning_hint", "NO_HINT_PREFIX"]
 
 NO_HINT_PREFIX = "no hint: "
 
@@ -197,6 +197,48 @@ def _no_hint(ev: Evidence) -> str:
         checked.append("no tensor logged before the loss" if ev.loss_input is None
                        else "the loss's input %s (no exact zeros)" % ev.loss_input.tag)
     return NO_HINT_PREFIX + "checked " + "; ".join(checked) + "."
+
+
+# The usual fixes for each kind of warning, in a sentence.
+_WARNING_HINTS = {
+    "overflow_risk": "Values are near the dtype's largest value: squaring, summing or exponentiating them "
+    "overflows. Look at where they come from (inputs, a layer without normalisation, the learning rate).",
+    "exploding_gradient": "The gradient norm is beyond your limit: lower the learning rate or clip gradients.",
+    "gradient_spike": "The gradient norm jumped against its recent median: the learning rate is likely too "
+    "large for this loss surface; lower it, or clip gradients (clip_by_global_norm).",
+    "fast_growth": "Values grew by orders of magnitude in one step: training is diverging; lower the "
+    "learning rate or clip gradients.",
+    "growth": "Values keep growing step after step: lower the learning rate, normalise the layer "
+    "(BatchNorm/LayerNorm), and check that the loss does not reward growth.",
+    "headroom": "At this growth the tensor overflows its dtype soon: lower the learning rate, normalise, "
+    "or (under mixed precision) keep this computation in float32.",
+    "exploding_by_depth": "The first layer's gradients are far larger than the last layer's: gradients "
+    "explode with depth. Lower the learning rate, clip gradients, use normalisation or residual connections.",
+    "vanishing_gradient": "The global gradient norm is vanishing: check the initialisation, the "
+    "activation functions (saturating sigmoid/tanh) and the learning-rate schedule.",
+    "vanishing_by_depth": "The first layer's gradients are far smaller than the last layer's: gradients "
+    "vanish with depth. Use ReLU-family activations, He/Glorot initialisation, normalisation or residual "
+    "connections.",
+    "underflow": "Many values are below the dtype's smallest normal: they lose precision or flush to 0. "
+    "Use loss scaling under float16, or rescale.",
+    "dead_units": "Most of the layer's outputs are exactly 0: ReLU units have died. Lower the learning "
+    "rate, initialise biases at 0 (not negative), or use LeakyReLU/ELU.",
+    "saturation": "The activation is pinned at its bounds, where its gradient vanishes (and a softmax of "
+    "exact 0 makes log(0)). Normalise the inputs, lower the learning rate, or compute the loss from logits.",
+    "update_ratio": "One update moved the weights by more than their own size: the learning rate is far "
+    "too large for this layer.",
+    "loss_not_decreasing": "The loss is not going down: check the learning rate (too small or too large), "
+    "the labels and the loss function, and that gradients reach the weights.",
+    "loss_oscillating": "The loss swings up and down by large factors: the learning rate is too large to "
+    "settle; lower it or add a decay schedule.",
+    "skipped_step": "The LossScaleOptimizer skipped the step and lowered its scale: normal while it "
+    "calibrates; persistent skips mean a NaN that loss scaling cannot fix.",
+}
+
+
+def warning_hint(kind: str) -> str:
+    """The usual fixes for a kind of warning."""
+    return _WARNING_HINTS.get(kind, "")
 
 
 def _share(x: float) -> str:

@@ -1,0 +1,224 @@
+"""Early warnings from the records: where values start to go wrong, before the NaN.
+
+Part of the numpy-only analysis core (``analysis`` calls these; each returns
+a boolean mask over a series' records, or per-step masks for a run). The
+rules are those of the best-known training-problem detectors (AUTOTRAINER,
+ICSE 2021; SageMaker Debugger's built-in rules), on statistics the records
+already hold, with defaults chosen to stay quiet on healthy training (the
+false-positive count is measured by ``bench/healthy.py``):
+
+* dead units: an activation's share of exact zeros at or above
+  ``dead_share`` (AUTOTRAINER: 70 %) for ``sustain`` records;
+* saturation: a sigmoid or tanh output pinned at its bounds, or a softmax
+  emitting exact 0 or 1 (the classic precursor of log(0)), for ``sustain``
+  records;
+* vanishing / exploding gradients by depth: the first layer's gradient norm
+  against the last layer's (AUTOTRAINER: below 1e-3 with the first below
+  1e-4; above 70), for ``sustain`` records;
+* update ratio: ||w_new - w_old|| / ||w_old|| above ``update_ratio_max``
+  (healthy training moves weights by about 1e-3 of their norm a step;
+  an update larger than the weights themselves is divergence);
+* headroom: max |x| still finite, but at its recent growth it reaches the
+  largest value of the dtype it is computed in within ``headroom_steps``;
+* loss trouble: a loss that never went below its first value in its first
+  ``loss_window`` records, or that changed direction at nearly every record
+  of the last ``loss_window`` while spanning a factor of 10.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Sequence
+
+import numpy as np
+
+from tb_numerics import metadata
+from tb_numerics.records import F, TensorSeries
+
+__all__ = [
+    "by_depth",
+    "dead_units",
+    "headroom",
+    "headroom_forecast",
+    "loss_not_decreasing",
+    "loss_oscillating",
+    "saturation",
+    "sustained",
+    "update_ratio",
+]
+
+# Layers whose exact zeros are by design: dropout masks, padding, softmax.
+_ZEROS_BY_DESIGN = re.compile(r"dropout|embedding|softmax|attention|mask|pool|pad", re.I)
+_RELU_LIKE = re.compile(r"^(relu|relu6|leaky_relu|elu|selu|gelu|silu|swish|)$", re.I)
+
+
+def sustained(mask: np.ndarray, k: int) -> np.ndarray:
+    """True at record i where ``mask`` held at each of records i-k+1 .. i."""
+    run = np.concatenate([[0], np.cumsum(mask, dtype=np.int64)])
+    out = np.zeros(len(mask), dtype=bool)
+    if k <= len(mask):
+        out[k - 1 :] = run[k:] - run[:-k] == k
+    return out
+
+
+def _function(series: TensorSeries) -> str:
+    """The activation function that made the tensor, lower case ("" unknown)."""
+    return (series.info.activation or "").lower()
+
+
+def dead_units(series: TensorSeries, d: dict[str, np.ndarray], share: float, k: int) -> np.ndarray:
+    """Activations whose share of exact zeros stays at or above ``share``."""
+    no = np.zeros(len(series.steps), dtype=bool)
+    info = series.info
+    if info.role != "activation" or _ZEROS_BY_DESIGN.search(info.op_type + " " + series.tag):
+        return no
+    if not _RELU_LIKE.match(_function(series)):
+        return no
+    v = series.values
+    count = v[:, F["count"]].astype(np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        zero_share = np.where(d["finite"] > 0, v[:, F["zeros"]] / np.maximum(d["finite"], 1), 0.0)
+    return sustained((count >= 32) & (zero_share >= share), k)
+
+
+def saturation(series: TensorSeries, d: dict[str, np.ndarray], k: int) -> np.ndarray:
+    """Sigmoid, tanh or softmax outputs pinned at their bounds."""
+    fn = _function(series) or series.info.op_type.lower()
+    v = series.values.astype(np.float64, copy=False)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        mean_sq = v[:, F["sum_sq"]] / np.maximum(d["finite"], 1)
+        if fn in ("sigmoid", "hard_sigmoid"):
+            # x(1 - x) is at most 1/4; near 0 only where every x is near 0 or 1.
+            pinned = (d["mean"] - mean_sq) < 0.01
+        elif fn == "tanh":
+            pinned = mean_sq > 0.98  # |x| near 1 nearly everywhere
+        elif fn == "softmax":
+            # Exact 0 (underflowed exp) or exact 1: log(0) is one step away.
+            pinned = (v[:, F["zeros"]] > 0) | (v[:, F["max"]] >= 1.0)
+        else:
+            return np.zeros(len(v), dtype=bool)
+    return sustained(pinned & (d["finite"] > 0), k)
+
+
+def headroom_forecast(series: TensorSeries, d: dict[str, np.ndarray], window: int) -> np.ndarray:
+    """Steps until max |x| reaches the largest finite value of the dtype the
+    tensor is computed in, at the growth of its last ``window`` records
+    (a least-squares line through log2 max |x| against the step); inf where
+    it is not growing steadily."""
+    dtype = series.info.compute_dtype or series.info.dtype
+    limit = np.log2(metadata.DTYPE_LIMITS[dtype][0])
+    n = len(series.steps)
+    out = np.full(n, np.inf)
+    if n < window:
+        return out
+    with np.errstate(divide="ignore", invalid="ignore"):
+        y = np.log2(d["max_abs"])
+    good = np.isfinite(y)
+    y = np.where(good, y, 0.0)
+    x = series.steps.astype(np.float64) - float(series.steps[0])
+    with np.errstate(invalid="ignore"):
+        rising = np.r_[False, (np.diff(y) > 0) & good[1:] & good[:-1]]
+
+    def window_sum(a: np.ndarray) -> np.ndarray:  # sum over each window ending at i >= window-1
+        c = np.concatenate([[0.0], np.cumsum(a, dtype=np.float64)])
+        return c[window:] - c[:-window]
+
+    sx, sy, sxx, sxy = (window_sum(a) for a in (x, y, x * x, x * y))
+    var = sxx - sx * sx / window
+    with np.errstate(invalid="ignore", divide="ignore"):
+        slope = np.where(var > 0, (sxy - sx * sy / window) / var, 0.0)
+    bad = window_sum((~good).astype(np.float64)) > 0
+    rises = window_sum(rising.astype(np.float64)) - rising[: n - window + 1]  # rises inside the window
+    ok = ~bad & (rises >= window - 2) & (slope > 0)
+    with np.errstate(divide="ignore"):
+        out[window - 1 :] = np.where(ok, (limit - y[window - 1 :]) / np.where(ok, slope, 1.0), np.inf)
+    return out
+
+
+def headroom(series: TensorSeries, d: dict[str, np.ndarray], window: int, steps: float, floor: float) -> np.ndarray:
+    """Growing tensors that reach their dtype's largest value within ``steps``."""
+    with np.errstate(invalid="ignore"):
+        return (headroom_forecast(series, d, window) <= steps) & (d["max_abs"] >= floor)
+
+
+def update_ratio(series: TensorSeries, ratio_max: float) -> np.ndarray:
+    """Update-ratio records (``update_ratio/<layer>``) above ``ratio_max``."""
+    if not series.tag.startswith("update_ratio/"):
+        return np.zeros(len(series.steps), dtype=bool)
+    with np.errstate(invalid="ignore"):
+        return series.values[:, F["max"]].astype(np.float64) > ratio_max
+
+
+def _loss_values(series: TensorSeries, d: dict[str, np.ndarray]) -> np.ndarray | None:
+    if series.info.role != "loss":
+        return None
+    return d["mean"]
+
+
+def loss_not_decreasing(series: TensorSeries, d: dict[str, np.ndarray], window: int) -> np.ndarray:
+    """Over the run's first ``window`` records, the mean loss of the last
+    quarter is not below that of the first quarter (from the run's start
+    only: a loss that learned and then plateaued is healthy; a learning-rate
+    warm-up that starts near 0 can trip it)."""
+    out = np.zeros(len(series.steps), dtype=bool)
+    loss = _loss_values(series, d)
+    if loss is None or len(loss) < window or not np.all(np.isfinite(loss[:window])):
+        return out
+    q = max(1, window // 4)
+    if np.mean(loss[window - q : window]) >= np.mean(loss[:q]):
+        out[window - 1] = True
+    return out
+
+
+def loss_oscillating(series: TensorSeries, d: dict[str, np.ndarray], window: int) -> np.ndarray:
+    """The loss changed direction at 80 % of the last ``window`` records while
+    spanning a factor of 10 (a learning rate too large to settle)."""
+    out = np.zeros(len(series.steps), dtype=bool)
+    loss = _loss_values(series, d)
+    if loss is None or len(loss) <= window:
+        return out
+    with np.errstate(invalid="ignore"):
+        diff = np.diff(loss)
+        turns = np.r_[0, 0, (np.sign(diff[1:]) * np.sign(diff[:-1]) < 0).astype(np.int64)]
+        c = np.cumsum(turns)
+        windows = np.lib.stride_tricks.sliding_window_view(loss, window)
+        lo, hi = np.min(windows, axis=1), np.max(windows, axis=1)
+        # turns inside the window ending at i: at records i-window+2 .. i
+        inside = c[window - 1 :] - np.r_[0, c[: len(loss) - window]] - turns[: len(loss) - window + 1]
+        wide = np.isfinite(lo) & np.isfinite(hi) & (lo > 0) & (hi >= 10 * lo)
+        out[window - 1 :] = wide & (inside >= 0.8 * (window - 1))
+    return out
+
+
+def by_depth(
+    grads: Sequence[TensorSeries], steps: np.ndarray, vanishing: float, exploding: float, k: int
+) -> dict[str, Any] | None:
+    """The first layer's gradient norm against the last layer's at each step.
+
+    ``grads`` are the gradient series in backward order (the last layer's
+    first). Kernels (rank 2 and more) are compared where there are two of
+    them, else any gradients. Returns None with fewer than two, else the
+    first layer's series, the ratio at ``steps`` and the vanishing and
+    exploding masks over those steps.
+    """
+    kernels = [g for g in grads if g.info.shape is not None and len(g.info.shape) >= 2]
+    chosen = kernels if len(kernels) >= 2 else list(grads)
+    if len(chosen) < 2:
+        return None
+    last, first = chosen[0], chosen[-1]
+
+    def norm_at(s: TensorSeries) -> np.ndarray:
+        out = np.full(len(steps), np.nan)
+        j = np.searchsorted(s.steps, steps)
+        ok = j < len(s.steps)
+        ok[ok] = s.steps[j[ok]] == steps[ok]
+        out[ok] = np.sqrt(s.values[j[ok], F["sum_sq"]].astype(np.float64))
+        return out
+
+    f, l = norm_at(first), norm_at(last)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        ratio = f / l
+        van = sustained((ratio < vanishing) & (f < 1e-4), k)
+        exp = sustained(ratio > exploding, k)
+    return {"first": first, "last": last, "ratio": ratio, "first_norm": f, "last_norm": l,
+            "vanishing": van, "exploding": exp}

@@ -1,0 +1,157 @@
+"""Early warnings before the NaN (issue 18): each detector on a real training
+that shows it, through ``tb-numerics report --json``; and none at all on
+ordinary healthy trainings."""
+
+import json
+import os
+
+import keras
+import numpy as np
+import pytest
+
+from demo import healthy_keras
+from tb_numerics import analysis, cli, metadata, records
+from tb_numerics.keras import NumericsCallback
+
+
+def _fit(logdir, name, layers, x, y, lr, epochs=2, loss="mse"):
+    model = keras.Sequential([keras.Input(x.shape[1:])] + layers)
+    model.compile(optimizer=keras.optimizers.SGD(lr), loss=loss)
+    model.fit(x, y, batch_size=32, epochs=epochs, shuffle=False, verbose=0,
+              callbacks=[NumericsCallback(os.path.join(logdir, name))])
+
+
+def _data(n=256, scale=1.0, teacher=False):
+    rs = np.random.RandomState(0)
+    x = (rs.randn(n, 8) * scale).astype("float32")
+    y = (x @ rs.randn(8, 1)).astype("float32") if teacher else rs.randn(n, 1).astype("float32")
+    return x, y
+
+
+def dead_relu(logdir):
+    keras.utils.set_random_seed(0)
+    _fit(logdir, "dead_relu", [keras.layers.Dense(64, activation="relu", name="hidden",
+                                                   bias_initializer=keras.initializers.Constant(-4.0)),
+                               keras.layers.Dense(1)], *_data(), lr=0.01)
+
+
+def deep_sigmoid(logdir):
+    keras.utils.set_random_seed(0)
+    _fit(logdir, "deep_sigmoid", [keras.layers.Dense(32, activation="sigmoid", name="s%d" % i) for i in range(10)]
+         + [keras.layers.Dense(1, name="head")], *_data(), lr=0.01)
+
+
+def tanh_unnormalised(logdir):
+    keras.utils.set_random_seed(0)
+    _fit(logdir, "tanh_unnormalised", [keras.layers.Dense(32, activation="tanh", name="th"), keras.layers.Dense(1)],
+         *_data(scale=100.0), lr=0.01)
+
+
+def lr_far_too_high(logdir):
+    keras.utils.set_random_seed(0)
+    _fit(logdir, "lr_far_too_high", [keras.layers.Dense(32, activation="relu", name="h"),
+                                     keras.layers.Dense(1, name="head")], *_data(), lr=3.0, epochs=1)
+
+
+def gradient_ascent(logdir):
+    """The sign bug: a negative learning rate climbs the loss."""
+    keras.utils.set_random_seed(0)
+    _fit(logdir, "gradient_ascent", [keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)],
+         *_data(n=2048, teacher=True), lr=-0.001, epochs=1)
+
+
+@pytest.fixture(scope="module")
+def report(tmp_path_factory):
+    logdir = str(tmp_path_factory.mktemp("detectors"))
+    for train in (dead_relu, deep_sigmoid, tanh_unnormalised, lr_far_too_high, gradient_ascent):
+        train(logdir)
+    for _, train in healthy_keras.CASES:
+        train(logdir)
+    return _report_json(logdir)
+
+
+def _report_json(logdir):
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        cli.main(["report", "--json", logdir])
+    return {r["run"]: r for r in json.loads(out.getvalue())["runs"]}
+
+
+def _warning(run, kind):
+    found = [w for w in run["warnings"] if w["kind"] == kind]
+    assert found, [(w["kind"], w["tensor"]) for w in run["warnings"]]
+    return found[0]
+
+
+def test_dying_relu_from_a_large_negative_bias(report):
+    w = _warning(report["dead_relu"], "dead_units")
+    assert (w["tensor"], w["first_step"]) == ("hidden/output", 4)  # 5 records of >= 70 % zeros
+    assert "100% of the values exactly 0" in w["detail"] and "LeakyReLU" in w["hint"]
+    assert report["dead_relu"]["first_warning"]["kind"] == "dead_units"
+
+
+def test_vanishing_gradients_by_depth_in_a_deep_sigmoid_net(report):
+    w = _warning(report["deep_sigmoid"], "vanishing_by_depth")
+    assert w["tensor"].endswith("s0/kernel") and w["first_step"] == 4
+    assert "the last layer's" in w["detail"] and "head/kernel" in w["detail"]
+
+
+def test_saturated_tanh_fed_unnormalised_inputs(report):
+    w = _warning(report["tanh_unnormalised"], "saturation")
+    assert (w["tensor"], w["first_step"]) == ("th/output", 4)
+    assert w["detail"].startswith("tanh output pinned at its bounds")
+
+
+def test_update_ratio_when_the_learning_rate_is_far_too_high(report):
+    run = report["lr_far_too_high"]
+    w = _warning(run, "update_ratio")
+    assert w["tensor"].startswith("update_ratio/") and w["first_step"] == 0
+    assert run["first_warning"]["step"] < run["first_anomaly"]["step"]
+
+
+def test_loss_not_decreasing_under_gradient_ascent(report):
+    w = _warning(report["gradient_ascent"], "loss_not_decreasing")
+    assert (w["tensor"], w["first_step"]) == ("loss", 49)  # the first 50 records
+
+
+@pytest.mark.parametrize("name", [n for n, _ in healthy_keras.CASES])
+def test_healthy_trainings_raise_no_warning_at_all(report, name):
+    run = report[name]
+    assert run["first_anomaly"] is None and run["first_warning"] is None, run["warnings"]
+    assert run["warnings"] == []
+
+
+def test_each_warning_kind_can_be_switched_off(report, tmp_path):
+    sr = analysis.parse_safe_range({"off": "dead_units,saturation"})
+    assert sr.off == ("dead_units", "saturation")
+    with pytest.raises(analysis.SafeRangeError, match="off names unknown warning kinds bogus"):
+        analysis.parse_safe_range({"off": "bogus"})
+
+
+def _loss_series(values):
+    info = metadata.TensorInfo(role="loss")
+    return records.make_series("loss", info, range(len(values)), [records.numpy_stats(np.float32([v])) for v in values])
+
+
+def test_an_oscillating_loss_warns_and_a_noisy_decreasing_one_does_not():
+    swing = [1.0, 20.0] * 30
+    ra = analysis.analyze_run("r", [_loss_series(swing)], analysis.SafeRange(off=("loss_not_decreasing",)))
+    w = analysis.first_warning(ra)
+    assert (w["kind"], w["step"]) == ("loss_oscillating", 49)
+    assert "between 1 and 20" in w["detail"]
+    noisy = list(np.exp(-np.arange(80) / 20) * (1 + 0.3 * np.random.default_rng(0).standard_normal(80) ** 2))
+    assert analysis.first_warning(analysis.analyze_run("r", [_loss_series(noisy)])) is None
+
+
+def test_headroom_forecasts_a_float16_overflow_before_it_happens():
+    """A tensor computed in float16 but recorded in float32 is held to float16's range."""
+    info = metadata.TensorInfo(dtype="float32", compute_dtype="float16")
+    vals = [records.numpy_stats(np.float32([1.0, 1.3 ** s])) for s in range(40)]
+    ra = analysis.analyze_run("r", [records.make_series("h", info, range(40), vals)])
+    w = analysis.first_warning(ra)
+    assert w["kind"] == "headroom" and "float16 overflow in about" in w["detail"]
+    # 1.3**s passes 65504 at step 43: warned at least 10 steps before.
+    assert w["step"] <= 33
