@@ -76,7 +76,7 @@ export class Dashboard {
     watchTheme(() => this.redraw());
     window.addEventListener("hashchange", () => {
       // A pasted or edited link: take its state as a whole.
-      this.state = store.read();
+      this.state = store.read(this.safeForm.keys());
       this.safeForm.set(this.state.params);
       this.charts.setLog(this.state.log);
       this.load();
@@ -90,11 +90,26 @@ export class Dashboard {
       clearTimeout(this.resizeTimer);
       this.resizeTimer = setTimeout(() => this.refetchNarrowTimelines(), 300);
     }).observe(this.timelineHost);
-    api.safeRange().then((d) => this.safeForm.setDefaults(d), () => {});
+    await this.readSafeRangeKeys();
     await this.load();
   }
 
   // ------------------------------------------------------------- loading
+
+  /**
+   * The form's fields from /safe_range, and the link's values of every
+   * parameter it publishes. Without an answer the fields of state.js stay;
+   * the routes' own errors then say what is wrong.
+   */
+  async readSafeRangeKeys() {
+    try {
+      this.safeForm.setDefaults(await api.safeRange());
+    } catch {
+      return;
+    }
+    this.state.params = store.read(this.safeForm.keys()).params;
+    this.safeForm.set(this.state.params);
+  }
 
   showStatus(kind, text) {
     this.status.className = `status ${kind}`;
@@ -130,10 +145,16 @@ export class Dashboard {
     await this.loadRuns(gen);
   }
 
-  /** An error: the server's message, and the safe-range field it names marked. */
+  /**
+   * An error: the server's message, and the safe-range field it names marked
+   * (its messages start with the name). What was shown under the previous
+   * parameters is hidden: it no longer matches the form.
+   */
   fail(e) {
-    const invalid = store.SAFE_RANGE_KEYS.find((k) => e.message.includes(k)) || null;
+    const keys = this.safeForm.keys();
+    const invalid = keys.find((k) => e.message.startsWith(`${k} `)) || keys.find((k) => e.message.includes(k)) || null;
     this.safeForm.set(this.state.params, invalid);
+    this.main.hidden = true;
     this.showStatus("error", `Error: ${e.message}`);
   }
 

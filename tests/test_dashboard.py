@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import struct
+import urllib.parse
 import zlib
 
 import pytest
@@ -39,6 +40,15 @@ def tb(tmp_path_factory):
     with tb_process.tensorboard(logdir) as proc:
         # TensorBoard reads the logdir in the background: wait until the plugin sees both runs.
         tb_process.wait_for(lambda: len(proc.get_json("/data/plugin/numerics/runs")["runs"]) == 2, timeout=60)
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def tb_more(tmp_path_factory):
+    """TensorBoard on dashboard_logdir.write_more's runs (masked, ops, repeated)."""
+    logdir = data.write_more(str(tmp_path_factory.mktemp("dash_more") / "logs"))
+    with tb_process.tensorboard(logdir) as proc:
+        tb_process.wait_for(lambda: len(proc.get_json("/data/plugin/numerics/runs")["runs"]) == 3, timeout=60)
         yield proc
 
 
@@ -299,6 +309,95 @@ def test_a_malformed_parameter_shows_the_servers_message(open_page, tb):
     error.wait_for()
     assert "max_abs must be a number" in error.inner_text()
     expect(p.page.get_by_label("Max |x|", exact=True)).to_have_attribute("aria-invalid", "true")
+
+
+# A valid value, not the default, of each safe-range parameter of http_api.md.
+PARAM_VALUES = {
+    "max_abs": "5",
+    "grad_norm_limit": "1000",
+    "spike_factor": "50",
+    "spike_window": "7",
+    "vanishing_floor": "0",
+    "underflow_share": "0.5",
+    "allow_neginf": "attention/*,*/mask",
+}
+
+
+def test_every_safe_range_parameter_has_a_field_and_lives_in_the_link(open_page, tb):
+    published = tb.get_json("/data/plugin/numerics/safe_range")["params"]
+    assert set(published) == set(PARAM_VALUES), "a new parameter: give it a test value here"
+    p = open_page()
+    asked = []
+    p.page.on("request", lambda r: asked.append(r.url) if "/summary?" in r.url else None)
+    link = "#run=diverging&" + "&".join("%s=%s" % (k, urllib.parse.quote(v, safe="")) for k, v in PARAM_VALUES.items())
+    p.page.goto(tb.url + ENTRY + link)
+    for key, value in PARAM_VALUES.items():
+        expect(p.page.locator('.safe-range input[name="%s"]' % key)).to_have_value(value)
+    # The routes are asked with every one of them (max_abs=5 moves the first warning to step 81).
+    expect(banner_row(p.page, data.NAN_RUN).locator(".banner.warning .headline")).to_have_text(
+        re.compile(r"^First warning at step 81")
+    )
+    query = urllib.parse.parse_qs(urllib.parse.urlsplit(asked[-1]).query)
+    assert {k: query[k][0] for k in PARAM_VALUES} == PARAM_VALUES
+
+    # A field changed in the form joins the others in the link, and the link reproduces the form.
+    field = p.page.locator('.safe-range input[name="spike_window"]')
+    field.fill("9")
+    field.press("Enter")
+    p.page.wait_for_function("() => location.hash.includes('spike_window=9')")
+    hash_ = p.page.evaluate("location.hash")
+    kept = urllib.parse.parse_qs(hash_[1:])
+    assert {k: kept[k][0] for k in PARAM_VALUES} == dict(PARAM_VALUES, spike_window="9")
+    again = dashboard(open_page, tb, hash_).page
+    for key, value in dict(PARAM_VALUES, spike_window="9").items():
+        expect(again.locator('.safe-range input[name="%s"]' % key)).to_have_value(value)
+
+
+def test_allow_neginf_control_moves_the_first_anomaly_and_is_kept_in_the_link(open_page, tb_more):
+    page = dashboard(open_page, tb_more, "#run=%s" % data.MASKED_RUN).page
+    headline = banner_row(page, data.MASKED_RUN).locator(".banner.anomaly .headline")
+    expect(headline).to_have_text("First non-finite value at step 0")
+    assert data.MASKED_TENSOR in banner_row(page, data.MASKED_RUN).locator(".banner.anomaly").inner_text()
+    field = page.get_by_label("Allow -Inf in (tag patterns)")
+    field.fill("attention/*")
+    field.press("Enter")
+    page.wait_for_function(
+        "() => document.querySelector('.banner-row[data-run=masked] .banner.anomaly .headline')"
+        "?.innerText === 'First non-finite value at step %d'" % data.MASKED_NAN_STEP
+    )
+    link = page.evaluate("location.hash")
+    assert "allow_neginf=attention%2F*" in link
+    again = dashboard(open_page, tb_more, link).page
+    expect(again.get_by_label("Allow -Inf in (tag patterns)")).to_have_value("attention/*")
+    expect(banner_row(again, data.MASKED_RUN).locator(".banner.anomaly .headline")).to_have_text(
+        "First non-finite value at step %d" % data.MASKED_NAN_STEP
+    )
+
+
+def test_invalid_parameters_show_the_servers_message_one_at_a_time(open_page, tb):
+    p = open_page()
+    p.page.goto(tb.url + ENTRY + "#spike_window=0&underflow_share=2")
+    error = p.page.locator(".status.error")
+    expect(error).to_contain_text("spike_window must be a whole number from 1 to 10000")
+    window = p.page.locator('.safe-range input[name="spike_window"]')
+    share = p.page.locator('.safe-range input[name="underflow_share"]')
+    expect(window).to_have_attribute("aria-invalid", "true")
+    window.fill("5")
+    window.press("Enter")
+    expect(error).to_contain_text("underflow_share must be in (0, 1]")
+    expect(share).to_have_attribute("aria-invalid", "true")
+    expect(window).to_have_attribute("aria-invalid", "false")
+    share.fill("0.5")
+    share.press("Enter")
+    expect(banner_row(p.page, data.NAN_RUN).locator(".banner.anomaly .headline")).to_be_visible()
+    expect(error).to_be_hidden()
+    # From a good view, a bad value hides the banners it no longer matches.
+    floor = p.page.locator('.safe-range input[name="vanishing_floor"]')
+    floor.fill("-1")
+    floor.press("Enter")
+    expect(error).to_contain_text("vanishing_floor must not be negative")
+    expect(p.page.locator(".banners")).to_be_hidden()
+    assert "vanishing_floor=-1" in p.page.evaluate("location.hash")
 
 
 def test_hostile_and_long_tag_names_render_as_text(open_page, tb):
