@@ -11,7 +11,7 @@ const LABELS = {
   max_abs: ["Max |x|", "dtype margin"],
   grad_norm_limit: ["Gradient-norm limit", "none"],
   spike_factor: ["Spike factor", null],
-  spike_window: ["Spike window (records)", null],
+  spike_window: ["Spike window", null],
   vanishing_floor: ["Vanishing floor", null],
   underflow_share: ["Underflow share", null],
   allow_neginf: ["Allow -Inf in (tag patterns)", "e.g. attention/*/mask"],

@@ -88,7 +88,7 @@ def write(logdir: str) -> str:
 #   it; ``ops/logrelu/Log`` goes -Inf at step 5, where the ReLU before it
 #   emits exact zeros.
 # * run ``repeated``: ``grads/accum`` logged twice per step (two
-#   micro-batches); max |x| beyond float32's overflow margin from step 4,
+#   micro-batches, in packed events); max |x| beyond float32's overflow margin from step 4,
 #   and -Inf in the first of the two records at step 7.
 
 MASKED_RUN = "masked"
@@ -142,13 +142,16 @@ def _ops(w: NumericsRecordWriter, rng: np.random.Generator) -> None:
 def _repeated(w: NumericsRecordWriter, rng: np.random.Generator) -> None:
     info = metadata.TensorInfo(role="gradient", order=0, shape=(8, 8))
     for step in range(12):
+        records = []
         for occurrence in range(2):
             x = rng.standard_normal(64).astype(np.float32)
             if step >= REPEATED_WARN_STEP:
                 x[0] = 3e38
             if step == REPEATED_NAN_STEP and occurrence == 0:
                 x[1] = -np.inf
-            w.write(REPEATED_TENSOR, step, numpy_stats(x), info)
+            records.append((REPEATED_TENSOR, numpy_stats(x), info))
+        # Packed: TensorBoard keeps one event per tag and step, a block keeps every row.
+        w.write_many(step, records)
 
 
 def write_more(logdir: str) -> str:

@@ -400,6 +400,117 @@ def test_invalid_parameters_show_the_servers_message_one_at_a_time(open_page, tb
     assert "vanishing_floor=-1" in p.page.evaluate("location.hash")
 
 
+def test_banner_names_the_ops_type_and_source_line_and_show_me_selects_its_row(open_page, tb_more):
+    page = dashboard(open_page, tb_more, "#run=ops&tensor=logrelu%2Foutput&step=2").page
+    anomaly = banner_row(page, data.OPS_RUN).locator(".banner.anomaly")
+    expect(anomaly.locator(".headline")).to_have_text("First non-finite value at step %d" % data.OP_NAN_STEP)
+    expect(anomaly.locator(".op")).to_have_text("Op: logrelu/Log (Log, forward pass), created at %s." % data.OP_SOURCE)
+    expect(page.locator(".selected-name .tensor-name")).to_have_text("logrelu/output")
+    anomaly.locator(".show-anomaly").click()
+    expect(page.locator(".selected-name .tensor-name")).to_have_text(data.OP_TENSOR)
+    page.wait_for_function("() => location.hash.includes('step=%d')" % data.OP_NAN_STEP)
+
+
+def test_banner_says_which_record_of_the_step_and_the_last_finite_step(open_page, tb_more):
+    page = dashboard(open_page, tb_more, "#run=%s" % data.REPEATED_RUN).page
+    anomaly = banner_row(page, data.REPEATED_RUN).locator(".banner.anomaly")
+    expect(anomaly.locator(".headline")).to_have_text("First non-finite value at step %d" % data.REPEATED_NAN_STEP)
+    expect(anomaly.locator(".occurrence")).to_have_text("In record 1 of the 2 records of this tensor at this step.")
+    expect(anomaly.locator(".last-healthy")).to_have_text(
+        "Last healthy step of this tensor: %d. Last finite step: %d." % (data.REPEATED_WARN_STEP - 1, data.REPEATED_NAN_STEP - 1)
+    )
+
+
+def test_hovering_a_warning_cell_names_its_kind_first(open_page, tb):
+    page = dashboard(open_page, tb).page
+    x, y = cell_point(page, data.NAN_RUN, "global_norm", data.SPIKE_STEP, 200)
+    page.mouse.move(x, y)
+    numbers = page.locator('.timeline-run[data-run="%s"] .tooltip .numbers' % data.NAN_RUN)
+    expect(numbers).to_contain_text("max |x|")
+    assert numbers.inner_text().split("\n")[0] == "warning: gradient spike"
+
+
+def _with_fields(extra):
+    """A route handler: the real /summary of run ops, with ``extra(summary)`` applied."""
+
+    def handle(route):
+        response = route.fetch()
+        body = response.json()
+        extra(body)
+        route.fulfill(response=response, json=body)
+
+    return handle
+
+
+def _replayed(summary):
+    """The fields the analysis core adds for a replayed step, hostile names included."""
+    a = summary["first_anomaly"]
+    a.update(
+        tensor="logrelu/output",
+        op={
+            "name": "logrelu/Log",
+            "type": "<b>Log</b>",
+            "source": "<img src=x onerror=alert(1)>.py:12 (call)",
+            "phase": "forward",
+            "inputs": [{"min": 0, "max": "Infinity", "zeros": 3, "size": 64}, "junk", {"min": "NaN"}],
+        },
+        replay={"reproduced": False, "why": "dropout drew other masks"},
+        occurrence={"index": "x", "of": None},
+    )
+    summary["first_warning"] = {"step": 3, "tensor": "ops/logrelu/Relu", "kind": "dead_units", "detail": "96% zeros"}
+    summary["info"] = [{"step": s, "kind": "skipped_step", "tensor": "loss", "detail": "loss scale halved"} for s in range(5)] + [None]
+
+
+def test_op_input_ranges_replay_and_new_kinds_render_as_text(open_page, tb_more):
+    """The banner's contract for the fields the analysis core adds
+    (first_anomaly.op, replay, occurrence; info; new warning kinds): the real
+    /summary of run ``ops`` with those fields added, odd shapes and hostile
+    names included."""
+    p = open_page()
+    p.page.route("**/summary?*", _with_fields(_replayed))
+    p.page.goto(tb_more.url + ENTRY + "#run=ops&tensor=ops%2Flogrelu%2FMatMul&step=1")
+    anomaly = banner_row(p.page, data.OPS_RUN).locator(".banner.anomaly")
+    expect(anomaly.locator(".op")).to_contain_text(
+        "Op: logrelu/Log (<b>Log</b>, forward pass), created at <img src=x onerror=alert(1)>.py:12 (call)."
+    )
+    expect(anomaly.locator(".inputs li")).to_have_text(["input 1: min 0 · max +Inf · 3 exact zeros of 64", "input 3: min NaN"])
+    expect(anomaly.locator(".replay")).to_have_text(
+        "Replay: replaying this step at op level did not reproduce the failure (dropout drew other masks); "
+        "the answer above is from the layer-level records."
+    )
+    expect(anomaly.locator(".occurrence")).to_have_count(0)
+    expect(anomaly.locator(".info li")).to_have_text(
+        ["Step %d: skipped step in loss (loss scale halved)" % s for s in range(3)] + ["and 2 more"]
+    )
+    warning = banner_row(p.page, data.OPS_RUN).locator(".banner.warning .kind")
+    expect(warning).to_have_text("dead units")
+    expect(warning).to_have_attribute("title", "dead_units")
+    assert p.page.locator(".numerics img, .numerics b").count() == 0
+    # "Show me" selects the op's own row, not the layer the anomaly names.
+    expect(p.page.locator(".selected-name .tensor-name")).to_have_text("ops/logrelu/MatMul")
+    anomaly.locator(".show-anomaly").click()
+    expect(p.page.locator(".selected-name .tensor-name")).to_have_text(data.OP_TENSOR)
+    assert p.dialogs == []
+
+
+def _malformed(summary):
+    summary["first_anomaly"].update(op="Log", replay=[1], occurrence=7, likely_cause="x", last_finite_step={})
+    summary.update(info="none", problems=None)
+
+
+def test_fields_of_an_unexpected_shape_render_nothing(open_page, tb_more):
+    p = open_page()
+    p.page.route("**/summary?*", _with_fields(_malformed))
+    p.page.goto(tb_more.url + ENTRY + "#run=ops")
+    anomaly = banner_row(p.page, data.OPS_RUN).locator(".banner.anomaly")
+    expect(anomaly.locator(".headline")).to_have_text("First non-finite value at step %d" % data.OP_NAN_STEP)
+    # The op-level tensor's own record stands in for the malformed op.
+    expect(anomaly.locator(".op")).to_have_text("Op: logrelu/Log (Log, forward pass), created at %s." % data.OP_SOURCE)
+    for part in (".replay", ".occurrence", ".cause", ".info", ".problems"):
+        expect(anomaly.locator(part)).to_have_count(0)
+    expect(anomaly.locator(".last-healthy")).to_have_text("Last healthy step of this tensor: %d." % (data.OP_NAN_STEP - 1))
+
+
 def test_hostile_and_long_tag_names_render_as_text(open_page, tb):
     p = dashboard(open_page, tb)
     page = p.page
