@@ -168,6 +168,7 @@ function warningBanner(run, s, onShow) {
       "."
     ),
     text(w.detail) && el("p", { class: "detail" }, w.detail),
+    text(w.hint) && el("p", { class: "hint" }, el("span", { class: "cause-label" }, "Hint: "), w.hint),
     el("button", { type: "button", class: "show-warning", onclick: () => onShow(run, [w.tensor], w.step) }, "Show me")
   );
 }
