@@ -76,7 +76,7 @@ export class Dashboard {
     watchTheme(() => this.redraw());
     window.addEventListener("hashchange", () => {
       // A pasted or edited link: take its state as a whole.
-      this.state = store.read();
+      this.state = store.read(this.safeForm.keys());
       this.safeForm.set(this.state.params);
       this.charts.setLog(this.state.log);
       this.load();
@@ -90,11 +90,26 @@ export class Dashboard {
       clearTimeout(this.resizeTimer);
       this.resizeTimer = setTimeout(() => this.refetchNarrowTimelines(), 300);
     }).observe(this.timelineHost);
-    api.safeRange().then((d) => this.safeForm.setDefaults(d), () => {});
+    await this.readSafeRangeKeys();
     await this.load();
   }
 
   // ------------------------------------------------------------- loading
+
+  /**
+   * The form's fields from /safe_range, and the link's values of every
+   * parameter it publishes. Without an answer the fields of state.js stay;
+   * the routes' own errors then say what is wrong.
+   */
+  async readSafeRangeKeys() {
+    try {
+      this.safeForm.setDefaults(await api.safeRange());
+    } catch {
+      return;
+    }
+    this.state.params = store.read(this.safeForm.keys()).params;
+    this.safeForm.set(this.state.params);
+  }
 
   showStatus(kind, text) {
     this.status.className = `status ${kind}`;
@@ -130,10 +145,16 @@ export class Dashboard {
     await this.loadRuns(gen);
   }
 
-  /** An error: the server's message, and the safe-range field it names marked. */
+  /**
+   * An error: the server's message, and the safe-range field it names marked
+   * (its messages start with the name). What was shown under the previous
+   * parameters is hidden: it no longer matches the form.
+   */
   fail(e) {
-    const invalid = store.SAFE_RANGE_KEYS.find((k) => e.message.includes(k)) || null;
+    const keys = this.safeForm.keys();
+    const invalid = keys.find((k) => e.message.startsWith(`${k} `)) || keys.find((k) => e.message.includes(k)) || null;
     this.safeForm.set(this.state.params, invalid);
+    this.main.hidden = true;
     this.showStatus("error", `Error: ${e.message}`);
   }
 
@@ -158,7 +179,7 @@ export class Dashboard {
     if (gen !== this.generation) return;
     this.summaries = new Map(items.filter((i) => i.summary).map((i) => [i.run, i.summary]));
     this.status.hidden = true;
-    renderBanners(this.banners, items, (run, tensor, step) => this.showMe(run, tensor, step));
+    renderBanners(this.banners, items, (run, tensors, step) => this.showMe(run, tensors, step));
     if (!this.summaries.has(this.state.focus)) {
       const withAnomaly = runs.find((r) => this.summaries.get(r)?.first_anomaly);
       // A link's tensor is kept when the new focus run has it (pickDefaultSelection checks).
@@ -276,8 +297,14 @@ export class Dashboard {
     this.applySelection();
   }
 
-  /** A banner's "Show me": zoom out if the step is outside the range, select, scroll to it. */
-  async showMe(run, tensor, step) {
+  /**
+   * A banner's "Show me": the first of `tensors` that the run's timeline has
+   * (an op's own row before its layer's), zoomed out if the step is outside
+   * the range, selected and scrolled to.
+   */
+  async showMe(run, tensors, step) {
+    const tl = this.timelines.get(run);
+    const tensor = tensors.find((t) => tl && tl.rowOf(t) >= 0) ?? tensors[tensors.length - 1];
     const { start, end } = this.state;
     Object.assign(this.state, { focus: run, tensor, step });
     if ((start !== null && step < start) || (end !== null && step > end)) {
@@ -285,7 +312,6 @@ export class Dashboard {
     } else {
       this.applySelection();
     }
-    const tl = this.timelines.get(run);
     if (tl) {
       tl.element.scrollIntoView({ block: "nearest" });
       tl.canvas.focus({ preventScroll: true });
@@ -327,9 +353,16 @@ export class Dashboard {
     if (f.nan[0] + f.posinf[0] + f.neginf[0] > 0) {
       lines.push(fmt.nonfiniteCounts({ nan: f.nan[0], posinf: f.posinf[0], neginf: f.neginf[0], size: f.count[0] }));
     }
-    if (s.kinds[0]) lines.push(`warning: ${fmt.kind(s.kinds[0])}`);
+    const kind = s.kinds && s.kinds[0];
+    if (kind) lines.unshift(`${this.isInfoKind(run, kind) ? "information" : "warning"}: ${fmt.kind(kind)}`);
     if (end > start) lines.push("(over the bucket: min of mins, max of maxes, sums of counts)");
     return lines;
+  }
+
+  /** Whether the run's summary lists `kind` as a handled event (information, not a warning). */
+  isInfoKind(run, kind) {
+    const info = this.summaries.get(run)?.info;
+    return Array.isArray(info) && info.some((i) => i && i.kind === kind);
   }
 
   getSeries(run, tensor, range) {

@@ -1,49 +1,153 @@
 // The first anomaly and first warning of each run, in words (SPEC section 2),
 // with buttons that select the tensor and step in the timeline and charts.
+// Every field of /summary is rendered defensively: names are text, never
+// HTML, and a field that is absent (or not of the documented shape) renders
+// nothing, so a server that adds or leaves out fields never breaks the page.
 
+import { toNumber } from "./api.js";
 import { el, replace } from "./dom.js";
 import * as fmt from "./format.js";
 
+// Op-level records are named "ops/" + the op's name (tb_numerics.oplevel).
+const OP_TAG_PREFIX = "ops/";
+// Informational events listed in a banner; the rest are counted.
+const INFO_SHOWN = 3;
+
+/** A string or number as text; anything else (objects, null) as null. */
+function text(v) {
+  return typeof v === "string" || (typeof v === "number" && Number.isFinite(v)) ? String(v) : null;
+}
+
+function isObject(v) {
+  return v !== null && typeof v === "object" && !Array.isArray(v);
+}
+
+/** A whole count from the JSON, or null. */
+function countOf(v) {
+  const n = toNumber(v);
+  return Number.isInteger(n) && n >= 0 ? n : null;
+}
+
 function opWords(item) {
   const parts = [];
-  if (item.op_type) parts.push(`op ${item.op_type}`);
-  if (item.phase) parts.push(`${item.phase} pass`);
+  if (text(item.op_type)) parts.push(`op ${item.op_type}`);
+  if (text(item.phase)) parts.push(`${item.phase} pass`);
   return parts.length ? ` (${parts.join(", ")})` : "";
+}
+
+/** "record 1 of 2 logged at this step", for a tag logged more than once per step. */
+function occurrenceWords(a) {
+  const o = a.occurrence;
+  if (!isObject(o)) return null;
+  const index = countOf(o.index);
+  const of = countOf(o.of);
+  if (index === null || of === null || of < 2) return null;
+  return el("p", { class: "occurrence" }, `In record ${fmt.count(index)} of the ${fmt.count(of)} records of this tensor at this step.`);
+}
+
+function lastHealthyWords(a) {
+  const healthy = countOf(a.last_healthy_step);
+  const finite = countOf(a.last_finite_step);
+  const words = [
+    healthy === null ? "This tensor has no healthy record before it." : `Last healthy step of this tensor: ${fmt.count(healthy)}.`,
+  ];
+  if (finite !== null && finite !== healthy) words.push(`Last finite step: ${fmt.count(finite)}.`);
+  else if (finite === null && healthy === null && "last_finite_step" in a) words.push("No finite record before it either.");
+  return el("p", { class: "last-healthy" }, words.join(" "));
+}
+
+/** One input's range at the failing step: "#1: min 0 · max 3.2 · 12 zeros of 4,096". */
+function inputWords(input, i) {
+  if (!isObject(input)) return null;
+  const parts = [];
+  if (input.min !== undefined) parts.push(`min ${fmt.number(toNumber(input.min))}`);
+  if (input.max !== undefined) parts.push(`max ${fmt.number(toNumber(input.max))}`);
+  const zeros = countOf(input.zeros);
+  const size = countOf(input.size);
+  if (zeros !== null) parts.push(`${fmt.count(zeros)} exact zero${zeros === 1 ? "" : "s"}${size !== null ? ` of ${fmt.count(size)}` : ""}`);
+  else if (size !== null) parts.push(`${fmt.count(size)} values`);
+  return parts.length ? el("li", {}, `input ${i + 1}: ${parts.join(" · ")}`) : null;
+}
+
+/** first_anomaly.op, or for an op-level anomaly without it, the same from its own record. */
+function opOf(a) {
+  if (isObject(a.op)) return a.op;
+  if (typeof a.tensor !== "string" || !a.tensor.startsWith(OP_TAG_PREFIX)) return null;
+  // Op-level records carry the source line as their description.
+  return { name: a.tensor.slice(OP_TAG_PREFIX.length), type: a.op_type, phase: a.phase, source: a.tensor_description };
+}
+
+/**
+ * The exact op (first_anomaly.op, from op-level records or a replay): name,
+ * type, phase, the user's source line and its inputs' ranges.
+ */
+function opDetail(a) {
+  const op = opOf(a);
+  if (!op) return null;
+  const source = text(op.source);
+  const name = text(op.name);
+  const kind = [text(op.type), text(op.phase) && `${op.phase} pass`].filter(Boolean).join(", ");
+  const parts = [];
+  if (name || kind) {
+    parts.push(el("span", { class: "cause-label" }, "Op: "), name && el("span", { class: "tensor-name op-name" }, name), kind && (name ? ` (${kind})` : kind));
+  }
+  if (source) parts.push(parts.length ? ", created at " : el("span", { class: "cause-label" }, "Created at: "), el("code", { class: "source" }, source));
+  const inputs = Array.isArray(op.inputs) ? op.inputs.map(inputWords).filter(Boolean) : [];
+  if (!parts.length && !inputs.length) return null;
+  return el(
+    "div",
+    { class: "op" },
+    parts.length ? el("p", {}, ...parts, ".") : null,
+    inputs.length ? el("p", { class: "inputs-label" }, "Its inputs at this step:") : null,
+    inputs.length ? el("ul", { class: "inputs" }, ...inputs) : null
+  );
+}
+
+/** A replay of the step that did not reproduce the failure says so, and why. */
+function replayWords(a) {
+  const r = a.replay;
+  if (!isObject(r) || r.reproduced !== false) return null;
+  const why = text(r.why);
+  return el(
+    "p",
+    { class: "replay" },
+    el("span", { class: "cause-label" }, "Replay: "),
+    `replaying this step at op level did not reproduce the failure${why ? ` (${why})` : ""}; the answer above is from the layer-level records.`
+  );
+}
+
+/** "Show me" goes to the op's own row where the timeline has one. */
+function showTargets(a) {
+  const name = isObject(a.op) ? text(a.op.name) : null;
+  return name ? [OP_TAG_PREFIX + name, a.tensor] : [a.tensor];
 }
 
 function anomalyBanner(run, s, onShow) {
   const a = s.first_anomaly;
-  const lastHealthy =
-    a.last_healthy_step === null
-      ? "This tensor has no finite record before it."
-      : `Last healthy step of this tensor: ${fmt.count(a.last_healthy_step)}.`;
-  const cause = a.likely_cause;
+  const cause = isObject(a.likely_cause) ? a.likely_cause : null;
   return el(
     "section",
     { class: "banner anomaly", "aria-label": `First anomaly of run ${run}` },
     el("h3", { class: "headline" }, `First non-finite value at step ${fmt.count(a.step)}`),
-    el(
-      "p",
-      {},
-      el("span", { class: "tensor-name" }, a.tensor),
-      opWords(a),
-      ": ",
-      el("strong", { class: "counts" }, fmt.nonfiniteCounts(a)),
-      "."
-    ),
-    el("p", { class: "last-healthy" }, lastHealthy),
-    a.hint && el("p", { class: "hint" }, el("span", { class: "cause-label" }, "Hint: "), a.hint),
+    el("p", {}, el("span", { class: "tensor-name" }, a.tensor), opWords(a), ": ", el("strong", { class: "counts" }, fmt.nonfiniteCounts(a)), "."),
+    occurrenceWords(a),
+    opDetail(a),
+    replayWords(a),
+    lastHealthyWords(a),
+    text(a.hint) && el("p", { class: "hint" }, el("span", { class: "cause-label" }, "Hint: "), a.hint),
     cause &&
       el(
         "p",
         { class: "cause" },
         el("span", { class: "cause-label" }, "Likely cause: "),
         el("span", { class: "tensor-name" }, cause.tensor),
-        ` at step ${fmt.count(cause.step)} was already out of the safe range (${fmt.kind(cause.kind)}: ${cause.detail}).`
+        ` at step ${fmt.count(cause.step)} was already out of the safe range (`,
+        el("span", { class: "kind", title: text(cause.kind) }, fmt.kind(cause.kind)),
+        `: ${text(cause.detail) ?? ""}).`
       ),
-    el("button", { type: "button", class: "show-anomaly", onclick: () => onShow(run, a.tensor, a.step) }, "Show me"),
+    el("button", { type: "button", class: "show-anomaly", onclick: () => onShow(run, showTargets(a), a.step) }, "Show me"),
     cause &&
-      el("button", { type: "button", class: "show-cause", onclick: () => onShow(run, cause.tensor, cause.step) }, "Show the likely cause")
+      el("button", { type: "button", class: "show-cause", onclick: () => onShow(run, [cause.tensor], cause.step) }, "Show the likely cause")
   );
 }
 
@@ -54,10 +158,37 @@ function warningBanner(run, s, onShow) {
     "section",
     { class: "banner warning", "aria-label": `First warning of run ${run}` },
     el("h3", { class: "headline" }, `First warning at step ${fmt.count(w.step)}${before}`),
-    el("p", {}, el("span", { class: "tensor-name" }, w.tensor), opWords(w), ": ", el("strong", {}, fmt.kind(w.kind)), "."),
-    el("p", { class: "detail" }, w.detail),
-    el("button", { type: "button", class: "show-warning", onclick: () => onShow(run, w.tensor, w.step) }, "Show me")
+    el(
+      "p",
+      {},
+      el("span", { class: "tensor-name" }, w.tensor),
+      opWords(w),
+      ": ",
+      el("strong", { class: "kind", title: text(w.kind) }, fmt.kind(w.kind)),
+      "."
+    ),
+    text(w.detail) && el("p", { class: "detail" }, w.detail),
+    text(w.hint) && el("p", { class: "hint" }, el("span", { class: "cause-label" }, "Hint: "), w.hint),
+    el("button", { type: "button", class: "show-warning", onclick: () => onShow(run, [w.tensor], w.step) }, "Show me")
   );
+}
+
+/** Handled events (e.g. a loss-scale skip the next step recovered from): not warnings. */
+function infoList(s) {
+  const items = Array.isArray(s.info) ? s.info.filter((i) => isObject(i) && countOf(i.step) !== null) : [];
+  if (!items.length) return null;
+  const lines = items.slice(0, INFO_SHOWN).map((i) =>
+    el(
+      "li",
+      {},
+      `Step ${fmt.count(i.step)}: `,
+      el("span", { class: "kind", title: text(i.kind) }, fmt.kind(i.kind)),
+      text(i.tensor) ? [" in ", el("span", { class: "tensor-name" }, i.tensor)] : null,
+      text(i.detail) ? ` (${i.detail})` : null
+    )
+  );
+  if (items.length > INFO_SHOWN) lines.push(el("li", {}, `and ${fmt.count(items.length - INFO_SHOWN)} more`));
+  return el("div", { class: "info" }, el("p", { class: "cause-label" }, "Information (handled, not a warning):"), el("ul", {}, ...lines));
 }
 
 function healthyBanner(s) {
@@ -73,7 +204,8 @@ function healthyBanner(s) {
 
 /**
  * Renders one row per run: [anomaly or healthy] [first warning].
- * `items` is [{run, summary}] or [{run, error}]; onShow(run, tensor, step).
+ * `items` is [{run, summary}] or [{run, error}]; onShow(run, tensors, step)
+ * selects the first of `tensors` that the run's timeline has.
  */
 export function renderBanners(container, items, onShow) {
   const rows = items.map(({ run, summary, error }) => {
@@ -81,13 +213,15 @@ export function renderBanners(container, items, onShow) {
     if (error) {
       return el("div", { class: "banner-row single", dataset: { run } }, el("section", { class: "banner anomaly" }, label, el("p", { class: "error" }, error)));
     }
-    const main = summary.first_anomaly ? anomalyBanner(run, summary, onShow) : healthyBanner(summary);
+    const main = isObject(summary.first_anomaly) ? anomalyBanner(run, summary, onShow) : healthyBanner(summary);
     main.prepend(label);
-    if (summary.problems && summary.problems.length) {
-      main.append(el("div", { class: "problems" }, ...summary.problems.map((p) => el("p", {}, "Skipped: ", p))));
+    if (Array.isArray(summary.problems) && summary.problems.length) {
+      main.append(el("div", { class: "problems" }, ...summary.problems.map((p) => el("p", {}, "Skipped: ", text(p) ?? ""))));
     }
+    const info = infoList(summary);
+    if (info) main.append(info);
     const row = el("div", { class: "banner-row", dataset: { run } }, main);
-    if (summary.first_warning) row.append(warningBanner(run, summary, onShow));
+    if (isObject(summary.first_warning)) row.append(warningBanner(run, summary, onShow));
     else row.classList.add("single");
     return row;
   });

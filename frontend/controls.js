@@ -5,11 +5,30 @@
 import { el, replace } from "./dom.js";
 import { SAFE_RANGE_KEYS } from "./state.js";
 
+// Label and placeholder (for a default of null or none) of the parameters
+// known here; a parameter the server adds gets its name as the label.
 const LABELS = {
   max_abs: ["Max |x|", "dtype margin"],
   grad_norm_limit: ["Gradient-norm limit", "none"],
   spike_factor: ["Spike factor", null],
+  spike_window: ["Spike window", null],
+  vanishing_floor: ["Vanishing floor", null],
+  underflow_share: ["Underflow share", null],
+  allow_neginf: ["Allow -Inf in (tag patterns)", "e.g. attention/*/mask"],
 };
+
+function labelOf(key) {
+  const name = key.replace(/_/g, " ");
+  return LABELS[key] || [name.charAt(0).toUpperCase() + name.slice(1), null];
+}
+
+/** A default as a placeholder: lists joined by commas, null as "none". */
+function placeholderOf(key, value) {
+  const fallback = labelOf(key)[1] || "none";
+  if (value === null || value === undefined) return fallback;
+  if (Array.isArray(value)) return value.length ? value.join(", ") : fallback;
+  return String(value);
+}
 
 /** Checkboxes of the runs, each with a dot coloured by its headline health. */
 export class RunPicker {
@@ -44,49 +63,78 @@ export class RunPicker {
   }
 }
 
-/** The safe-range form: Apply (or Enter) sends the values, Reset clears them. */
+/**
+ * The safe-range form, one field per parameter that /safe_range publishes
+ * (the ones of state.js until it answers): Apply (or Enter) sends the
+ * values, Reset clears them.
+ */
 export class SafeRangeForm {
   constructor(onApply) {
     this.inputs = {};
-    const fields = SAFE_RANGE_KEYS.map((key) => {
-      const input = el("input", { type: "text", inputmode: "decimal", name: key, autocomplete: "off" });
-      this.inputs[key] = input;
-      return el("label", {}, LABELS[key][0], input);
-    });
+    this.params = {};
+    this.invalidKey = null;
+    this.fields = el("div", { class: "fields" });
     const form = el(
       "form",
       { class: "safe-range" },
-      ...fields,
-      el("button", { type: "submit" }, "Apply"),
-      el("button", { type: "button", onclick: () => onApply({}) }, "Reset")
+      this.fields,
+      el("div", { class: "buttons" }, el("button", { type: "submit" }, "Apply"), el("button", { type: "button", onclick: () => onApply({}) }, "Reset"))
     );
     form.addEventListener("submit", (e) => {
       e.preventDefault();
       onApply(this.values());
     });
     this.element = el("fieldset", {}, el("legend", {}, "Safe range"), form);
+    this.build(SAFE_RANGE_KEYS, {}, {});
   }
 
-  /** Placeholders from /safe_range's defaults; help texts as titles. */
+  /** The parameter names, in the form's order. */
+  keys() {
+    return Object.keys(this.inputs);
+  }
+
+  /** One text field per parameter; defaults as placeholders, help texts as titles. */
+  build(keys, defaults, help) {
+    this.inputs = {};
+    const fields = keys.map((key) => {
+      const list = Array.isArray(defaults[key]);
+      const input = el("input", {
+        type: "text",
+        inputmode: list ? "text" : "decimal",
+        name: key,
+        autocomplete: "off",
+        spellcheck: "false",
+        class: list ? "patterns" : null,
+        placeholder: placeholderOf(key, defaults[key]),
+        title: typeof help[key] === "string" ? `${key}: ${help[key]}` : key,
+      });
+      this.inputs[key] = input;
+      return el("label", {}, labelOf(key)[0], input);
+    });
+    replace(this.fields, fields);
+    this.set(this.params, this.invalidKey);
+  }
+
+  /** Rebuilds the fields from /safe_range's answer ({defaults, params}). */
   setDefaults({ defaults = {}, params = {} }) {
-    for (const key of SAFE_RANGE_KEYS) {
-      const d = defaults[key];
-      this.inputs[key].placeholder = d === null || d === undefined ? LABELS[key][1] || "" : String(d);
-      if (params[key]) this.inputs[key].title = params[key];
-    }
+    const keys = Object.keys(params).length ? Object.keys(params) : SAFE_RANGE_KEYS;
+    this.build(keys, defaults, params);
   }
 
+  /** Shows the values of a view; `invalidKey`'s field is marked invalid. */
   set(params, invalidKey = null) {
-    for (const key of SAFE_RANGE_KEYS) {
-      this.inputs[key].value = params[key] ?? "";
-      this.inputs[key].setAttribute("aria-invalid", key === invalidKey ? "true" : "false");
+    this.params = { ...params };
+    this.invalidKey = invalidKey;
+    for (const [key, input] of Object.entries(this.inputs)) {
+      input.value = params[key] ?? "";
+      input.setAttribute("aria-invalid", key === invalidKey ? "true" : "false");
     }
   }
 
   values() {
     const out = {};
-    for (const key of SAFE_RANGE_KEYS) {
-      const v = this.inputs[key].value.trim();
+    for (const [key, input] of Object.entries(this.inputs)) {
+      const v = input.value.trim();
       if (v) out[key] = v;
     }
     return out;

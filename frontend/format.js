@@ -28,9 +28,21 @@ export function nonfiniteCounts({ nan, posinf, neginf, size }) {
   return `${parts.join(", ") || "no non-finite values"} of ${count(size)} value${size === 1 ? "" : "s"}`;
 }
 
-/** "overflow_risk" -> "overflow risk". */
+// Warning kinds whose name alone says too little; the others read as their
+// name with spaces ("overflow_risk" -> "overflow risk").
+const KIND_WORDS = {
+  dead_units: "dead units",
+  vanishing_by_depth: "vanishing gradients by depth",
+  exploding_by_depth: "exploding gradients by depth",
+  saturation: "saturated activations",
+  update_ratio: "update ratio out of range",
+  headroom: "headroom running out",
+};
+
+/** A warning kind in words: "saturation" -> "saturated activations". */
 export function kind(k) {
-  return k ? k.replace(/_/g, " ") : "";
+  if (typeof k !== "string") return "";
+  return Object.hasOwn(KIND_WORDS, k) ? KIND_WORDS[k] : k.replace(/_/g, " ");
 }
 
 /** A step range "1,200–1,299", or one step "1,200". */

@@ -2,8 +2,20 @@
 // link (e.g. /data/plugin_entry.html?name=numerics#run=a&tensor=loss&step=7)
 // reproduces it. Inside TensorBoard this is the iframe's location.
 
-/** The safe-range parameters the controls set (http_api.md). */
-export const SAFE_RANGE_KEYS = ["max_abs", "grad_norm_limit", "spike_factor"];
+/**
+ * The safe-range parameters of http_api.md, used until /safe_range answers
+ * with the ones the server publishes (which then replace them): every one of
+ * them is kept in the hash, so a link reproduces what counts as a warning.
+ */
+export const SAFE_RANGE_KEYS = [
+  "max_abs",
+  "grad_norm_limit",
+  "spike_factor",
+  "spike_window",
+  "vanishing_floor",
+  "underflow_share",
+  "allow_neginf",
+];
 
 export function emptyState() {
   return { runs: [], focus: null, tensor: null, step: null, start: null, end: null, log: false, params: {} };
@@ -15,8 +27,11 @@ function int(value) {
   return Number.isInteger(n) ? n : null;
 }
 
-/** Parses "#run=a&run=b&tensor=t&step=5&start=0&end=9&log=1&max_abs=100". */
-export function parse(hash) {
+/**
+ * Parses "#run=a&run=b&tensor=t&step=5&start=0&end=9&log=1&max_abs=100";
+ * `keys` names the safe-range parameters to take (others are dropped).
+ */
+export function parse(hash, keys = SAFE_RANGE_KEYS) {
   const q = new URLSearchParams(hash.replace(/^#/, ""));
   const state = emptyState();
   state.runs = q.getAll("run");
@@ -26,7 +41,7 @@ export function parse(hash) {
   state.start = int(q.get("start"));
   state.end = int(q.get("end"));
   state.log = q.get("log") === "1";
-  for (const key of SAFE_RANGE_KEYS) {
+  for (const key of keys) {
     const value = q.get(key);
     if (value !== null && value !== "") state.params[key] = value;
   }
@@ -40,12 +55,12 @@ export function serialize(state) {
   if (state.tensor !== null) q.set("tensor", state.tensor);
   for (const key of ["step", "start", "end"]) if (state[key] !== null) q.set(key, String(state[key]));
   if (state.log) q.set("log", "1");
-  for (const key of SAFE_RANGE_KEYS) if (state.params[key] !== undefined) q.set(key, state.params[key]);
+  for (const [key, value] of Object.entries(state.params)) if (value !== undefined) q.set(key, value);
   return q.toString();
 }
 
-export function read() {
-  return parse(window.location.hash);
+export function read(keys = SAFE_RANGE_KEYS) {
+  return parse(window.location.hash, keys);
 }
 
 /** Writes the hash without adding history entries (TensorBoard's back button stays TensorBoard's). */

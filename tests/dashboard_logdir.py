@@ -72,3 +72,92 @@ def write(logdir: str) -> str:
                 for tag, info in _tensors():
                     w.write(tag, step, _values(tag, step, rng, diverging), info)
     return logdir
+
+
+# ---------------------------------------------------------------- more runs
+#
+# A second logdir (write_more), for what the first one's runs cannot show
+# without changing what the tests above assert:
+#
+# * run ``masked`` (steps 0-59): ``attention/scores`` holds 4 -Inf at every
+#   step (an attention mask, not marked as intended by its writer), and
+#   ``loss`` is NaN from step 30: the first anomaly is step 0 unless
+#   ``allow_neginf`` matches ``attention/*``, then step 30.
+# * run ``ops``: layer-level ``logrelu/output`` and op-level records
+#   (``ops/...``, op type and source line as description) of the ops inside
+#   it; ``ops/logrelu/Log`` goes -Inf at step 5, where the ReLU before it
+#   emits exact zeros.
+# * run ``repeated``: ``grads/accum`` logged twice per step (two
+#   micro-batches, in packed events); max |x| beyond float32's overflow margin from step 4,
+#   and -Inf in the first of the two records at step 7.
+
+MASKED_RUN = "masked"
+MASKED_TENSOR = "attention/scores"
+MASKED_NAN_STEP = 30
+OPS_RUN = "ops"
+OP_TENSOR = "ops/logrelu/Log"
+OP_SOURCE = "model.py:12 (call)"
+OP_NAN_STEP = 5
+REPEATED_RUN = "repeated"
+REPEATED_TENSOR = "grads/accum"
+REPEATED_NAN_STEP = 7
+REPEATED_WARN_STEP = 4
+
+
+def _masked(w: NumericsRecordWriter, rng: np.random.Generator) -> None:
+    TI = metadata.TensorInfo
+    tensors = [
+        (MASKED_TENSOR, TI(role="activation", order=0, shape=(8, 8))),
+        ("dense/output", TI(role="activation", order=1, shape=(8, 8))),
+        ("loss", TI(role="loss", order=2, shape=())),
+    ]
+    for step in range(60):
+        for tag, info in tensors:
+            x = rng.standard_normal(64 if info.shape else 1).astype(np.float32)
+            if tag == MASKED_TENSOR:
+                x[:4] = -np.inf
+            if tag == "loss" and step >= MASKED_NAN_STEP:
+                x[:] = np.nan
+            w.write(tag, step, numpy_stats(x), info)
+
+
+def _ops(w: NumericsRecordWriter, rng: np.random.Generator) -> None:
+    TI = metadata.TensorInfo
+    tensors = [
+        ("ops/logrelu/MatMul", TI(role="activation", order=0, shape=(8, 8), op_type="MatMul", description="model.py:10 (call)")),
+        ("ops/logrelu/Relu", TI(role="activation", order=1, shape=(8, 8), op_type="Relu", description="model.py:11 (call)")),
+        (OP_TENSOR, TI(role="activation", order=2, shape=(8, 8), op_type="Log", description=OP_SOURCE)),
+        ("logrelu/output", TI(role="activation", order=10, shape=(8, 8), op_type="LogRelu")),
+    ]
+    for step in range(20):
+        for tag, info in tensors:
+            x = np.abs(rng.standard_normal(64)).astype(np.float32) + 0.5
+            if step >= OP_NAN_STEP and tag == "ops/logrelu/Relu":
+                x[:3] = 0
+            if step >= OP_NAN_STEP and tag in (OP_TENSOR, "logrelu/output"):
+                x[:3] = -np.inf
+            w.write(tag, step, numpy_stats(x), info)
+
+
+def _repeated(w: NumericsRecordWriter, rng: np.random.Generator) -> None:
+    info = metadata.TensorInfo(role="gradient", order=0, shape=(8, 8))
+    for step in range(12):
+        records = []
+        for occurrence in range(2):
+            x = rng.standard_normal(64).astype(np.float32)
+            if step >= REPEATED_WARN_STEP:
+                x[0] = 3e38
+            if step == REPEATED_NAN_STEP and occurrence == 0:
+                x[1] = -np.inf
+            records.append((REPEATED_TENSOR, numpy_stats(x), info))
+        # Packed: TensorBoard keeps one event per tag and step, a block keeps every row.
+        w.write_many(step, records)
+
+
+def write_more(logdir: str) -> str:
+    """Writes the runs ``masked``, ``ops`` and ``repeated`` under ``logdir``."""
+    rng = np.random.default_rng(1)
+    for run, fill in ((MASKED_RUN, _masked), (OPS_RUN, _ops), (REPEATED_RUN, _repeated)):
+        with NumericsRecordWriter(os.path.join(logdir, run)) as w:
+            fill(w, rng)
+    return logdir

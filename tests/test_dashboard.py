@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import struct
+import urllib.parse
 import zlib
 
 import pytest
@@ -39,6 +40,15 @@ def tb(tmp_path_factory):
     with tb_process.tensorboard(logdir) as proc:
         # TensorBoard reads the logdir in the background: wait until the plugin sees both runs.
         tb_process.wait_for(lambda: len(proc.get_json("/data/plugin/numerics/runs")["runs"]) == 2, timeout=60)
+        yield proc
+
+
+@pytest.fixture(scope="module")
+def tb_more(tmp_path_factory):
+    """TensorBoard on dashboard_logdir.write_more's runs (masked, ops, repeated)."""
+    logdir = data.write_more(str(tmp_path_factory.mktemp("dash_more") / "logs"))
+    with tb_process.tensorboard(logdir) as proc:
+        tb_process.wait_for(lambda: len(proc.get_json("/data/plugin/numerics/runs")["runs"]) == 3, timeout=60)
         yield proc
 
 
@@ -299,6 +309,216 @@ def test_a_malformed_parameter_shows_the_servers_message(open_page, tb):
     error.wait_for()
     assert "max_abs must be a number" in error.inner_text()
     expect(p.page.get_by_label("Max |x|", exact=True)).to_have_attribute("aria-invalid", "true")
+
+
+# A valid value, not the default, of each safe-range parameter of http_api.md.
+PARAM_VALUES = {
+    "max_abs": "5",
+    "grad_norm_limit": "1000",
+    "spike_factor": "50",
+    "spike_window": "7",
+    "vanishing_floor": "0",
+    "underflow_share": "0.5",
+    "allow_neginf": "attention/*,*/mask",
+}
+
+
+def test_every_safe_range_parameter_has_a_field_and_lives_in_the_link(open_page, tb):
+    published = tb.get_json("/data/plugin/numerics/safe_range")["params"]
+    assert set(PARAM_VALUES) <= set(published)
+    p = open_page()
+    asked = []
+    p.page.on("request", lambda r: asked.append(r.url) if "/summary?" in r.url else None)
+    link = "#run=diverging&" + "&".join("%s=%s" % (k, urllib.parse.quote(v, safe="")) for k, v in PARAM_VALUES.items())
+    p.page.goto(tb.url + ENTRY + link)
+    for key, value in PARAM_VALUES.items():
+        expect(p.page.locator('.safe-range input[name="%s"]' % key)).to_have_value(value)
+    # A parameter the server adds gets its field too, its help text as the title.
+    for key, help_text in published.items():
+        expect(p.page.locator('.safe-range input[name="%s"]' % key)).to_have_attribute("title", "%s: %s" % (key, help_text))
+    # The routes are asked with every one of them (max_abs=5 moves the first warning to step 81).
+    expect(banner_row(p.page, data.NAN_RUN).locator(".banner.warning .headline")).to_have_text(
+        re.compile(r"^First warning at step 81")
+    )
+    query = urllib.parse.parse_qs(urllib.parse.urlsplit(asked[-1]).query)
+    assert {k: query[k][0] for k in PARAM_VALUES} == PARAM_VALUES
+
+    # A field changed in the form joins the others in the link, and the link reproduces the form.
+    field = p.page.locator('.safe-range input[name="spike_window"]')
+    field.fill("9")
+    field.press("Enter")
+    p.page.wait_for_function("() => location.hash.includes('spike_window=9')")
+    hash_ = p.page.evaluate("location.hash")
+    kept = urllib.parse.parse_qs(hash_[1:])
+    assert {k: kept[k][0] for k in PARAM_VALUES} == dict(PARAM_VALUES, spike_window="9")
+    again = dashboard(open_page, tb, hash_).page
+    for key, value in dict(PARAM_VALUES, spike_window="9").items():
+        expect(again.locator('.safe-range input[name="%s"]' % key)).to_have_value(value)
+
+
+def test_allow_neginf_control_moves_the_first_anomaly_and_is_kept_in_the_link(open_page, tb_more):
+    page = dashboard(open_page, tb_more, "#run=%s" % data.MASKED_RUN).page
+    headline = banner_row(page, data.MASKED_RUN).locator(".banner.anomaly .headline")
+    expect(headline).to_have_text("First non-finite value at step 0")
+    assert data.MASKED_TENSOR in banner_row(page, data.MASKED_RUN).locator(".banner.anomaly").inner_text()
+    field = page.get_by_label("Allow -Inf in (tag patterns)")
+    field.fill("attention/*")
+    field.press("Enter")
+    page.wait_for_function(
+        "() => document.querySelector('.banner-row[data-run=masked] .banner.anomaly .headline')"
+        "?.innerText === 'First non-finite value at step %d'" % data.MASKED_NAN_STEP
+    )
+    link = page.evaluate("location.hash")
+    assert "allow_neginf=attention%2F*" in link
+    again = dashboard(open_page, tb_more, link).page
+    expect(again.get_by_label("Allow -Inf in (tag patterns)")).to_have_value("attention/*")
+    expect(banner_row(again, data.MASKED_RUN).locator(".banner.anomaly .headline")).to_have_text(
+        "First non-finite value at step %d" % data.MASKED_NAN_STEP
+    )
+
+
+def test_invalid_parameters_show_the_servers_message_one_at_a_time(open_page, tb):
+    p = open_page()
+    p.page.goto(tb.url + ENTRY + "#spike_window=0&underflow_share=2")
+    error = p.page.locator(".status.error")
+    expect(error).to_contain_text("spike_window must be a whole number from 1 to 10000")
+    window = p.page.locator('.safe-range input[name="spike_window"]')
+    share = p.page.locator('.safe-range input[name="underflow_share"]')
+    expect(window).to_have_attribute("aria-invalid", "true")
+    window.fill("5")
+    window.press("Enter")
+    expect(error).to_contain_text("underflow_share must be in (0, 1]")
+    expect(share).to_have_attribute("aria-invalid", "true")
+    expect(window).to_have_attribute("aria-invalid", "false")
+    share.fill("0.5")
+    share.press("Enter")
+    expect(banner_row(p.page, data.NAN_RUN).locator(".banner.anomaly .headline")).to_be_visible()
+    expect(error).to_be_hidden()
+    # From a good view, a bad value hides the banners it no longer matches.
+    floor = p.page.locator('.safe-range input[name="vanishing_floor"]')
+    floor.fill("-1")
+    floor.press("Enter")
+    expect(error).to_contain_text("vanishing_floor must not be negative")
+    expect(p.page.locator(".banners")).to_be_hidden()
+    assert "vanishing_floor=-1" in p.page.evaluate("location.hash")
+
+
+def test_banner_names_the_ops_type_and_source_line_and_show_me_selects_its_row(open_page, tb_more):
+    page = dashboard(open_page, tb_more, "#run=ops&tensor=logrelu%2Foutput&step=2").page
+    anomaly = banner_row(page, data.OPS_RUN).locator(".banner.anomaly")
+    expect(anomaly.locator(".headline")).to_have_text("First non-finite value at step %d" % data.OP_NAN_STEP)
+    expect(anomaly.locator(".op")).to_have_text("Op: logrelu/Log (Log, forward pass), created at %s." % data.OP_SOURCE)
+    expect(page.locator(".selected-name .tensor-name")).to_have_text("logrelu/output")
+    anomaly.locator(".show-anomaly").click()
+    expect(page.locator(".selected-name .tensor-name")).to_have_text(data.OP_TENSOR)
+    page.wait_for_function("() => location.hash.includes('step=%d')" % data.OP_NAN_STEP)
+
+
+def test_banner_says_which_record_of_the_step_and_the_last_finite_step(open_page, tb_more):
+    page = dashboard(open_page, tb_more, "#run=%s" % data.REPEATED_RUN).page
+    anomaly = banner_row(page, data.REPEATED_RUN).locator(".banner.anomaly")
+    expect(anomaly.locator(".headline")).to_have_text("First non-finite value at step %d" % data.REPEATED_NAN_STEP)
+    expect(anomaly.locator(".occurrence")).to_have_text("In record 1 of the 2 records of this tensor at this step.")
+    expect(anomaly.locator(".last-healthy")).to_have_text(
+        "Last healthy step of this tensor: %d. Last finite step: %d." % (data.REPEATED_WARN_STEP - 1, data.REPEATED_NAN_STEP - 1)
+    )
+
+
+def test_hovering_a_warning_cell_names_its_kind_first(open_page, tb):
+    page = dashboard(open_page, tb).page
+    x, y = cell_point(page, data.NAN_RUN, "global_norm", data.SPIKE_STEP, 200)
+    page.mouse.move(x, y)
+    numbers = page.locator('.timeline-run[data-run="%s"] .tooltip .numbers' % data.NAN_RUN)
+    expect(numbers).to_contain_text("max |x|")
+    assert numbers.inner_text().split("\n")[0] == "warning: gradient spike"
+
+
+def _with_fields(extra):
+    """A route handler: the real /summary of run ops, with ``extra(summary)`` applied."""
+
+    def handle(route):
+        response = route.fetch()
+        body = response.json()
+        extra(body)
+        route.fulfill(response=response, json=body)
+
+    return handle
+
+
+def _replayed(summary):
+    """The fields the analysis core adds for a replayed step, hostile names included."""
+    a = summary["first_anomaly"]
+    a.update(
+        tensor="logrelu/output",
+        op={
+            "name": "logrelu/Log",
+            "type": "<b>Log</b>",
+            "source": "<img src=x onerror=alert(1)>.py:12 (call)",
+            "phase": "forward",
+            "inputs": [{"min": 0, "max": "Infinity", "zeros": 3, "size": 64}, "junk", {"min": "NaN"}],
+        },
+        replay={"reproduced": False, "why": "dropout drew other masks"},
+        occurrence={"index": "x", "of": None},
+    )
+    summary["first_warning"] = {
+        "step": 3,
+        "tensor": "ops/logrelu/Relu",
+        "kind": "dead_units",
+        "detail": "96% zeros",
+        "hint": "<i>lower</i> the bias init",
+    }
+    summary["info"] = [{"step": s, "kind": "skipped_step", "tensor": "loss", "detail": "loss scale halved"} for s in range(5)] + [None]
+
+
+def test_op_input_ranges_replay_and_new_kinds_render_as_text(open_page, tb_more):
+    """The banner's contract for the fields the analysis core adds
+    (first_anomaly.op, replay, occurrence; info; new warning kinds): the real
+    /summary of run ``ops`` with those fields added, odd shapes and hostile
+    names included."""
+    p = open_page()
+    p.page.route("**/summary?*", _with_fields(_replayed))
+    p.page.goto(tb_more.url + ENTRY + "#run=ops&tensor=ops%2Flogrelu%2FMatMul&step=1")
+    anomaly = banner_row(p.page, data.OPS_RUN).locator(".banner.anomaly")
+    expect(anomaly.locator(".op")).to_contain_text(
+        "Op: logrelu/Log (<b>Log</b>, forward pass), created at <img src=x onerror=alert(1)>.py:12 (call)."
+    )
+    expect(anomaly.locator(".inputs li")).to_have_text(["input 1: min 0 · max +Inf · 3 exact zeros of 64", "input 3: min NaN"])
+    expect(anomaly.locator(".replay")).to_have_text(
+        "Replay: replaying this step at op level did not reproduce the failure (dropout drew other masks); "
+        "the answer above is from the layer-level records."
+    )
+    expect(anomaly.locator(".occurrence")).to_have_count(0)
+    expect(anomaly.locator(".info li")).to_have_text(
+        ["Step %d: skipped step in loss (loss scale halved)" % s for s in range(3)] + ["and 2 more"]
+    )
+    warning = banner_row(p.page, data.OPS_RUN).locator(".banner.warning")
+    expect(warning.locator(".kind")).to_have_text("dead units")
+    expect(warning.locator(".kind")).to_have_attribute("title", "dead_units")
+    expect(warning.locator(".hint")).to_have_text("Hint: <i>lower</i> the bias init")
+    assert p.page.locator(".numerics img, .banners b, .banners i").count() == 0
+    # "Show me" selects the op's own row, not the layer the anomaly names.
+    expect(p.page.locator(".selected-name .tensor-name")).to_have_text("ops/logrelu/MatMul")
+    anomaly.locator(".show-anomaly").click()
+    expect(p.page.locator(".selected-name .tensor-name")).to_have_text(data.OP_TENSOR)
+    assert p.dialogs == []
+
+
+def _malformed(summary):
+    summary["first_anomaly"].update(op="Log", replay=[1], occurrence=7, likely_cause="x", last_finite_step={})
+    summary.update(info="none", problems=None)
+
+
+def test_fields_of_an_unexpected_shape_render_nothing(open_page, tb_more):
+    p = open_page()
+    p.page.route("**/summary?*", _with_fields(_malformed))
+    p.page.goto(tb_more.url + ENTRY + "#run=ops")
+    anomaly = banner_row(p.page, data.OPS_RUN).locator(".banner.anomaly")
+    expect(anomaly.locator(".headline")).to_have_text("First non-finite value at step %d" % data.OP_NAN_STEP)
+    # The op-level tensor's own record stands in for the malformed op.
+    expect(anomaly.locator(".op")).to_have_text("Op: logrelu/Log (Log, forward pass), created at %s." % data.OP_SOURCE)
+    for part in (".replay", ".occurrence", ".cause", ".info", ".problems"):
+        expect(anomaly.locator(part)).to_have_count(0)
+    expect(anomaly.locator(".last-healthy")).to_have_text("Last healthy step of this tensor: %d." % (data.OP_NAN_STEP - 1))
 
 
 def test_hostile_and_long_tag_names_render_as_text(open_page, tb):
