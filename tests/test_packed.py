@@ -85,10 +85,14 @@ def test_blocks_start_every_n_steps_and_when_a_tensor_first_appears():
     assert all(packed.is_block_tag(t) for t in tags) and len({t.rsplit("/", 1)[0] for t in tags}) == 1
     # b appears in the 3rd step: a new block; then a new one every 3 steps.
     assert seqs == [0, 0, 1, 1, 1, 2, 2]
-    # Metadata only with a block's first event, holding the whole table.
-    firsts = [e.metadata for e in out]
-    assert [md is not None for md in firsts] == [True, False, True, False, False, True, False]
-    table = metadata.parse_content(firsts[2].plugin_data.content)
+    # A block's first event holds its whole table as JSON; each later one a
+    # compressed copy of the same table, so the block outlives its first event.
+    contents = [e.metadata.plugin_data.content for e in out]
+    assert [c.startswith(b"{") for c in contents] == [True, False, True, False, False, True, False]
+    tables = [metadata.parse_content(c) for c in contents]
+    assert tables[2:5] == [tables[2]] * 3 and tables[0] == tables[1] and tables[5] == tables[6]
+    assert all(len(c) < len(contents[2]) for c in contents[3:5])
+    table = tables[2]
     assert [tag for tag, _ in table] == ["a", "b"] and dataclasses.replace(table[1][1], version=1) == LOSS
     # Rows: the tensor's index in the table, the step, then its record.
     rows = out[3].rows
