@@ -76,6 +76,16 @@ def record_offsets(data: bytes) -> list[int]:
     return offsets
 
 
+def flip_a_value(d: bytearray, offset: int) -> bytearray:
+    """Flips a byte of the values of the record at ``offset``: its data no
+    longer matches its checksum, and still decodes as an event."""
+    (length,) = struct.unpack_from("<Q", d, offset)
+    data = bytes(d[offset + 12 : offset + 12 + length])
+    content = event_pb2.Event.FromString(data).summary.value[0].tensor.tensor_content
+    d[offset + 12 + data.index(content) + len(content) - 1] ^= 0x01
+    return d
+
+
 def rewrite(path: str, fn: Callable[[bytearray, list[int]], bytearray]) -> None:
     """Replaces a file's bytes with ``fn(bytes, record offsets)``."""
     with open(path, "rb") as f:
@@ -197,11 +207,7 @@ def _packed_bad_rows(root: str) -> None:
 def _first_record_bad_crc(root: str) -> None:
     """One byte flipped in the tag's first event, the one with its metadata."""
 
-    def flip(d: bytearray, offs: list[int]) -> bytearray:
-        d[offs[1] + 12 + 5] ^= 0xFF  # after file_version: the record of step 0
-        return d
-
-    rewrite(good_run(root), flip)
+    rewrite(good_run(root), lambda d, offs: flip_a_value(d, offs[1]))  # after file_version: step 0
 
 
 def _packed_first_event_bad_crc(root: str) -> None:
@@ -213,11 +219,18 @@ def _packed_first_event_bad_crc(root: str) -> None:
             if step == 2:
                 w.flush()
 
-    def flip(d: bytearray, offs: list[int]) -> bytearray:
-        d[offs[1] + 12 + 5] ^= 0xFF
-        return d
+    rewrite(w.path, lambda d, offs: flip_a_value(d, offs[1]))
 
-    rewrite(w.path, flip)
+
+def _first_record_lost_old_format(root: str) -> None:
+    """Logs written before later records said they were numerics ones: with
+    the first record lost, the rest cannot be told from another plugin's."""
+    os.makedirs(root)
+    with open(os.path.join(root, "events.out.tfevents.0000000001.old"), "wb") as f:
+        for step in range(STEPS):
+            content = metadata.create_summary_metadata(INFO).plugin_data.content if step == 0 else None
+            data = bytearray(frame(event_bytes("t", step, stats_tensor_proto(stats(step)), content)))
+            f.write(bytes(flip_a_value(data, 0) if step == 0 else data))
 
 
 def _giant_length(root: str) -> None:
@@ -236,6 +249,11 @@ CASES: dict[str, tuple] = {
     "first_record_bad_crc": (
         _first_record_bad_crc,
         Case(STEPS - 1, NAN_STEP, ("checksum", "t: 1 damaged record(s) skipped", "t: its metadata was lost")),
+    ),
+    # Nothing can be read, but the problems say what was lost.
+    "first_record_lost_old_format": (
+        _first_record_lost_old_format,
+        Case(0, None, ("checksum", "t: 1 damaged record(s) skipped, and 9 later record(s) that cannot be read"), 0),
     ),
     # The block's later events carry its table: only steps 0-2 are lost.
     "packed_first_event_bad_crc": (
@@ -317,9 +335,7 @@ def test_a_record_after_a_bad_checksum_is_still_read(tmp_path) -> None:
         intact = f.read()
     offsets = record_offsets(intact)
     for k in range(1, len(offsets)):  # every record of the tag, its first too
-        damaged = bytearray(intact)
-        end = offsets[k + 1] if k + 1 < len(offsets) else len(intact)
-        damaged[end - 5] ^= 0x01  # the last byte of its data: one of its values
+        damaged = flip_a_value(bytearray(intact), offsets[k])
         with open(path, "wb") as f:
             f.write(damaged)
         rr = event_reader.read_run("r", [path])
@@ -339,7 +355,8 @@ def test_a_record_after_a_bad_checksum_is_still_read(tmp_path) -> None:
 # A damaged first event: TensorBoard's Python loader stops at it, and the
 # Rust data server serves it unchecked (see bad_crc below), so neither shows
 # what the CLI does with the events after it; left to the CLI test too.
-TB_CASES = [name for name in CASES if name not in ("giant_length", "first_record_bad_crc", "packed_first_event_bad_crc")]
+LOST_FIRST = ("first_record_bad_crc", "packed_first_event_bad_crc", "first_record_lost_old_format")
+TB_CASES = [name for name in CASES if name != "giant_length" and name not in LOST_FIRST]
 UPSTREAM = {
     ("bad_crc", False): "TensorBoard's Python loader stops at a record with a bad checksum "
     "and never reads that file further",
