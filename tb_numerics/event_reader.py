@@ -29,6 +29,7 @@ is then inferred and reported (``metadata.info_from_tag``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 import re
 import struct
@@ -163,8 +164,12 @@ def _files_for(path: str) -> _LocalFiles | _GFiles:
         for that scheme.
     """
     scheme = _scheme(path)
-    if scheme is None:
-        return _LocalFiles()
+    return _LocalFiles() if scheme is None else _gfiles(scheme)
+
+
+@functools.lru_cache(maxsize=None)
+def _gfiles(scheme: str) -> _GFiles:
+    """TensorFlow's filesystem for ``scheme`` (checked once per scheme)."""
     try:
         import tensorflow as tf
     except ImportError:
@@ -172,7 +177,7 @@ def _files_for(path: str) -> _LocalFiles | _GFiles:
             "%s:// paths are read through TensorFlow's filesystems: install tensorflow "
             "(local paths need no TensorFlow)" % scheme
         ) from None
-    if not _scheme_available(tf, path):
+    if not _scheme_available(tf, scheme + "://"):
         raise LogdirError(
             "the filesystem %s:// is not available: TensorFlow here has none for it "
             "(s3://, hdfs:// and az:// come with tensorflow-io: pip install tensorflow-io)" % scheme
@@ -180,16 +185,16 @@ def _files_for(path: str) -> _LocalFiles | _GFiles:
     return _GFiles(tf)
 
 
-def _scheme_available(tf, path: str) -> bool:
-    """Whether TensorFlow has a filesystem for ``path``'s scheme; imports
-    tensorflow-io, which registers more of them, where it is installed."""
-    if _has_filesystem(tf, path):
+def _scheme_available(tf, root: str) -> bool:
+    """Whether TensorFlow has a filesystem for ``root`` (``scheme://``);
+    imports tensorflow-io, which registers more of them, where it is installed."""
+    if _has_filesystem(tf, root):
         return True
     try:
         import tensorflow_io  # noqa: F401 - registers s3://, hdfs://, az://
     except ImportError:
         return False
-    return _has_filesystem(tf, path)
+    return _has_filesystem(tf, root)
 
 
 def _has_filesystem(tf, path: str) -> bool:

@@ -27,7 +27,12 @@ bytes in every record for no information.
 
 Per-tag facts that do not change from step to step (dtype, shape, role,
 execution order, op type) live in the JSON plugin content of the summary
-metadata, which TensorBoard reads from the first event of each series.
+metadata, which TensorBoard reads from the first event of each series. So
+that a damaged first event does not take the series with it, later events
+carry enough to be read without it: a packed block's its table compressed
+(``create_block_metadata(..., compact=True)``), a per-tensor record the
+plugin's name with no content (``create_later_metadata``; a reader infers
+the rest with ``info_from_tag``).
 
 Records come in two layouts. Version 1: one event per tensor per step, under
 the tensor's own tag (what ``log_numerics`` writes inside a training step).

@@ -10,6 +10,7 @@ record readers (TensorFlow's and the pure-Python one), and through a real
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import re
@@ -410,3 +411,26 @@ def test_tensorboard_serves_what_is_readable(served, name: str) -> None:
     assert not re.search(r"numerics: \S+ failed", tb.log)  # no route failed
     if name == "undecodable_tensor":  # the server log says it once
         assert tb.log.count("u: TensorBoard cannot decode") == 1, tb.log
+
+
+def test_a_tag_whose_first_record_was_lost_is_read_with_what_its_name_tells(tmp_path) -> None:
+    """Role from the writers' tag names, dtype from the values, and it is said."""
+    tags = {
+        "gradients/dense/kernel": ("gradient", np.float32),
+        "gradients/global_norm": ("global_norm", np.float32),
+        "head/total_loss": ("loss", np.float32),
+        "dense/output": ("activation", np.float64),  # 0.1 is no float32
+    }
+    with NumericsRecordWriter(str(tmp_path)) as w:
+        for step in range(4):
+            for tag, (role, dtype) in tags.items():
+                w.write(tag, step, numpy_stats(np.array([0.1, step], dtype)), metadata.TensorInfo(role="other"))
+    # Each tag's first record is one of the four after file_version.
+    rewrite(w.path, lambda d, offs: functools.reduce(flip_a_value, offs[1:5], d))
+    rr = event_reader.read_run(".", [w.path])
+    got = {s.tag: (s.info.role, s.info.dtype, s.steps.tolist()) for s in rr.series}
+    assert got == {tag: (role, np.dtype(dt).name, [1, 2, 3]) for tag, (role, dt) in tags.items()}
+    for tag, (role, dt) in tags.items():
+        assert "%s: its metadata was lost with its first record; 3 record(s) read as a %s %s" % (
+            tag, np.dtype(dt).name, role) in "\n".join(rr.problems)
+        assert "%s: 1 damaged record(s) skipped" % tag in rr.problems
