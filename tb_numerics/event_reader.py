@@ -41,7 +41,7 @@ from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, types_p
 from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
 from tensorboard.util import tensor_util
 
-from tb_numerics import metadata, packed, records
+from tb_numerics import _crc32c, metadata, packed, records
 
 __all__ = [
     "LogdirError",
@@ -267,6 +267,11 @@ class _Window:
             raise _Short()
         return out
 
+    @property
+    def held_to(self) -> int:
+        """The file offset just past the bytes in memory."""
+        return self._lo + len(self._buf)
+
     def _read(self, n: int) -> bytes:
         parts = []
         while n > 0:
@@ -312,20 +317,53 @@ def tf_record_reader(path: str, window: _Window) -> RecordReader:
 
 
 def py_record_reader(path: str, window: _Window) -> RecordReader:
-    """The same checks in pure Python on the window's bytes: about 3.5 MB/s
-    here, for installs without TensorFlow and for remote files."""
+    """The same checks in numpy on the window's bytes, for installs without
+    TensorFlow and for remote files: the records the window holds are
+    checked together (``_crc32c``: about 50-80 MB/s here, where the
+    pure-Python CRC32C checks 3.5)."""
+    checked: dict[int, bytes | None] = {}
 
     def read(offset: int) -> bytes:
-        if not _header_ok(window.at(offset, _HEADER)):
-            raise _Damaged()
-        (length,) = struct.unpack_from("<Q", window.at(offset, 8))
-        framed = window.at(offset + _HEADER, length + _FOOTER)
-        data = framed[:length]
-        if masked_crc32c(data) != struct.unpack_from("<I", framed, length)[0]:
+        if offset not in checked:
+            checked.clear()
+            checked.update(_check_from(window, offset))
+        data = checked.pop(offset)
+        if data is None:
             raise _Damaged()
         return data
 
     return read
+
+
+def _check_from(window: _Window, offset: int) -> dict[int, bytes | None]:
+    """Offset -> data (None where a checksum fails) of the record at
+    ``offset``, which lies inside the file, and of those after it that the
+    window holds, up to the first whose header fails its checksum.
+
+    Only the first record's length is trusted with a read beyond the
+    window's chunk, and only once its header's checksum holds."""
+    header = window.at(offset, _HEADER)
+    if not _header_ok(header):
+        return {offset: None}
+    frames: list[tuple[int, bytes, bytes]] = []  # offset, length bytes, data + footer
+    at = offset
+    while at + _HEADER <= window.size and (not frames or at + _HEADER <= window.held_to):
+        header = window.at(at, _HEADER)
+        (length,) = struct.unpack_from("<Q", header)
+        end = at + _HEADER + length + _FOOTER
+        if frames and (end > window.size or end > window.held_to):
+            break
+        frames.append((at, header, window.at(at + _HEADER, length + _FOOTER)))
+        at = end
+    headers_ok = _crc32c.masked_crc32c_many([h[:8] for _, h, _ in frames]) == [
+        struct.unpack_from("<I", h, 8)[0] for _, h, _ in frames
+    ]
+    if not headers_ok.all():  # the rest was framed by a damaged length
+        frames = frames[: int(np.argmin(headers_ok)) + 1]
+    datas = [f[:-_FOOTER] for _, _, f in frames]
+    data_ok = _crc32c.masked_crc32c_many(datas) == [struct.unpack_from("<I", f, len(f) - _FOOTER)[0] for _, _, f in frames]
+    ok = data_ok & headers_ok[: len(frames)]
+    return {o: d if good else None for (o, _, _), d, good in zip(frames, datas, ok.tolist())}
 
 
 def _default_reader(path: str, window: _Window) -> RecordReader:

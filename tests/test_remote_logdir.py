@@ -191,3 +191,15 @@ def test_local_logdirs_need_no_tensorflow_and_remote_ones_say_so(tmp_path):
     assert json.loads(p.stdout)["runs"][0]["first_anomaly"]["step"] == 3
     p = run("report", "gs://bucket/logs")
     assert p.returncode == cli.EXIT_USAGE and "gs:// paths are read through TensorFlow" in p.stderr
+
+
+def test_the_numpy_crc32c_is_tensorboards():
+    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
+
+    from tb_numerics._crc32c import masked_crc32c_many
+
+    rng = np.random.default_rng(0)
+    sizes = [0, 1, 7, 8, 63, 64, 65, 1000, 130_000] + rng.integers(0, 300, 100).tolist()
+    datas = [rng.bytes(int(n)) for n in sizes]
+    assert masked_crc32c_many(datas).tolist() == [masked_crc32c(d) for d in datas]
+    assert masked_crc32c_many([]).tolist() == []
