@@ -71,13 +71,8 @@ def _table(summaries: list[dict]) -> str:
     for s in summaries:
         lines.append("run %s" % _safe_text(s["run"]))
         a = s["first_anomaly"]
-        if a is None and s["problems"]:
-            lines.append("  first anomaly: none among the records read (%d tensors, steps %s-%s), "
-                         "but %d problem(s) reading the run: see the warnings" % (
-                             s["tensors"], s["first_step"], s["last_step"], len(s["problems"])))
-        elif a is None:
-            lines.append("  first anomaly: none (%d tensors, steps %s-%s)" % (
-                s["tensors"], s["first_step"], s["last_step"]))
+        if a is None:
+            lines.append("  first anomaly: " + _none_text(s))
         else:
             op = " (%s)" % _safe_text(a["op_type"]) if a["op_type"] else ""
             lines.append("  first anomaly: step %d, %s%s, %s: %s" % (
@@ -98,6 +93,15 @@ def _table(summaries: list[dict]) -> str:
             lines.append("  first warning: step %d, %s: %s (%s)" % (
                 w["step"], _safe_text(w["tensor"]), w["kind"], w["detail"]))
     return "\n".join(lines)
+
+
+def _none_text(s: dict) -> str:
+    """A run with no anomaly: what was read, and whether all of it was."""
+    read = "%d tensors, steps %s-%s" % (s["tensors"], s["first_step"], s["last_step"]) if s["tensors"] else ""
+    if not s["problems"]:
+        return "none (%s)" % read
+    return "none among the records read (%s), but %d problem(s) reading the run: see the warnings" % (
+        read or "none could be read", len(s["problems"]))
 
 
 def report(logdir: str, sr: analysis.SafeRange) -> tuple[list[dict], list[str]]:
