@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import zlib
 
 import numpy as np
 import pytest
@@ -245,3 +246,15 @@ def test_malformed_block_tables_are_refused_by_name(tensors, error):
     content = json.dumps({"version": 2, "tensors": tensors}).encode()
     with pytest.raises(metadata.FormatError, match=error):
         metadata.parse_content(content)
+
+
+def test_a_compressed_table_reads_like_the_full_one_and_a_bad_one_is_refused():
+    tensors = [("dense%02d/output" % i, dataclasses.replace(ACT, order=i)) for i in range(50)]
+    full = metadata.create_block_metadata(tensors).plugin_data.content
+    compact = metadata.create_block_metadata(tensors, compact=True).plugin_data.content
+    assert metadata.parse_content(compact) == metadata.parse_content(full) and len(compact) < len(full) / 5
+    with pytest.raises(metadata.FormatError, match="not valid compressed JSON"):
+        metadata.parse_content(compact[:-3] + b"xyz")
+    bomb = zlib.compress(b"{" + b" " * (65 << 20) + b"}")
+    with pytest.raises(metadata.FormatError, match="inflates to more than"):
+        metadata.parse_content(bomb)
