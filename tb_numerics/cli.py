@@ -1,8 +1,18 @@
 """``tb-numerics report LOGDIR``: each run's first anomaly, without a browser.
 
-Exit status: 1 where any run has a non-finite value, 0 where none, 2 on a
-usage error (including a logdir that does not exist), so a CI job or a
-training launcher can act on it.
+LOGDIR is a local directory, or any path TensorFlow's filesystems read
+(``gs://``, ``s3://`` and ``hdfs://`` with tensorflow-io, ``ram://``) when
+TensorFlow is installed.
+
+Exit status, so that a CI job or a training launcher can act on it:
+  0  every record was read and no run has a non-finite value;
+  1  a run has a non-finite value (whatever else went wrong);
+  2  usage error: bad arguments, no such logdir, or a filesystem that is not
+     available here;
+  3  no non-finite value among the records read, but some records could not
+     be read (damaged or truncated event files, metadata that was lost or
+     cannot be read): the run's problems say which tags and how many.
+     An anomaly may hide in what was lost: not a clean bill of health.
 """
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ from tb_numerics import analysis, event_reader
 EXIT_OK = 0
 EXIT_ANOMALY = 1
 EXIT_USAGE = 2
+EXIT_UNREADABLE = 3
 
 
 class _Parser(argparse.ArgumentParser):
@@ -27,10 +38,20 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="tb-numerics", description=__doc__.splitlines()[0])
+    p = _Parser(
+        prog="tb-numerics",
+        description=__doc__.split("\n\n")[0],
+        epilog=__doc__[__doc__.index("Exit status"):],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = p.add_subparsers(dest="command", required=True)
-    r = sub.add_parser("report", help="print each run's first anomaly and first warning")
-    r.add_argument("logdir", help="a TensorBoard logdir")
+    r = sub.add_parser(
+        "report",
+        help="print each run's first anomaly and first warning",
+        epilog=__doc__[__doc__.index("Exit status"):],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    r.add_argument("logdir", help="a TensorBoard logdir: a local path, or gs://, s3://, hdfs://, ram:// with TensorFlow")
     r.add_argument("--json", action="store_true", help="print one JSON object")
     for name, (kind, help_text) in analysis.SAFE_RANGE_PARAMS.items():
         r.add_argument("--" + name.replace("_", "-"), dest=name, default=None, help=help_text)
@@ -72,8 +93,7 @@ def _table(summaries: list[dict]) -> str:
         lines.append("run %s" % _safe_text(s["run"]))
         a = s["first_anomaly"]
         if a is None:
-            lines.append("  first anomaly: none (%d tensors, steps %s-%s)" % (
-                s["tensors"], s["first_step"], s["last_step"]))
+            lines.append("  first anomaly: " + _none_text(s))
         else:
             lines.extend("  " + line for line in anomaly_lines(a))
         w = s["first_warning"]
@@ -83,6 +103,15 @@ def _table(summaries: list[dict]) -> str:
             lines.append("  first warning: step %d, %s: %s (%s)" % (
                 w["step"], _safe_text(w["tensor"]), w["kind"], w["detail"]))
     return "\n".join(lines)
+
+
+def _none_text(s: dict) -> str:
+    """A run with no anomaly: what was read, and whether all of it was."""
+    read = "%d tensors, steps %s-%s" % (s["tensors"], s["first_step"], s["last_step"]) if s["tensors"] else ""
+    if not s["problems"]:
+        return "none (%s)" % read
+    return "none among the records read (%s), but %d problem(s) reading the run: see the warnings" % (
+        read or "none could be read", len(s["problems"]))
 
 
 def report(logdir: str, sr: analysis.SafeRange) -> tuple[list[dict], list[str]]:
@@ -99,19 +128,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     # The reader uses TensorFlow's record reader when present; keep its C++ logs quiet.
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     args = _parser().parse_args(argv)
-    if not os.path.isdir(args.logdir):
-        print("tb-numerics: no such logdir: %s" % args.logdir, file=sys.stderr)
-        return EXIT_USAGE
-    try:
-        sr = analysis.parse_safe_range(vars(args))
-    except analysis.SafeRangeError as e:
-        print("tb-numerics: error: %s" % e, file=sys.stderr)
-        return EXIT_USAGE
     # Warning texts hold "×": never fail on a terminal that cannot show it.
     for stream in (sys.stdout, sys.stderr):
         if hasattr(stream, "reconfigure"):
             stream.reconfigure(errors="backslashreplace")
-    summaries, problems = report(args.logdir, sr)
+    try:
+        event_reader.check_logdir(args.logdir)
+        sr = analysis.parse_safe_range(vars(args))
+        summaries, problems = report(args.logdir, sr)
+    except (event_reader.LogdirError, analysis.SafeRangeError, OSError) as e:
+        print("tb-numerics: error: %s" % _safe_text(str(e)), file=sys.stderr)
+        return EXIT_USAGE
     for p in problems:
         print("tb-numerics: warning: %s" % _safe_text(p), file=sys.stderr)
     if args.json:
@@ -121,8 +148,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         print("no numerics records in %s: log them with tb_numerics.log_numerics" % args.logdir)
     else:
         print(_table(summaries))
-    anomalous = any(s["first_anomaly"] is not None for s in summaries)
-    return EXIT_ANOMALY if anomalous else EXIT_OK
+    return exit_status(summaries)
+
+
+def exit_status(summaries: list[dict]) -> int:
+    """1 where a run has an anomaly, else 3 where a run could not be read
+    whole, else 0 (see the module docstring)."""
+    if any(s["first_anomaly"] is not None for s in summaries):
+        return EXIT_ANOMALY
+    if any(s["problems"] for s in summaries):
+        return EXIT_UNREADABLE
+    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -27,7 +27,12 @@ bytes in every record for no information.
 
 Per-tag facts that do not change from step to step (dtype, shape, role,
 execution order, op type) live in the JSON plugin content of the summary
-metadata, which TensorBoard reads from the first event of each series.
+metadata, which TensorBoard reads from the first event of each series. So
+that a damaged first event does not take the series with it, later events
+carry enough to be read without it: a packed block's its table compressed
+(``create_block_metadata(..., compact=True)``), a per-tensor record the
+plugin's name with no content (``create_later_metadata``; a reader infers
+the rest with ``info_from_tag``).
 
 Records come in two layouts. Version 1: one event per tensor per step, under
 the tensor's own tag (what ``log_numerics`` writes inside a training step).
@@ -43,6 +48,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import zlib
 from typing import Any
 
 from tensorboard.compat.proto import summary_pb2
@@ -168,8 +174,17 @@ def create_summary_metadata(info: TensorInfo) -> summary_pb2.SummaryMetadata:
     return _summary_metadata(content, info.description)
 
 
-def create_block_metadata(tensors: list[tuple[str, TensorInfo]]) -> summary_pb2.SummaryMetadata:
-    """The summary metadata of a packed block: the table its rows index into."""
+def create_block_metadata(
+    tensors: list[tuple[str, TensorInfo]], compact: bool = False
+) -> summary_pb2.SummaryMetadata:
+    """The summary metadata of a packed block: the table its rows index into.
+
+    ``compact``: the same table zlib-compressed, for the block's later
+    events. Each event carries the table so that the block stays readable
+    when its first event is lost (TensorBoard and the CLI take the table from
+    the first event they can read); compressed, the copy costs a fifth of
+    the bytes (tags repeat their prefixes). ``parse_content`` reads both.
+    """
     content = {
         "version": FORMAT_VERSION,
         "minor": FORMAT_MINOR_VERSION,
@@ -177,7 +192,45 @@ def create_block_metadata(tensors: list[tuple[str, TensorInfo]]) -> summary_pb2.
             {"tag": tag, **_info_fields(info), "description": info.description} for tag, info in tensors
         ],
     }
-    return _summary_metadata(content, "")
+    md = _summary_metadata(content, "")
+    if compact:
+        md.plugin_data.content = zlib.compress(md.plugin_data.content, 9)
+    return md
+
+
+def create_later_metadata() -> summary_pb2.SummaryMetadata:
+    """The metadata of a per-tensor record after a tag's first: the plugin's
+    name and data class, no content. A reader that lost the tag's first
+    event still knows the record for a numerics one (see ``info_from_tag``);
+    the data class keeps TensorBoard's Rust data server from dropping the
+    series when that event is the first it reads."""
+    return summary_pb2.SummaryMetadata(
+        plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name=PLUGIN_NAME),
+        data_class=summary_pb2.DATA_CLASS_TENSOR,
+    )
+
+
+# The order given to a tensor whose TensorInfo was lost: after every tensor
+# of its phase whose order is known.
+UNKNOWN_ORDER = 2**31 - 1
+
+
+def info_from_tag(tag: str) -> TensorInfo:
+    """What a numerics record's tag tells of its tensor, for a record whose
+    tag lost its ``TensorInfo`` with its first event: the role from the
+    writers' tag names (``gradients/global_norm``, ``gradients/<variable>``,
+    a last component naming a loss, else an activation), dtype float32 (a
+    reader that has the values may know better), the order unknown."""
+    parts = tag.split("/")
+    if tag == "gradients/global_norm":
+        role = "global_norm"
+    elif parts[0] == "gradients" and len(parts) > 1:
+        role = "gradient"
+    elif "loss" in parts[-1].lower():
+        role = "loss"
+    else:
+        role = "activation"
+    return TensorInfo(dtype="float32", role=role, order=UNKNOWN_ORDER)
 
 
 def _info_fields(info: TensorInfo) -> dict[str, Any]:
@@ -236,6 +289,8 @@ def parse_content(content: bytes, description: str = "") -> TensorInfo | BlockTa
     """
     if not isinstance(content, (bytes, bytearray)):
         raise FormatError("numerics metadata must be bytes, got %s" % type(content).__name__)
+    if content[:1] == _ZLIB_FIRST_BYTE:
+        content = _inflate(bytes(content))
     try:
         raw = json.loads(bytes(content).decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as e:
@@ -253,6 +308,24 @@ def parse_content(content: bytes, description: str = "") -> TensorInfo | BlockTa
     if version >= 2 and "tensors" in raw:
         return _parse_table(raw["tensors"], version)
     return _parse_info(raw, description, version)
+
+
+# A compact block table (zlib's first byte); JSON starts with "{".
+_ZLIB_FIRST_BYTE = b"\x78"
+# The most bytes a compressed table may inflate to: a table of thousands of
+# tensors is well below it, a compression bomb is refused.
+_MAX_TABLE_BYTES = 64 << 20
+
+
+def _inflate(content: bytes) -> bytes:
+    d = zlib.decompressobj()
+    try:
+        out = d.decompress(content, _MAX_TABLE_BYTES)
+    except zlib.error as e:
+        raise FormatError("numerics metadata is not valid compressed JSON: %s" % e) from None
+    if d.unconsumed_tail:
+        raise FormatError("numerics metadata inflates to more than %d bytes" % _MAX_TABLE_BYTES)
+    return out
 
 
 def _parse_table(entries: Any, version: int) -> BlockTable:

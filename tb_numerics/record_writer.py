@@ -22,6 +22,7 @@ from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, tensor_
 from tb_numerics import metadata, packed
 
 _FILE_VERSION = "brain.Event:2"
+_LATER_METADATA = metadata.create_later_metadata()
 
 
 def _masked_crc32c_python(data: bytes) -> int:
@@ -100,8 +101,10 @@ class NumericsRecordWriter:
     ``write_many`` packs steps' records into block events (see
     ``packed.py``; what long runs should use: a step may wait in memory until
     its event is due, ``flush`` writes it), ``write`` writes one record as
-    its own event under its tag at once. Metadata is written with the first
-    event of each series only, as TensorBoard reads it from there.
+    its own event under its tag at once. Metadata is written whole with the
+    first event of each series, as TensorBoard reads it from there; later
+    events carry enough of it to be read without the first (see ``write``
+    and ``packed.py``).
     """
 
     def __init__(self, logdir: str, filename_suffix: str = ""):
@@ -143,7 +146,9 @@ class NumericsRecordWriter:
         """Writes one record of ``tag`` at ``step``.
 
         ``info`` is required the first time a tag is written and ignored
-        afterwards.
+        afterwards. The tag's first event carries its metadata; later ones
+        the plugin's name alone (``metadata.create_later_metadata``), so that
+        readers still know them for numerics records if the first is lost.
         """
         value = summary_pb2.Summary.Value(tag=tag, tensor=stats_tensor_proto(stats))
         if tag not in self._infos:
@@ -151,6 +156,8 @@ class NumericsRecordWriter:
                 raise ValueError("the first record of tag %r needs its TensorInfo" % tag)
             self._infos[tag] = info
             value.metadata.CopyFrom(metadata.create_summary_metadata(info))
+        else:
+            value.metadata.CopyFrom(_LATER_METADATA)
         self._write_value(step, value, wall_time)
 
     def write_many(
@@ -177,8 +184,7 @@ class NumericsRecordWriter:
     def _write_packed(self, events: list[packed.PackedEvent]) -> None:
         for e in events:
             value = summary_pb2.Summary.Value(tag=e.tag, tensor=_tensor_proto(e.rows, exact_float32=True))
-            if e.metadata is not None:
-                value.metadata.CopyFrom(e.metadata)
+            value.metadata.CopyFrom(e.metadata)
             self._write_value(e.step, value, e.wall_time)
         if events:
             self._records.flush()

@@ -7,6 +7,7 @@ import sys
 
 import numpy as np
 import pytest
+from tensorboard.compat.proto import event_pb2
 
 from tb_numerics import metadata
 from tb_numerics.record_writer import NumericsRecordWriter
@@ -129,3 +130,53 @@ def test_the_table_names_where_the_anomalous_tensor_was_created(tmp_path):
     assert code == 1
     assert "first anomaly: step 0, ops/gradient_tape/SqrtGrad (SqrtGrad), backward" in out
     assert "    tensor: model.py:57 (loss)" in out
+
+
+def _flip_a_value(path, k):
+    """Flips a byte of the values of the file's k-th record: its checksum
+    fails, and its data still decodes as an event."""
+    data = bytearray(open(path, "rb").read())
+    offset = 0
+    for _ in range(k):
+        offset += 16 + int.from_bytes(data[offset : offset + 8], "little")
+    length = int.from_bytes(data[offset : offset + 8], "little")
+    record = bytes(data[offset + 12 : offset + 12 + length])
+    content = event_pb2.Event.FromString(record).summary.value[0].tensor.tensor_content
+    data[offset + 12 + record.index(content) + len(content) - 1] ^= 0x01
+    with open(path, "wb") as f:
+        f.write(data)
+
+
+def test_damage_without_an_anomaly_exits_3_naming_the_tag_and_count(tmp_path):
+    """Records that could not be read are not a clean bill of health."""
+    with NumericsRecordWriter(str(tmp_path / "single")) as w:
+        for step in range(10):
+            w.write("dense/output", step, numpy_stats(x()), ACT)
+    _flip_a_value(w.path, 5)  # after file_version: the record of step 4
+    with NumericsRecordWriter(str(tmp_path / "packed")) as w:
+        for step in range(10):
+            w.write_many(step, [("loss", numpy_stats(x()), ACT)])
+            if step == 2:
+                w.flush()
+    _flip_a_value(w.path, 1)  # the block's first event, steps 0-2, with its table in full
+    code, out, err = run_cli("report", str(tmp_path), "--json")
+    assert code == 3, err
+    runs = {r["run"]: r for r in json.loads(out)["runs"]}
+    assert runs["single"]["first_anomaly"] is None and runs["single"]["records"] == 9
+    assert "dense/output: 1 damaged record(s) skipped" in runs["single"]["problems"]
+    assert runs["packed"]["first_anomaly"] is None and runs["packed"]["records"] == 7
+    assert any(p.endswith("(a packed block of loss): 1 damaged record(s) skipped") for p in runs["packed"]["problems"])
+    code, out, _ = run_cli("report", str(tmp_path / "single"))
+    assert code == 3
+    assert "first anomaly: none among the records read" in out and "2 problem(s)" in out
+
+
+def test_an_anomaly_beats_damage(tmp_path):
+    with NumericsRecordWriter(str(tmp_path / "r")) as w:
+        for step in range(10):
+            w.write("t", step, numpy_stats(x(a=np.nan) if step == 7 else x()), ACT)
+    _flip_a_value(w.path, 1)  # the tag's first record, with its metadata
+    code, out, err = run_cli("report", str(tmp_path), "--json")
+    (run,) = json.loads(out)["runs"]
+    assert code == 1 and run["first_anomaly"]["step"] == 7, err
+    assert run["records"] == 9 and "t: 1 damaged record(s) skipped" in run["problems"]

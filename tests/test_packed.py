@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import zlib
 
 import numpy as np
 import pytest
@@ -85,10 +86,14 @@ def test_blocks_start_every_n_steps_and_when_a_tensor_first_appears():
     assert all(packed.is_block_tag(t) for t in tags) and len({t.rsplit("/", 1)[0] for t in tags}) == 1
     # b appears in the 3rd step: a new block; then a new one every 3 steps.
     assert seqs == [0, 0, 1, 1, 1, 2, 2]
-    # Metadata only with a block's first event, holding the whole table.
-    firsts = [e.metadata for e in out]
-    assert [md is not None for md in firsts] == [True, False, True, False, False, True, False]
-    table = metadata.parse_content(firsts[2].plugin_data.content)
+    # A block's first event holds its whole table as JSON; each later one a
+    # compressed copy of the same table, so the block outlives its first event.
+    contents = [e.metadata.plugin_data.content for e in out]
+    assert [c.startswith(b"{") for c in contents] == [True, False, True, False, False, True, False]
+    tables = [metadata.parse_content(c) for c in contents]
+    assert tables[2:5] == [tables[2]] * 3 and tables[0] == tables[1] and tables[5] == tables[6]
+    assert all(len(c) < len(contents[2]) for c in contents[3:5])
+    table = tables[2]
     assert [tag for tag, _ in table] == ["a", "b"] and dataclasses.replace(table[1][1], version=1) == LOSS
     # Rows: the tensor's index in the table, the step, then its record.
     rows = out[3].rows
@@ -241,3 +246,15 @@ def test_malformed_block_tables_are_refused_by_name(tensors, error):
     content = json.dumps({"version": 2, "tensors": tensors}).encode()
     with pytest.raises(metadata.FormatError, match=error):
         metadata.parse_content(content)
+
+
+def test_a_compressed_table_reads_like_the_full_one_and_a_bad_one_is_refused():
+    tensors = [("dense%02d/output" % i, dataclasses.replace(ACT, order=i)) for i in range(50)]
+    full = metadata.create_block_metadata(tensors).plugin_data.content
+    compact = metadata.create_block_metadata(tensors, compact=True).plugin_data.content
+    assert metadata.parse_content(compact) == metadata.parse_content(full) and len(compact) < len(full) / 5
+    with pytest.raises(metadata.FormatError, match="not valid compressed JSON"):
+        metadata.parse_content(compact[:-3] + b"xyz")
+    bomb = zlib.compress(b"{" + b" " * (65 << 20) + b"}")
+    with pytest.raises(metadata.FormatError, match="inflates to more than"):
+        metadata.parse_content(bomb)
