@@ -52,6 +52,7 @@ class _Row:
     op_type: str = ""
     description: str = ""
     activation: str = ""  # the layer's activation function, or the loss function's name
+    compute_dtype: str = ""  # the dtype the layer computes in (float16 under mixed_float16)
     present: bool = False  # set when the training step is traced
 
 
@@ -98,6 +99,12 @@ def _function_name(fn: Any) -> str:
         return ",".join(filter(None, (_function_name(f) for f in fn.values())))
     name = getattr(fn, "name", None) or getattr(fn, "__name__", None) or type(fn).__name__
     return str(name)
+
+
+def _compute_dtype(layer: Any) -> str:
+    """The dtype a layer computes in ("" where unknown)."""
+    dtype = getattr(layer, "compute_dtype", None)
+    return str(dtype) if dtype else ""
 
 
 def _layer_of_variables(model: keras.Model) -> dict[int, int]:
@@ -234,7 +241,8 @@ class NumericsCallback(keras.callbacks.Callback):
             for i, layer in enumerate(layers):
                 self._act_rows[i] = len(self._rows)
                 self._rows.append(_Row("%s/output" % layer.name, "activation", op_type=type(layer).__name__,
-                                       activation=_function_name(getattr(layer, "activation", None))))
+                                       activation=_function_name(getattr(layer, "activation", None)),
+                                       compute_dtype=_compute_dtype(layer)))
         self._loss_row = len(self._rows)
         self._rows.append(_Row("loss", "loss", activation=_function_name(getattr(model, "loss", None))))
         # Trainable variables in layer order; those of no top-level layer last.
@@ -249,7 +257,10 @@ class NumericsCallback(keras.callbacks.Callback):
                 v = self._vars[j]
                 self._grad_rows[j] = len(self._rows)
                 tag = summary.gradient_tag(v)
-                self._rows.append(_Row(tag, "gradient", str(v.dtype), tuple(v.shape), present=True))
+                # A float32 master weight's gradient is computed in its layer's dtype.
+                owner = layers[self._var_layer[j]] if self._var_layer[j] >= 0 else None
+                self._rows.append(_Row(tag, "gradient", str(v.dtype), tuple(v.shape), present=True,
+                                       compute_dtype=_compute_dtype(owner)))
         self._weight_row0 = len(self._rows)
         if self.weights:
             for v in self._vars:
@@ -514,13 +525,15 @@ class NumericsCallback(keras.callbacks.Callback):
             self._pending.pop(0).result()
 
     def _info(
-        self, tag: str, role: str, dtype: str, shape, op_type: str = "", description: str = "", activation: str = ""
+        self, tag: str, role: str, dtype: str, shape, op_type: str = "", description: str = "", activation: str = "",
+        compute_dtype: str = "",
     ) -> metadata.TensorInfo:
         info = self._infos.get(tag)
         if info is None:
             info = self._infos[tag] = metadata.TensorInfo(
                 dtype=dtype, shape=shape, role=role, order=len(self._infos), op_type=op_type,
                 description=description, activation=activation,
+                compute_dtype=compute_dtype if compute_dtype in metadata.DTYPE_LIMITS and compute_dtype != dtype else "",
                 # Written into the run, so every reader applies it.
                 neginf_ok=analysis.neginf_intended(tag, metadata.TensorInfo(), self.safe_range),
             )
@@ -534,7 +547,8 @@ class NumericsCallback(keras.callbacks.Callback):
         for r, row in enumerate(self._rows):
             if not row.present or (r >= self._weight_row0 and not weights_due):
                 continue
-            info = self._info(row.tag, row.role, row.dtype, row.shape, row.op_type, activation=row.activation)
+            info = self._info(row.tag, row.role, row.dtype, row.shape, row.op_type, activation=row.activation,
+                              compute_dtype=row.compute_dtype)
             out.append((row.tag, step_stats[r], info))
             if row.role == "gradient":
                 grads.append(step_stats[r])

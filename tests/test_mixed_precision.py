@@ -52,3 +52,20 @@ def test_skipped_step_and_loss_scale_drop_are_recorded_as_warnings(tmp_path, mix
     assert "LossScaleOptimizer skipped" in info["detail"]
     w = summary["first_warning"]
     assert (w["step"], w["tensor"], w["kind"]) == (2, "loss", "fast_growth")
+
+
+def test_gradients_of_float32_master_weights_are_held_to_float16s_range(tmp_path, mixed_float16):
+    """Issue 18 item 5: the callback records each layer's compute dtype."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh", name="d1"),
+                              keras.layers.Dense(4, dtype="float32", name="out")], name="net")
+    model.compile(optimizer=keras.optimizers.SGD(1e-3), loss="mse")
+    rs = np.random.RandomState(0)
+    model.fit(rs.randn(32, 8).astype("float32"), rs.randn(32, 4).astype("float32"), batch_size=16, verbose=0,
+              callbacks=[NumericsCallback(str(tmp_path))])
+    (run,) = event_reader.read_logdir(str(tmp_path))
+    infos = {s.tag: s.info for s in run.series}
+    kernel = infos["gradients/net/d1/kernel"]
+    assert (kernel.dtype, kernel.compute_dtype) == ("float32", "float16")
+    assert infos["gradients/net/out/kernel"].compute_dtype == ""  # computed in float32
+    assert infos["d1/output"].dtype == "float16"
