@@ -155,19 +155,21 @@ def backward_frames() -> frozenset[tuple[str, str]]:
     )
 
 
-def untracked_variable(initial_value: Any, name: str) -> tf.Variable:
+def untracked_variable(initial_value: Any, name: str, any_shape: bool = False) -> tf.Variable:
     """A variable that tf.function's creator scope does not see.
 
     ``tf.function`` refuses ``tf.Variable``s created on any trace but the
     first; a ring buffer is sized by the ops of its own trace, so each trace
     makes one, under ``tf.init_scope``. Constructing the concrete class
     directly bypasses the creator scopes; the graph captures it like any
-    variable created outside.
+    variable created outside. ``any_shape``: values of any shape may be
+    assigned to it later (a batch, whose last one may be smaller).
     """
     from tensorflow.python.ops import resource_variable_ops
 
+    shape = tf.TensorShape(None) if any_shape else None
     with tf.init_scope():
-        return resource_variable_ops.ResourceVariable(initial_value, trainable=False, name=name)
+        return resource_variable_ops.ResourceVariable(initial_value, trainable=False, name=name, shape=shape)
 
 
 # ------------------------------------------------------- tape gradient hook

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import fnmatch
+import json
 import functools
 import math
 from typing import Any, Iterable, Mapping, Sequence
@@ -357,6 +358,8 @@ class RunAnalysis:
     health: list[SeriesHealth]
     safe_range: SafeRange
     problems: list[str]
+    # Replays' verdicts on a first non-finite step (``metadata.REPLAY_TAG``).
+    replays: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     def find(self, tag: str) -> SeriesHealth | None:
         for h in self.health:
@@ -442,11 +445,37 @@ def analyze_run(
 ) -> RunAnalysis:
     """Classifies every series of a run and orders them by execution order."""
     sr = sr or SafeRange()
-    ordered = sorted(series, key=lambda s: s.sort_key)
+    series = list(series)
+    replays = [_replay_verdict(s) for s in series if s.tag == metadata.REPLAY_TAG]
+    ordered = sorted((s for s in series if s.tag != metadata.REPLAY_TAG), key=lambda s: s.sort_key)
     health = [series_health(s, sr) for s in ordered]
     _mark_by_depth(health, sr)
     _mark_skipped_steps(health)
-    return RunAnalysis(run, health, sr, list(problems))
+    return RunAnalysis(run, health, sr, list(problems), [r for r in replays if r is not None])
+
+
+def _replay_verdict(s: TensorSeries) -> dict[str, Any] | None:
+    """A replay's verdict, from its record's description (untrusted JSON)."""
+    try:
+        verdict = json.loads(s.info.description)
+    except ValueError:
+        return None
+    if not isinstance(verdict, dict) or not isinstance(verdict.get("step"), int):
+        return None
+    if not isinstance(verdict.get("reproduced"), bool):
+        return None
+    return verdict
+
+
+def is_op_level(tag: str) -> bool:
+    """Whether a tag is an op-level record (``op_numerics``, or a replay's)."""
+    return tag.startswith(OP_TAG_PREFIX)
+
+
+OP_TAG_PREFIX = "ops/"
+# An op-level description: the op's source line, then, for a gradient op,
+# which forward op it differentiates.
+_GRADIENT_OF = ", gradient of "
 
 
 def skipped_steps(ra: RunAnalysis) -> list[int]:
@@ -456,12 +485,14 @@ def skipped_steps(ra: RunAnalysis) -> list[int]:
     return np.unique(np.concatenate(steps)).astype(int).tolist() if steps else []
 
 
-def _first_cell(ra: RunAnalysis, code: int, before: tuple[int, int] | None = None, skip_kinds=frozenset()):
-    """(step, row index, record index) of the first cell with ``code``,
-    leaving out warnings of ``skip_kinds``."""
+def _first_cell(ra: RunAnalysis, code: int, before: tuple[int, int] | None = None, skip_kinds=frozenset(),
+                rows: Iterable[int] | None = None):
+    """(step, row index, record index) of the first cell with ``code`` among
+    ``rows`` (all by default), leaving out warnings of ``skip_kinds``."""
     skip_codes = [_KIND_CODE[k] for k in skip_kinds]
     best = None
-    for row, h in enumerate(ra.health):
+    for row in range(len(ra.health)) if rows is None else rows:
+        h = ra.health[row]
         mask = h.codes == code
         if skip_codes:
             mask &= ~np.isin(h.kinds, skip_codes)
@@ -620,9 +651,41 @@ def _last_step_where(h: SeriesHealth, i: int, mask: np.ndarray) -> int | None:
     return int(ok[-1]) if ok.size else None
 
 
+def _layer_rows(ra: RunAnalysis) -> list[int] | None:
+    """The rows of layer-level records where the run has op-level ones beside
+    them (a replayed step): the first anomaly is a layer's, the op its detail."""
+    layer = [r for r, h in enumerate(ra.health) if not is_op_level(h.series.tag)]
+    return layer if layer and len(layer) < len(ra.health) else None
+
+
+def _op_json(h: SeriesHealth) -> dict[str, Any]:
+    info = h.series.info
+    return {"name": h.series.tag[len(OP_TAG_PREFIX):], "type": info.op_type or None,
+            "source": info.description.split(_GRADIENT_OF)[0] or None, "phase": info.phase}
+
+
+def _op_of(ra: RunAnalysis, step: int, row: int) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    """(op, replay) for a first anomaly at ``step``: the exact op from a
+    replay's verdict or the op-level records of that step, and the verdict
+    of a replay that did not reproduce the failure."""
+    if is_op_level(ra.health[row].series.tag):
+        return _op_json(ra.health[row]), None
+    for verdict in ra.replays:
+        if verdict["step"] == step:
+            if not verdict["reproduced"]:
+                return None, {"reproduced": False, "why": str(verdict.get("why", ""))}
+            op = verdict.get("op")
+            if isinstance(op, dict):
+                return {k: op.get(k) for k in ("name", "type", "source", "phase", "inputs")}, {"reproduced": True}
+    for h in ra.health:  # in execution order: the first op that went bad at that step
+        if is_op_level(h.series.tag) and np.any((h.series.steps == step) & (h.codes == NONFINITE)):
+            return _op_json(h), None
+    return None, None
+
+
 def first_anomaly(ra: RunAnalysis) -> dict[str, Any] | None:
     """The first non-finite record of the run, in words and numbers."""
-    cell = _first_cell(ra, NONFINITE)
+    cell = _first_cell(ra, NONFINITE, rows=_layer_rows(ra))
     if cell is None:
         return None
     step, row, i = cell
@@ -630,6 +693,7 @@ def first_anomaly(ra: RunAnalysis) -> dict[str, Any] | None:
     v = h.series.values[i]
     index, of = h.series.occurrence(i)
     cause = likely_cause(ra, cell)
+    op, replay = _op_of(ra, step, row)
     return {
         "step": step,
         "tensor": h.series.tag,
@@ -649,13 +713,17 @@ def first_anomaly(ra: RunAnalysis) -> dict[str, Any] | None:
         # and the last step whose records were merely finite.
         "last_healthy_step": _last_step_where(h, i, h.codes == HEALTHY),
         "last_finite_step": _last_step_where(h, i, h.codes != NONFINITE),
-        "hint": hints.choose(_evidence(ra, cell, cause)),
+        "hint": hints.choose(_evidence(ra, cell, cause, op)),
+        # The exact op (op-level records, or a replay of this step), and a
+        # replay's verdict where one ran.
+        "op": op,
+        "replay": replay,
         "likely_cause": cause,
         "row": row,
     }
 
 
-def _evidence(ra: RunAnalysis, cell, cause: dict[str, Any] | None) -> hints.Evidence:
+def _evidence(ra: RunAnalysis, cell, cause: dict[str, Any] | None, op: dict[str, Any] | None) -> hints.Evidence:
     """What the records say about the anomaly at ``cell``, for its hint."""
     step, row, i = cell
     h = ra.health[row]
@@ -665,7 +733,7 @@ def _evidence(ra: RunAnalysis, cell, cause: dict[str, Any] | None) -> hints.Evid
         before.setdefault(WARNING_KINDS[h.kinds[j] - 1], _warning_json(ra, (int(h.series.steps[j]), row, int(j))))
     if cause is not None:
         before[cause["kind"]] = cause
-    return hints.Evidence(h.series.tag, h.series.info, step, before, _loss_input(ra, row, step))
+    return hints.Evidence(h.series.tag, h.series.info, step, before, _loss_input(ra, row, step), op)
 
 
 def _loss_input(ra: RunAnalysis, row: int, step: int) -> hints.LossInput | None:

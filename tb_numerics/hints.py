@@ -100,6 +100,9 @@ class Evidence:
     # (the likely cause, and the tensor's own warnings before it).
     warnings_before: dict[str, dict[str, Any]]
     loss_input: LossInput | None = None
+    # The exact op where a replay or op-level records name one:
+    # {"name", "type", "source", "phase", "inputs": [{"min", "max", "zeros", "count"}]}.
+    op: dict[str, Any] | None = None
 
 
 def op_family(tag: str, op_type: str, activation: str = "") -> str | None:
@@ -122,10 +125,28 @@ def choose(ev: Evidence) -> str:
 
 
 def _by_op(ev: Evidence) -> str:
-    family = op_family(ev.tag, ev.info.op_type, ev.info.activation)
+    if ev.op is not None:
+        family = op_family(str(ev.op.get("name") or ""), str(ev.op.get("type") or ""))
+        phase = ev.op.get("phase")
+    else:
+        family, phase = op_family(ev.tag, ev.info.op_type, ev.info.activation), ev.info.phase
     if family is None:
         return ""
-    return _OP_HINTS[(family, "backward" if ev.info.phase == "backward" else "forward")]
+    text = _OP_HINTS[(family, "backward" if phase == "backward" else "forward")]
+    return text + _inputs_evidence(ev.op)
+
+
+def _inputs_evidence(op: dict[str, Any] | None) -> str:
+    """The op's inputs at that step, where a replay saw them: e.g.
+    " Its input 1 held 3 exact zeros of 64 (min 0)." """
+    if not op or not isinstance(op.get("inputs"), list):
+        return ""
+    parts = []
+    for k, i in enumerate(op["inputs"], 1):
+        if isinstance(i, dict) and i.get("zeros"):
+            parts.append("input %d held %s exact zeros of %s (min %s, max %s)" % (
+                k, format(int(i["zeros"]), ","), format(int(i.get("count", 0)), ","), i.get("min"), i.get("max")))
+    return (" At that step its " + "; ".join(parts) + ".") if parts else ""
 
 
 def _by_loss_input(ev: Evidence) -> str:

@@ -263,6 +263,10 @@ def _summary_metadata(content: dict[str, Any], description: str) -> summary_pb2.
     )
 
 
+# The record that holds a replay's verdict on the first non-finite step (its
+# description is the JSON of ``first_anomaly.replay``); not a tensor.
+REPLAY_TAG = "replay/first_anomaly"
+
 # A packed block's table: (tag, info) of each row index, in index order.
 BlockTable = tuple[tuple[str, TensorInfo], ...]
 

@@ -1,5 +1,7 @@
 """The analysis core: safe-range rules, first anomaly / warning, timeline."""
 
+import json
+
 import numpy as np
 import pytest
 
@@ -422,3 +424,29 @@ def test_exponential_activation_gets_the_exp_hint():
     i = metadata.TensorInfo(op_type="Dense", activation="exponential")
     s = records.make_series("dense/output", i, [0], [numpy_stats(with_values(healthy(), a=np.inf))])
     assert "exp overflows" in analysis.first_anomaly(analysis.analyze_run("r", [s]))["hint"]
+
+
+def test_a_replayed_step_names_the_op_beside_the_layer_anomaly():
+    """Issue 14: layer-level records stay the first anomaly; the op-level
+    records of that step (a replay's) name the exact op and its source line."""
+    layer = series("feature/output", {s: healthy() if s < 3 else with_values(healthy(), a=-np.inf) for s in range(4)})
+    op_info = metadata.TensorInfo(role="activation", order=5, op_type="Log", description="model.py:12 (call)")
+    op = records.make_series("ops/sequential/log_relu/Log", op_info, [3], [numpy_stats(with_values(healthy(), a=-np.inf))])
+    healthy_op = records.make_series("ops/sequential/dense/MatMul", metadata.TensorInfo(role="activation", order=1,
+                                     op_type="MatMul"), [3], [numpy_stats(healthy())])
+    a = analysis.first_anomaly(analysis.analyze_run("r", [layer, op, healthy_op]))
+    assert (a["step"], a["tensor"]) == (3, "feature/output")
+    assert a["op"] == {"name": "sequential/log_relu/Log", "type": "Log", "source": "model.py:12 (call)",
+                       "phase": "forward"}
+    assert "log(0)" in a["hint"]
+
+
+def test_a_replay_that_did_not_reproduce_says_so_and_names_no_op():
+    layer = series("feature/output", {s: healthy() if s < 3 else with_values(healthy(), a=np.nan) for s in range(4)})
+    verdict = json.dumps({"step": 3, "reproduced": False, "why": "dropout drew other masks"})
+    replay = records.make_series(metadata.REPLAY_TAG, metadata.TensorInfo(role="other", description=verdict), [3],
+                                 [numpy_stats(np.zeros(0, np.float32))])
+    ra = analysis.analyze_run("r", [layer, replay])
+    a = analysis.first_anomaly(ra)
+    assert a["op"] is None and a["replay"] == {"reproduced": False, "why": "dropout drew other masks"}
+    assert [h.series.tag for h in ra.health] == ["feature/output"]  # the verdict is not a tensor

@@ -1,0 +1,131 @@
+"""Replay of the first non-finite step of ``model.fit`` at op level.
+
+The Keras callback records layers cheaply on every step. At the first step
+whose records hold a NaN or an Inf it runs that step again, eagerly and
+without XLA, under ``oplevel.replay_step``, so the report names the exact
+op and source line (issue 14). What a replay needs, and how it is kept:
+
+* the step's batch: each step's batch is copied into shape-less variables
+  inside the training step (one copy of the batch a step, the healthy
+  path's only cost);
+* the model's variables as they were before the step's update: the update
+  of a step whose loss or gradients are not finite is not applied, as a
+  ``LossScaleOptimizer`` does (a NaN update would only poison the weights),
+  so after such a step the weights are still the ones it used. Under a
+  ``LossScaleOptimizer`` its own skip does this; under several replicas the
+  update is not gated (its cross-replica merge cannot sit in a branch), and
+  the replay says it cannot reproduce.
+
+The replay runs the model's own ``train_step`` (a custom one too) with the
+optimizer's update suppressed, and puts back every non-trainable variable
+and metric it touched (BatchNorm's moving statistics, the loss tracker).
+Its verdict is written into the run as one record, ``REPLAY_TAG``, whose
+description holds the JSON the report shows as ``first_anomaly.replay``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any, Callable
+
+import numpy as np
+import tensorflow as tf
+
+from tb_numerics import _tf_internal, metadata, records
+
+__all__ = ["REPLAY_TAG", "StepReplay"]
+
+REPLAY_TAG = metadata.REPLAY_TAG
+
+_NOT_REPRODUCED = (
+    "every op output was finite when the step ran again eagerly without XLA: dropout or a random "
+    "data pipeline drew other values, or XLA computed the step differently; the layer-level answer stands"
+)
+
+
+class StepReplay:
+    """Keeps each step's batch, and replays one step at op level on demand."""
+
+    def __init__(self, model: Any, log_dir: str):
+        self._model = model
+        self._log_dir = log_dir
+        self._buffers: list[tf.Variable] | None = None
+        self._structure: Any = None
+        self.why_not: str | None = None  # set where a replay cannot run
+        self.active = False  # True while the replay runs the step
+
+    def keep(self, data: Any) -> None:
+        """Copies the step's batch into the buffers (inside the traced step)."""
+        leaves = tf.nest.flatten(data)
+        if self._buffers is None or len(self._buffers) != len(leaves):
+            self._structure = data
+            self._buffers = [
+                _tf_internal.untracked_variable(np.zeros([0], t.dtype.as_numpy_dtype), "tb_numerics_batch", any_shape=True)
+                for t in map(tf.convert_to_tensor, leaves)
+            ]
+        for buf, leaf in zip(self._buffers, leaves):
+            buf.assign(leaf)
+
+    def batch(self) -> Any:
+        """The last step's batch, as the step received it."""
+        return tf.nest.pack_sequence_as(self._structure, [b.read_value() for b in self._buffers])
+
+    def replay(self, step: int, train_step: Callable[[Any], Any]) -> dict[str, Any]:
+        """Runs ``train_step`` on the kept batch once more at op level, at
+        ``step``; writes and returns the verdict (``first_anomaly.replay``)."""
+        from tb_numerics import oplevel
+
+        verdict: dict[str, Any] = {"step": int(step)}
+        if self.why_not or self._buffers is None:
+            verdict.update(reproduced=False, why=self.why_not or "no batch was kept for this step")
+            return self._write(verdict)
+        saved = _state(self._model)
+        writer = tf.summary.create_file_writer(self._log_dir, filename_suffix=".replay")
+        self.active = True
+        try:
+            found = oplevel.replay_step(train_step, self.batch(), step=int(step), writer=writer)
+        except Exception as e:  # noqa: BLE001 - a replay must never stop training
+            found, verdict["why"] = None, "the replay raised %s: %s" % (type(e).__name__, e)
+        finally:
+            self.active = False
+            writer.close()
+            for var, value in saved:
+                var.assign(value)
+        if found is None:
+            verdict.update(reproduced=False, why=verdict.get("why", _NOT_REPRODUCED))
+        else:
+            verdict.update(reproduced=True, op=found.to_json())
+        return self._write(verdict)
+
+    def _write(self, verdict: dict[str, Any]) -> dict[str, Any]:
+        from tb_numerics import record_writer
+
+        info = metadata.TensorInfo(role="other", op_type="Replay", description=json.dumps(verdict, default=_num))
+        with record_writer.NumericsRecordWriter(self._log_dir, filename_suffix=".verdict") as w:
+            w.write(REPLAY_TAG, verdict["step"], records.numpy_stats(np.zeros(0, np.float32)), info)
+        return verdict
+
+
+def _num(x: Any) -> Any:
+    return float(x) if isinstance(x, (np.floating, np.integer)) else str(x)
+
+
+def _state(model: Any) -> list[tuple[tf.Variable, np.ndarray]]:
+    """The values of the variables a replayed step may change besides the
+    trainable weights: non-trainable ones and the metrics'."""
+    variables = list(model.non_trainable_variables)
+    for m in getattr(model, "metrics", []):
+        variables.extend(m.variables)
+    seen: set[int] = set()
+    out = []
+    for v in variables:
+        if id(v) not in seen:
+            seen.add(id(v))
+            out.append((v, v.numpy()))
+    return out
+
+
+def log_dir_files(log_dir: str) -> list[str]:
+    """The event files of a run directory (the callback's, the replay's)."""
+    return sorted(os.path.join(log_dir, f) for f in os.listdir(log_dir) if "tfevents" in f)
