@@ -50,26 +50,32 @@ class StepReplay:
     def __init__(self, model: Any, log_dir: str):
         self._model = model
         self._log_dir = log_dir
-        self._buffers: list[tf.Variable] | None = None
-        self._structure: Any = None
+        # One set of buffers per batch signature a trace met (XLA cannot change
+        # a variable's shape, and the last batch may be smaller), and which
+        # set the last step wrote.
+        self._sets: dict[tuple, tuple[Any, list[tf.Variable]]] = {}
+        self._order: list[tuple] = []
+        self._last: tf.Variable | None = None
         self.why_not: str | None = None  # set where a replay cannot run
         self.active = False  # True while the replay runs the step
 
     def keep(self, data: Any) -> None:
-        """Copies the step's batch into the buffers (inside the traced step)."""
-        leaves = tf.nest.flatten(data)
-        if self._buffers is None or len(self._buffers) != len(leaves):
-            self._structure = data
-            self._buffers = [
-                _tf_internal.untracked_variable(np.zeros([0], t.dtype.as_numpy_dtype), "tb_numerics_batch", any_shape=True)
-                for t in map(tf.convert_to_tensor, leaves)
-            ]
-        for buf, leaf in zip(self._buffers, leaves):
+        """Copies the step's batch into buffers (inside the traced step)."""
+        leaves = [tf.convert_to_tensor(t) for t in tf.nest.flatten(data)]
+        key = tuple((t.dtype.name, tuple(t.shape.as_list()) if t.shape.rank is not None else None) for t in leaves)
+        if key not in self._sets:
+            self._sets[key] = (data, [_buffer(t) for t in leaves])
+            self._order.append(key)
+        if self._last is None:
+            self._last = _tf_internal.untracked_variable(np.int32(-1), "tb_numerics_batch_set")
+        for buf, leaf in zip(self._sets[key][1], leaves):
             buf.assign(leaf)
+        self._last.assign(self._order.index(key))
 
     def batch(self) -> Any:
         """The last step's batch, as the step received it."""
-        return tf.nest.pack_sequence_as(self._structure, [b.read_value() for b in self._buffers])
+        structure, buffers = self._sets[self._order[int(self._last.numpy())]]
+        return tf.nest.pack_sequence_as(structure, [b.read_value() for b in buffers])
 
     def replay(self, step: int, train_step: Callable[[Any], Any]) -> dict[str, Any]:
         """Runs ``train_step`` on the kept batch once more at op level, at
@@ -77,10 +83,12 @@ class StepReplay:
         from tb_numerics import oplevel
 
         verdict: dict[str, Any] = {"step": int(step)}
-        if self.why_not or self._buffers is None:
+        if self.why_not or self._last is None or int(self._last.numpy()) < 0:
             verdict.update(reproduced=False, why=self.why_not or "no batch was kept for this step")
             return self._write(verdict)
         saved = _state(self._model)
+        for m in getattr(self._model, "metrics", []):
+            m.reset_state()  # the failing step left a NaN in the loss tracker's total
         writer = tf.summary.create_file_writer(self._log_dir, filename_suffix=".replay")
         self.active = True
         try:
@@ -94,6 +102,10 @@ class StepReplay:
                 var.assign(value)
         if found is None:
             verdict.update(reproduced=False, why=verdict.get("why", _NOT_REPRODUCED))
+        elif any(i.get("nan") or i.get("posinf") or i.get("neginf") for i in found.to_json()["inputs"]):
+            # Not born in the step: it read a variable the failing step had already made non-finite.
+            verdict.update(reproduced=False, why="the first non-finite op (%s) read values that were already "
+                           "non-finite (a variable the failing step updated): %s" % (found.name, _NOT_REPRODUCED))
         else:
             verdict.update(reproduced=True, op=found.to_json())
         return self._write(verdict)
@@ -105,6 +117,15 @@ class StepReplay:
         with record_writer.NumericsRecordWriter(self._log_dir, filename_suffix=".verdict") as w:
             w.write(REPLAY_TAG, verdict["step"], records.numpy_stats(np.zeros(0, np.float32)), info)
         return verdict
+
+
+def _buffer(t: tf.Tensor) -> tf.Variable:
+    """A variable for one leaf of the batch: of its static shape where that is
+    known (XLA keeps a variable's shape), else of any shape."""
+    dtype = t.dtype.as_numpy_dtype
+    if t.shape.is_fully_defined():
+        return _tf_internal.untracked_variable(np.zeros(t.shape.as_list(), dtype), "tb_numerics_batch")
+    return _tf_internal.untracked_variable(np.zeros([0], dtype), "tb_numerics_batch", any_shape=True)
 
 
 def _num(x: Any) -> Any:

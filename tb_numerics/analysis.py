@@ -467,6 +467,17 @@ def _replay_verdict(s: TensorSeries) -> dict[str, Any] | None:
     return verdict
 
 
+def _json_safe(x: Any) -> Any:
+    """Untrusted JSON with its non-finite numbers as None (the report's JSON has none)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {str(k): _json_safe(v) for k, v in x.items()}
+    if isinstance(x, list):
+        return [_json_safe(v) for v in x]
+    return x
+
+
 def is_op_level(tag: str) -> bool:
     """Whether a tag is an op-level record (``op_numerics``, or a replay's)."""
     return tag.startswith(OP_TAG_PREFIX)
@@ -676,7 +687,8 @@ def _op_of(ra: RunAnalysis, step: int, row: int) -> tuple[dict[str, Any] | None,
                 return None, {"reproduced": False, "why": str(verdict.get("why", ""))}
             op = verdict.get("op")
             if isinstance(op, dict):
-                return {k: op.get(k) for k in ("name", "type", "source", "phase", "inputs")}, {"reproduced": True}
+                return {k: _json_safe(op.get(k)) for k in ("name", "type", "source", "phase", "inputs")}, {
+                    "reproduced": True}
     for h in ra.health:  # in execution order: the first op that went bad at that step
         if is_op_level(h.series.tag) and np.any((h.series.steps == step) & (h.codes == NONFINITE)):
             return _op_json(h), None
