@@ -306,17 +306,13 @@ def _unhealthy_record(bits: _Bits, n: tf.Tensor) -> tf.Tensor:
     flat = bits.flat
     finite = tf.math.is_finite(flat)
     x64 = tf.cast(tf.where(finite, flat, tf.zeros_like(flat)), tf.float64)
-    inf = tf.constant(np.inf, bits.acc)
-    lo_f = tf.reduce_min(tf.where(finite, flat, inf))
-    hi_f = tf.reduce_max(tf.where(finite, flat, -inf))
-    any_finite = tf.reduce_any(finite)
-    nan = tf.constant(np.nan, tf.float64)
+    lo_hi = _finite_min_max(flat, finite, bits.acc)
     small = _zeros_and_underflow(bits)
     return _record({
         "count": n,
         **_nonfinite_counts(flat),
-        "min": tf.where(any_finite, tf.cast(lo_f, tf.float64), nan),
-        "max": tf.where(any_finite, tf.cast(hi_f, tf.float64), nan),
+        "min": lo_hi[0],
+        "max": lo_hi[1],
         "sum": tf.reduce_sum(x64),
         "sum_sq": tf.reduce_sum(tf.square(x64)),
         "zeros": small[0],
@@ -491,19 +487,24 @@ def _op_stats_one_sign(
 
 def _op_stats_nonfinite(flat: tf.Tensor, n: tf.Tensor, acc: tf.DType, margin: float) -> tf.Tensor:
     """``op_stats`` of a tensor with a NaN or Inf: count them, and min and max
-    over the finite ones (from the bits of the finite elements, the others
-    replaced by a finite element)."""
+    over the finite ones."""
     is_finite = tf.math.is_finite(flat)
-    some = tf.gather(flat, tf.argmax(tf.cast(is_finite, tf.int32), output_type=tf.int32))
-    exact = _exact_min_max(tf.where(is_finite, flat, some), acc)
-    any_finite = tf.reduce_any(is_finite)
-    nan = tf.constant(np.nan, tf.float64)
     return _op_record(
         n,
-        tf.where(any_finite, exact, nan),
+        _finite_min_max(flat, is_finite, acc),
         overflow=_overflow_count(flat, is_finite, margin),
         **_nonfinite_counts(flat),
     )
+
+
+def _finite_min_max(flat: tf.Tensor, finite: tf.Tensor, acc: tf.DType) -> tf.Tensor:
+    """float64 ``[min, max]`` of the ``finite`` elements of ``flat``, NaN where
+    there are none: exact, subnormals too, from the bits of the finite
+    elements with the others replaced by a finite one (a masked float min
+    and cast on a denormals-are-zero CPU give 0 for a subnormal)."""
+    some = tf.gather(flat, tf.argmax(tf.cast(finite, tf.int32), output_type=tf.int32))
+    exact = _exact_min_max(tf.where(finite, flat, some), acc)
+    return tf.where(tf.reduce_any(finite), exact, tf.constant(np.nan, tf.float64))
 
 
 def _exact_min_max(flat: tf.Tensor, acc: tf.DType) -> tf.Tensor:
