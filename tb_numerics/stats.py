@@ -21,12 +21,25 @@ denormals-are-zero, so ``x == 0`` is true for a float32 subnormal there.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Mapping
+
 import numpy as np
 import tensorflow as tf
 
 from tb_numerics import metadata
+from tb_numerics.records import F
 
-F = metadata.FIELD_INDEX
+__all__ = [
+    "all_reduce_many_stats",
+    "all_reduce_stats",
+    "check_dtype",
+    "combine_stats",
+    "merge_stats",
+    "op_stats",
+    "replica_context",
+    "tensor_stats",
+]
 
 _ACC_DTYPE = {
     "float16": tf.float32,
@@ -89,138 +102,239 @@ def tensor_stats(x: tf.Tensor, name: str) -> tf.Tensor:
     Raises:
       TypeError: ``x`` is not a float16, bfloat16, float32 or float64 tensor.
     """
-    x = tf.convert_to_tensor(x)
-    dtype = check_dtype(x, name)
-    acc = _ACC_DTYPE[dtype]
-    int_t, uint_t, sign_bit = _VIEWS[acc]
-    magnitude_mask = sign_bit - 1
-    tiny_bits = _bits(metadata.smallest_normal(dtype), acc)
-    margin = metadata.overflow_margin(dtype)
-
     with tf.name_scope("tensor_stats"):
-        flat = tf.reshape(tf.cast(x, acc) if x.dtype != acc else x, [-1])
+        bits = _Bits.of(x, name)
+        flat = bits.flat
         n = tf.cast(tf.size(flat, out_type=tf.int64), tf.float64)
         total = tf.reduce_sum(flat)
         row = tf.expand_dims(flat, 0)
         total_sq = tf.reshape(tf.matmul(row, row, transpose_b=True), [])
-        signed = tf.bitcast(flat, int_t)
+        return tf.cond(
+            tf.math.is_finite(total_sq),
+            lambda: _healthy_record(bits, n, total, total_sq),
+            lambda: _unhealthy_record(bits, n),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Bits:
+    """A float tensor flattened in its accumulation dtype, with its integer
+    views and the constants of its dtype: what every piece of
+    ``tensor_stats`` reads, built once so that the pieces share the views
+    and the one reduction (``u_max``) the branch conditions need.
+    """
+
+    dtype: str  # the tensor's own dtype name, which sets the margin and the smallest normal
+    acc: tf.DType
+    flat: tf.Tensor
+    signed: tf.Tensor
+    unsigned: tf.Tensor
+    u_max: tf.Tensor  # max of the unsigned view; < sign_bit where no sign bit is set
+    # Counts are summed in the magnitude's own integer type: int32 for
+    # float32 bits where the static size is below 2**31 (exact, and cheaper
+    # than int64), else int64.
+    count_t: tf.DType
+
+    @classmethod
+    def of(cls, x: tf.Tensor, name: str) -> _Bits:
+        """The views of ``x``; raises ``TypeError`` as ``check_dtype`` does."""
+        flat, dtype, acc = _flatten(x, name)
+        int_t, uint_t, _ = _VIEWS[acc]
         unsigned = tf.bitcast(flat, uint_t)
-        u_max = tf.reduce_max(unsigned)
+        size = flat.shape.num_elements()
+        small = int_t == tf.int32 and size is not None and size < 2**31
+        return cls(
+            dtype=dtype,
+            acc=acc,
+            flat=flat,
+            signed=tf.bitcast(flat, int_t),
+            unsigned=unsigned,
+            u_max=tf.reduce_max(unsigned),
+            count_t=tf.int32 if small else tf.int64,
+        )
 
-        # Counts are summed in the magnitude's own integer type: int32 for
-        # float32 bits where the static size is below 2**31 (exact, and
-        # cheaper than int64), else int64.
-        size = x.shape.num_elements()
-        count_t = tf.int32 if int_t == tf.int32 and size is not None and size < 2**31 else tf.int64
+    @property
+    def int_t(self) -> tf.DType:
+        """The signed integer dtype of the bits."""
+        return _VIEWS[self.acc][0]
 
-        def zeros_and_underflow(mag_min=None) -> tf.Tensor:
-            """[zeros, underflow], counted from the magnitude bits.
+    @property
+    def uint_t(self) -> tf.DType:
+        """The unsigned integer dtype of the bits."""
+        return _VIEWS[self.acc][1]
 
-            Two elementwise passes where an underflow is absent: the
-            magnitude bits are the signed view itself where no sign bit is
-            set (ReLU outputs), zeros are the elements with min(mag, 1) = 0,
-            and the smallest nonzero magnitude (min of mag - 1 viewed
-            unsigned, where 0 wraps to the largest value) tells whether the
-            exact underflow count is needed at all.
-            """
+    @property
+    def sign_bit(self) -> int:
+        """The sign bit; below it, the magnitude bits."""
+        return _VIEWS[self.acc][2]
 
-            def count() -> tf.Tensor:
-                mag = tf.cond(
-                    u_max < sign_bit,
-                    lambda: signed,
-                    lambda: tf.bitwise.bitwise_and(signed, tf.constant(magnitude_mask, int_t)),
-                )
-                nonzero = tf.reduce_sum(tf.cast(tf.minimum(mag, 1), count_t))
-                zeros = tf.cast(tf.size(flat, out_type=count_t) - nonzero, tf.float64)
-                smallest_nonzero = tf.reduce_min(tf.bitcast(mag - 1, uint_t)) + 1
-                underflow = tf.cond(
-                    smallest_nonzero < tiny_bits,
-                    lambda: tf.cast(tf.reduce_sum(tf.cast(tf.less(mag, tiny_bits), count_t)), tf.float64) - zeros,
-                    lambda: tf.constant(0.0, tf.float64),
-                )
-                return tf.stack([zeros, underflow])
+    @property
+    def tiny_bits(self) -> int:
+        """The bits of the smallest normal: magnitudes below are zeros or underflow."""
+        return _bits(metadata.smallest_normal(self.dtype), self.acc)
 
-            if mag_min is None:
-                return count()
-            none = lambda: tf.zeros([2], tf.float64)  # noqa: E731
-            return tf.cond(mag_min < tiny_bits, count, none)
 
-        def healthy() -> tf.Tensor:
-            # Unsigned order: +0 < positives < -0 < negatives by magnitude;
-            # signed order: negatives by decreasing magnitude < +0 < positives.
-            mask = tf.constant(magnitude_mask, int_t)
+def _flatten(x: tf.Tensor, name: str) -> tuple[tf.Tensor, str, tf.DType]:
+    """``x`` flat in its accumulation dtype, its dtype name, and that dtype.
 
-            def nonnegative():
-                # No sign bit set (e.g. ReLU outputs): both orders are the
-                # float order, and the min is the smallest magnitude. An
-                # empty tensor has s_min = the largest int, a NaN pattern.
-                s_min = tf.reduce_min(signed)
-                lo_bits = tf.bitcast(s_min, uint_t)
-                hi_bits = tf.where(lo_bits <= u_max, u_max, lo_bits)
-                return tf.stack([lo_bits, hi_bits]), s_min
+    Raises:
+      TypeError: ``x`` is not a float16, bfloat16, float32 or float64 tensor.
+    """
+    x = tf.convert_to_tensor(x)
+    dtype = check_dtype(x, name)
+    acc = _ACC_DTYPE[dtype]
+    return tf.reshape(tf.cast(x, acc) if x.dtype != acc else x, [-1]), dtype, acc
 
-            def mixed():
-                s_min, s_max, u_min = tf.reduce_min(signed), tf.reduce_max(signed), tf.reduce_min(unsigned)
-                hi_bits = tf.where(s_max >= 0, tf.bitcast(s_max, uint_t), u_min)
-                mag_min = tf.minimum(
-                    tf.bitwise.bitwise_and(s_min, mask),
-                    tf.bitwise.bitwise_and(tf.bitcast(u_min, int_t), mask),
-                )
-                return tf.stack([u_max, hi_bits]), mag_min
 
-            lo_hi_bits, mag_min = tf.cond(u_max < sign_bit, nonnegative, mixed)
-            lo_hi = _bits_to_float64(lo_hi_bits, acc)
-            small = zeros_and_underflow(mag_min)
-            if dtype == "float16":
-                # The only dtype whose margin lies below the largest value
-                # with a finite float32 square.
-                max_abs = tf.reduce_max(tf.abs(lo_hi))
-                overflow = tf.cond(
-                    max_abs > margin,
-                    lambda: _count(tf.abs(flat) > margin),
-                    lambda: tf.constant(0.0, tf.float64),
-                )
-            else:
-                overflow = tf.constant(0.0, tf.float64)
-            z = tf.constant(0.0, tf.float64)
-            sums = _accurate_sums(flat, n, total, total_sq)
-            return tf.stack(
-                [
-                    n, z, z, z, lo_hi[0], lo_hi[1],
-                    sums[0], sums[1],
-                    small[0], overflow, small[1],
-                ]
-            )
+def _record(fields: Mapping[str, tf.Tensor]) -> tf.Tensor:
+    """The float64 record of scalars given by field name, in ``metadata.FIELDS`` order.
 
-        def unhealthy() -> tf.Tensor:
-            # Some element is NaN or Inf, or a square overflowed: count the
-            # non-finite elements and redo the rest over the finite ones, in
-            # float64.
-            finite = tf.math.is_finite(flat)
-            x64 = tf.cast(tf.where(finite, flat, tf.zeros_like(flat)), tf.float64)
-            inf = tf.constant(np.inf, acc)
-            lo_f = tf.reduce_min(tf.where(finite, flat, inf))
-            hi_f = tf.reduce_max(tf.where(finite, flat, -inf))
-            any_finite = tf.reduce_any(finite)
-            nan = tf.constant(np.nan, tf.float64)
-            small = zeros_and_underflow()
-            return tf.stack(
-                [
-                    n,
-                    _count(tf.math.is_nan(flat)),
-                    _count(tf.equal(flat, inf)),
-                    _count(tf.equal(flat, -inf)),
-                    tf.where(any_finite, tf.cast(lo_f, tf.float64), nan),
-                    tf.where(any_finite, tf.cast(hi_f, tf.float64), nan),
-                    tf.reduce_sum(x64),
-                    tf.reduce_sum(tf.square(x64)),
-                    small[0],
-                    _count(tf.logical_and(finite, tf.abs(flat) > margin)),
-                    small[1],
-                ]
-            )
+    By name, so no caller depends on the order of the slots; every field
+    must be given once (a missing or unknown one is a bug here, raised at
+    trace time).
+    """
+    if set(fields) != set(metadata.FIELDS):
+        raise ValueError(
+            "tb_numerics: record fields missing %s, unknown %s"
+            % (sorted(set(metadata.FIELDS) - set(fields)), sorted(set(fields) - set(metadata.FIELDS)))
+        )
+    return tf.stack([fields[field] for field in metadata.FIELDS])
 
-        return tf.cond(tf.math.is_finite(total_sq), healthy, unhealthy)
+
+def _healthy_record(bits: _Bits, n: tf.Tensor, total: tf.Tensor, total_sq: tf.Tensor) -> tf.Tensor:
+    """``tensor_stats`` of a tensor whose sum of squares is finite: no NaN, no
+    Inf, so the plain sums serve and min, max and the smallest magnitude
+    come from the bit views."""
+    lo_hi, mag_min = tf.cond(
+        bits.u_max < bits.sign_bit,
+        lambda: _extrema_nonnegative(bits),
+        lambda: _extrema_mixed(bits),
+    )
+    lo_hi = _bits_to_float64(lo_hi, bits.acc)
+    small = tf.cond(
+        mag_min < bits.tiny_bits,
+        lambda: _zeros_and_underflow(bits),
+        lambda: tf.zeros([2], tf.float64),
+    )
+    sums = _accurate_sums(bits.flat, n, total, total_sq)
+    z = tf.constant(0.0, tf.float64)
+    return _record({
+        "count": n, "nan": z, "posinf": z, "neginf": z,
+        "min": lo_hi[0], "max": lo_hi[1], "sum": sums[0], "sum_sq": sums[1],
+        "zeros": small[0], "overflow": _float16_overflow(bits, lo_hi), "underflow": small[1],
+    })
+
+
+def _extrema_nonnegative(bits: _Bits) -> tuple[tf.Tensor, tf.Tensor]:
+    """(``[min, max]`` bits, smallest magnitude bits) of a finite tensor with
+    no sign bit set (e.g. a ReLU output): both integer orders are the float
+    order, so one more reduction, the signed min, gives the min, which is
+    also the smallest magnitude. An empty tensor has signed min = the
+    largest int, a NaN pattern."""
+    s_min = tf.reduce_min(bits.signed)
+    lo_bits = tf.bitcast(s_min, bits.uint_t)
+    hi_bits = tf.where(lo_bits <= bits.u_max, bits.u_max, lo_bits)
+    return tf.stack([lo_bits, hi_bits]), s_min
+
+
+def _extrema_mixed(bits: _Bits) -> tuple[tf.Tensor, tf.Tensor]:
+    """(``[min, max]`` bits, smallest magnitude bits) of a finite tensor with
+    some sign bit set. Unsigned order: +0 < positives < -0 < negatives by
+    magnitude; signed order: negatives by decreasing magnitude < +0 <
+    positives. So u_max is the min, the max is the signed max where it is
+    non-negative (else the unsigned min), and the smallest magnitude is the
+    smaller magnitude of the signed min and the unsigned min."""
+    mask = tf.constant(bits.sign_bit - 1, bits.int_t)
+    s_min, s_max, u_min = tf.reduce_min(bits.signed), tf.reduce_max(bits.signed), tf.reduce_min(bits.unsigned)
+    hi_bits = tf.where(s_max >= 0, tf.bitcast(s_max, bits.uint_t), u_min)
+    mag_min = tf.minimum(
+        tf.bitwise.bitwise_and(s_min, mask),
+        tf.bitwise.bitwise_and(tf.bitcast(u_min, bits.int_t), mask),
+    )
+    return tf.stack([bits.u_max, hi_bits]), mag_min
+
+
+def _zeros_and_underflow(bits: _Bits) -> tf.Tensor:
+    """float64 ``[zeros, underflow]``, counted from the magnitude bits.
+
+    From the bits because a float compare on a denormals-are-zero CPU calls
+    a subnormal zero. Two elementwise passes where an underflow is absent:
+    the magnitude bits are the signed view itself where no sign bit is set
+    (ReLU outputs), zeros are the elements with min(mag, 1) = 0, and the
+    smallest nonzero magnitude (min of mag - 1 viewed unsigned, where 0
+    wraps to the largest value) tells whether the exact underflow count is
+    needed at all.
+    """
+    mag = tf.cond(
+        bits.u_max < bits.sign_bit,
+        lambda: bits.signed,
+        lambda: tf.bitwise.bitwise_and(bits.signed, tf.constant(bits.sign_bit - 1, bits.int_t)),
+    )
+    nonzero = tf.reduce_sum(tf.cast(tf.minimum(mag, 1), bits.count_t))
+    zeros = tf.cast(tf.size(bits.flat, out_type=bits.count_t) - nonzero, tf.float64)
+    smallest_nonzero = tf.reduce_min(tf.bitcast(mag - 1, bits.uint_t)) + 1
+    underflow = tf.cond(
+        smallest_nonzero < bits.tiny_bits,
+        lambda: tf.cast(tf.reduce_sum(tf.cast(tf.less(mag, bits.tiny_bits), bits.count_t)), tf.float64) - zeros,
+        lambda: tf.constant(0.0, tf.float64),
+    )
+    return tf.stack([zeros, underflow])
+
+
+def _float16_overflow(bits: _Bits, lo_hi: tf.Tensor) -> tf.Tensor:
+    """The overflow count of a finite tensor with float64 ``[min, max]`` ``lo_hi``.
+
+    Counted only where the largest magnitude is beyond the margin, and
+    only for float16: the only dtype whose margin lies below the largest
+    value with a finite float32 square, so for the others a finite sum of
+    squares already means none.
+    """
+    if bits.dtype != "float16":
+        return tf.constant(0.0, tf.float64)
+    margin = metadata.overflow_margin(bits.dtype)
+    return tf.cond(
+        tf.reduce_max(tf.abs(lo_hi)) > margin,
+        lambda: _count(tf.abs(bits.flat) > margin),
+        lambda: tf.constant(0.0, tf.float64),
+    )
+
+
+def _unhealthy_record(bits: _Bits, n: tf.Tensor) -> tf.Tensor:
+    """``tensor_stats`` of a tensor with a NaN or Inf, or a square that
+    overflowed: count the non-finite elements and redo the rest over the
+    finite ones, in float64."""
+    flat = bits.flat
+    finite = tf.math.is_finite(flat)
+    x64 = tf.cast(tf.where(finite, flat, tf.zeros_like(flat)), tf.float64)
+    lo_hi = _finite_min_max(flat, finite, bits.acc)
+    small = _zeros_and_underflow(bits)
+    return _record({
+        "count": n,
+        **_nonfinite_counts(flat),
+        "min": lo_hi[0],
+        "max": lo_hi[1],
+        "sum": tf.reduce_sum(x64),
+        "sum_sq": tf.reduce_sum(tf.square(x64)),
+        "zeros": small[0],
+        "overflow": _overflow_count(flat, finite, metadata.overflow_margin(bits.dtype)),
+        "underflow": small[1],
+    })
+
+
+def _nonfinite_counts(flat: tf.Tensor) -> dict[str, tf.Tensor]:
+    """The ``nan``, ``posinf`` and ``neginf`` fields of a flat tensor: exact
+    counts, three elementwise passes, so only for a tensor known to hold one."""
+    inf = tf.constant(np.inf, flat.dtype)
+    return {
+        "nan": _count(tf.math.is_nan(flat)),
+        "posinf": _count(tf.equal(flat, inf)),
+        "neginf": _count(tf.equal(flat, -inf)),
+    }
+
+
+def _overflow_count(flat: tf.Tensor, finite: tf.Tensor, margin: float) -> tf.Tensor:
+    """The finite elements beyond the overflow margin (Inf is counted as Inf, not here)."""
+    return _count(tf.logical_and(finite, tf.abs(flat) > margin))
 
 
 # Below this share of the mean square, the variance sum_sq/n - mean^2 of
@@ -289,22 +403,16 @@ def op_stats(x: tf.Tensor, name: str) -> tf.Tensor:
     Raises:
       TypeError: ``x`` is not a float16, bfloat16, float32 or float64 tensor.
     """
-    x = tf.convert_to_tensor(x)
-    dtype = check_dtype(x, name)
-    acc = _ACC_DTYPE[dtype]
-    int_t, uint_t, sign_bit = _VIEWS[acc]
-    inf_bits = _bits(np.inf, acc)
-    margin = metadata.overflow_margin(dtype)
-
     with tf.name_scope("op_stats"):
-        flat = tf.reshape(tf.cast(x, acc) if x.dtype != acc else x, [-1])
-        size = x.shape.num_elements()
+        flat, dtype, acc = _flatten(x, name)
+        int_t, uint_t, sign_bit = _VIEWS[acc]
+        inf_bits = _bits(np.inf, acc)
+        margin = metadata.overflow_margin(dtype)
+        size = flat.shape.num_elements()
         n = tf.constant(float(size), tf.float64) if size is not None else tf.cast(tf.size(flat), tf.float64)
         unsigned = tf.bitcast(flat, uint_t)
         u_max = tf.reduce_max(unsigned)
         s_max = tf.reduce_max(tf.bitcast(flat, int_t))
-        z = tf.constant(0.0, tf.float64)
-        nan = tf.constant(np.nan, tf.float64)
         # Where both signs are present, min = u_max and max = s_max.
         lo_hi = _bits_to_float64(tf.stack([u_max, tf.bitcast(s_max, uint_t)]), acc)
         common = tf.reduce_all(
@@ -316,12 +424,25 @@ def op_stats(x: tf.Tensor, name: str) -> tf.Tensor:
                 tf.reduce_max(tf.abs(lo_hi)) <= margin,
             ])
         )
-        fast = tf.stack([n, z, z, z, lo_hi[0], lo_hi[1], nan, nan, z, z, z])
+        fast = _op_record(n, lo_hi)
         return tf.cond(
             common,
             lambda: fast,
             lambda: _op_stats_other(flat, n, u_max, s_max, acc, margin),
         )
+
+
+def _op_record(n: tf.Tensor, lo_hi: tf.Tensor, **counts: tf.Tensor) -> tf.Tensor:
+    """An ``op_stats`` record: count, float64 ``[min, max]`` and the given
+    ``nan`` / ``posinf`` / ``neginf`` / ``overflow`` counts (0 where not
+    given); sums NaN (not recorded), zeros and underflow 0 (not counted)."""
+    z = tf.constant(0.0, tf.float64)
+    nan = tf.constant(np.nan, tf.float64)
+    fields = {"nan": z, "posinf": z, "neginf": z, "overflow": z, **counts}
+    return _record({
+        "count": n, "min": lo_hi[0], "max": lo_hi[1], "sum": nan, "sum_sq": nan,
+        "zeros": z, "underflow": z, **fields,
+    })
 
 
 def _op_stats_other(
@@ -330,57 +451,60 @@ def _op_stats_other(
     """``op_stats`` of a tensor that is not finite with both signs."""
     int_t, uint_t, sign_bit = _VIEWS[acc]
     inf_bits = _bits(np.inf, acc)
-    z = tf.constant(0.0, tf.float64)
-    nan = tf.constant(np.nan, tf.float64)
     finite = tf.logical_and(
         s_max < tf.constant(inf_bits, int_t),
         u_max < tf.constant(sign_bit | inf_bits, uint_t),
     )
+    return tf.cond(
+        finite,
+        lambda: _op_stats_one_sign(flat, n, u_max, s_max, acc, margin),
+        lambda: _op_stats_nonfinite(flat, n, acc, margin),
+    )
 
-    def healthy() -> tf.Tensor:
-        # One sign only (or none: empty): the other extreme is the unsigned
-        # min. An empty tensor has both = the largest unsigned value, a NaN.
-        u_min = tf.reduce_min(tf.bitcast(flat, uint_t))
-        lo_hi = _bits_to_float64(
-            tf.stack([
-                tf.where(u_max >= tf.constant(sign_bit, uint_t), u_max, u_min),
-                tf.where(s_max >= 0, tf.bitcast(s_max, uint_t), u_min),
-            ]),
-            acc,
-        )
-        overflow = tf.cond(
-            tf.reduce_max(tf.abs(lo_hi)) > margin,
-            lambda: _count(tf.abs(flat) > margin),
-            lambda: z,
-        )
-        return tf.stack([n, z, z, z, lo_hi[0], lo_hi[1], nan, nan, z, overflow, z])
 
-    def unhealthy() -> tf.Tensor:
-        # Some element is NaN or Inf: count them, and min and max over the
-        # finite ones (from the bits of the finite elements, the others
-        # replaced by a finite element).
-        is_finite = tf.math.is_finite(flat)
-        inf = tf.constant(np.inf, acc)
-        some = tf.gather(flat, tf.argmax(tf.cast(is_finite, tf.int32), output_type=tf.int32))
-        exact = _exact_min_max(tf.where(is_finite, flat, some), acc)
-        any_finite = tf.reduce_any(is_finite)
-        return tf.stack(
-            [
-                n,
-                _count(tf.math.is_nan(flat)),
-                _count(tf.equal(flat, inf)),
-                _count(tf.equal(flat, -inf)),
-                tf.where(any_finite, exact[0], nan),
-                tf.where(any_finite, exact[1], nan),
-                nan,
-                nan,
-                z,
-                _count(tf.logical_and(is_finite, tf.abs(flat) > margin)),
-                z,
-            ]
-        )
+def _op_stats_one_sign(
+    flat: tf.Tensor, n: tf.Tensor, u_max: tf.Tensor, s_max: tf.Tensor, acc: tf.DType, margin: float
+) -> tf.Tensor:
+    """``op_stats`` of a finite tensor of one sign only (or none: empty), or
+    beyond the overflow margin: the other extreme is the unsigned min. An
+    empty tensor has both = the largest unsigned value, a NaN."""
+    uint_t, sign_bit = _VIEWS[acc][1:]
+    u_min = tf.reduce_min(tf.bitcast(flat, uint_t))
+    lo_hi = _bits_to_float64(
+        tf.stack([
+            tf.where(u_max >= tf.constant(sign_bit, uint_t), u_max, u_min),
+            tf.where(s_max >= 0, tf.bitcast(s_max, uint_t), u_min),
+        ]),
+        acc,
+    )
+    overflow = tf.cond(
+        tf.reduce_max(tf.abs(lo_hi)) > margin,
+        lambda: _count(tf.abs(flat) > margin),
+        lambda: tf.constant(0.0, tf.float64),
+    )
+    return _op_record(n, lo_hi, overflow=overflow)
 
-    return tf.cond(finite, healthy, unhealthy)
+
+def _op_stats_nonfinite(flat: tf.Tensor, n: tf.Tensor, acc: tf.DType, margin: float) -> tf.Tensor:
+    """``op_stats`` of a tensor with a NaN or Inf: count them, and min and max
+    over the finite ones."""
+    is_finite = tf.math.is_finite(flat)
+    return _op_record(
+        n,
+        _finite_min_max(flat, is_finite, acc),
+        overflow=_overflow_count(flat, is_finite, margin),
+        **_nonfinite_counts(flat),
+    )
+
+
+def _finite_min_max(flat: tf.Tensor, finite: tf.Tensor, acc: tf.DType) -> tf.Tensor:
+    """float64 ``[min, max]`` of the ``finite`` elements of ``flat``, NaN where
+    there are none: exact, subnormals too, from the bits of the finite
+    elements with the others replaced by a finite one (a masked float min
+    and cast on a denormals-are-zero CPU give 0 for a subnormal)."""
+    some = tf.gather(flat, tf.argmax(tf.cast(finite, tf.int32), output_type=tf.int32))
+    exact = _exact_min_max(tf.where(finite, flat, some), acc)
+    return tf.where(tf.reduce_any(finite), exact, tf.constant(np.nan, tf.float64))
 
 
 def _exact_min_max(flat: tf.Tensor, acc: tf.DType) -> tf.Tensor:

@@ -192,3 +192,63 @@ def test_std_is_accurate_where_the_sums_of_squares_cancel(graph, offset, spread)
     true = x.astype(np.float64)
     assert d["std"][0] == pytest.approx(true.std(), rel=0.01)
     assert d["mean"][0] == pytest.approx(true.mean(), rel=1e-7)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_squares_that_overflow_without_any_nonfinite_element(dtype):
+    # The sum of squares alone sends the tensor down the non-finite path:
+    # it must count no NaN or Inf there.
+    big = 1e30 if dtype == "float32" else 1e200
+    t = _as_tf(np.array([big, -big, 1.0, 0.0]), dtype)
+    for fn in (stats.tensor_stats, _stats_fn):
+        got = fn(t, "huge").numpy()
+        assert got[F["nan"]] == got[F["posinf"]] == got[F["neginf"]] == 0
+        assert_matches(got, _reference(t, dtype), dtype)
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "function"])
+def test_float16_overflow_counted_beside_nan(graph):
+    values = np.array([np.nan, 60000.0, -2000.0, 1.0, np.inf, 1e-6, 0.0], np.float16)
+    fn = _stats_fn if graph else stats.tensor_stats
+    got = fn(tf.constant(values), "h").numpy()
+    want = numpy_stats(values)
+    assert want[F["overflow"]] == 2 and want[F["underflow"]] == 1
+    assert_matches(got, want, "float16")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_unknown_static_size_counts_the_same(dtype):
+    # No static size: counts are summed in int64 instead of int32.
+    tiny = metadata.smallest_normal(dtype)
+    values = np.array([tiny / 4, -tiny / 64, 0.0, -0.0, tiny, 1.0, -3.0])
+    fn = tf.function(stats.tensor_stats, input_signature=[tf.TensorSpec([None], dtype), tf.TensorSpec([], tf.string)])
+    t = _as_tf(values, dtype)
+    got = fn(t, "x").numpy()
+    assert_matches(got, _reference(t, dtype), dtype)
+
+
+@pytest.mark.parametrize("values", [[np.nan, np.nan], []], ids=["all_nan", "empty"])
+def test_no_finite_values_bfloat16(values):
+    t = _as_tf(np.array(values, np.float64), "bfloat16")
+    for fn in (stats.tensor_stats, _stats_fn):
+        got = fn(t, "none").numpy()
+        assert np.isnan(got[F["min"]]) and np.isnan(got[F["max"]])
+        assert_matches(got, _reference(t, "bfloat16"), "bfloat16")
+
+
+_jit_stats_fn = tf.function(stats.tensor_stats, jit_compile=True, reduce_retracing=True)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64", "bfloat16"])
+@pytest.mark.parametrize("mode", ["eager", "function", "jit"])
+def test_subnormal_extremes_beside_nonfinite_values(dtype, mode):
+    # The non-finite path must find min and max as exactly as the finite
+    # one: a float compare or cast on a denormals-are-zero CPU gives 0.
+    tiny = metadata.smallest_normal(dtype)
+    fn = {"eager": stats.tensor_stats, "function": _stats_fn, "jit": _jit_stats_fn}[mode]
+    for values in ([np.nan, -tiny / 4, 3.0, 0.5], [np.inf, tiny / 8, 3.0], [-np.inf, -2.0, -tiny / 2]):
+        t = _as_tf(np.array(values), dtype)
+        got = fn(t, "sub").numpy()
+        want = _reference(t, dtype)
+        assert want[F["underflow"]] == 1
+        assert_matches(got, want, dtype)
