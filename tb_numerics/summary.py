@@ -11,18 +11,25 @@ Per writer and tag, small state lives in TensorFlow variables (created under
 ``tf.init_scope``, so a traced step can update them on every call):
 
 * whether the tag's metadata was written yet. TensorBoard reads metadata from
-  the first event of a series only, and TensorFlow's writer stores whatever
-  metadata it is given in every event, so only the first record of each tag
-  carries it (a later record takes 133 bytes on disk plus the tag's length:
-  the 88 bytes of the float64 vector, the event's wall time, step and
-  framing);
+  the first event of a series only, so the first record of each tag carries
+  the whole ``TensorInfo``; every later one carries a compact copy (plugin
+  name, tensor data class, and dtype, role, order and an intended -Inf in
+  the same JSON format), so that a reader that lost the first event still
+  reads the rest. A later record takes 214 bytes on disk plus the tag's
+  length, 81 of them the compact metadata (``neginf_ok`` adds 17);
+* the step and count of the records written, and the last one: a tag logged
+  again in a step (micro-batches, a loop body) writes the step's further
+  records as repeats (``_write_repeat``), since TensorBoard's Rust data
+  server keeps one event per tag and step;
 * for ``every_n_steps``: the previous step and its statistics, and whether
-  this tag already had a non-finite record, so that the first non-finite step
-  and the last step before it are written whatever N is.
+  this tag already had a non-finite record (``latch.decide``), so that the
+  first non-finite step and the last step before it are written whatever N is.
 
 The position of a tag in the step's execution order is the order in which
 tags are first seen by a writer, at trace time inside ``tf.function``
-(forward calls come before the gradient calls of the same step).
+(forward calls come before the gradient calls of the same step). A tag first
+logged after ``log_gradients`` in the same step (the same value of the step
+eagerly, the same outermost trace in a ``tf.function``) is the update's.
 
 Under ``tf.distribute`` (inside ``strategy.run`` with more than one replica)
 the replicas' statistics are combined with ``all_reduce`` before the write,
@@ -33,27 +40,61 @@ only) describes the values of every replica.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import threading
 import weakref
-from typing import Sequence
+from typing import Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
+from tensorboard.compat.proto import summary_pb2
 from tensorflow.python.framework import smart_cond
 from tensorflow.python.ops import summary_ops_v2
 
-from tb_numerics import _tf_internal, metadata, stats
+from tb_numerics import _tf_internal, latch, metadata, packed, stats
+
+__all__ = [
+    "default_role",
+    "global_norm_record",
+    "gradient_tag",
+    "log_gradients",
+    "log_numerics",
+    "write_stats",
+]
 
 F = metadata.FIELD_INDEX
-_NONFINITE = [F["nan"], F["posinf"], F["neginf"]]
+
+
+def _compact_metadata(info: metadata.TensorInfo) -> bytes:
+    """The metadata of a tag's later records: enough to read them without
+    the first (dtype, role, order, intended -Inf), in today's format, so any
+    reader that meets it first parses it as it parses the full one."""
+    content = {"version": metadata.RECORD_VERSION, "dtype": info.dtype, "role": info.role, "order": int(info.order)}
+    if info.neginf_ok:
+        content["neginf_ok"] = True
+    if info.compute_dtype and info.compute_dtype != info.dtype:
+        content["compute_dtype"] = info.compute_dtype
+    return summary_pb2.SummaryMetadata(
+        plugin_data=summary_pb2.SummaryMetadata.PluginData(
+            plugin_name=metadata.PLUGIN_NAME,
+            content=json.dumps(content, separators=(",", ":")).encode("utf-8"),
+        ),
+        data_class=summary_pb2.DATA_CLASS_TENSOR,
+    ).SerializeToString()
 
 
 class _TagState:
     """What one writer remembers about one tag."""
 
-    def __init__(self, tag: str, info: metadata.TensorInfo):
+    def __init__(self, tag: str, info: metadata.TensorInfo, writer_id: str):
         self.tag = tag
+        self.info = info
         self.serialized_metadata = metadata.create_summary_metadata(info).SerializeToString()
+        self.later_metadata = _compact_metadata(info)
+        # Records beyond the first of a step (see _write_repeat).
+        self.repeat_tag = "%s%s/repeat/%06d" % (packed.TAG_PREFIX, writer_id, info.order)
+        self.repeat_metadata = metadata.create_block_metadata([(tag, info)]).SerializeToString()
         self._vars: dict[str, tf.Variable] = {}
 
     def var(self, key: str, initial: bool | np.ndarray | np.generic) -> tf.Variable:
@@ -78,6 +119,10 @@ class _TagState:
 class _WriterState:
     def __init__(self):
         self.tags: dict[str, _TagState] = {}
+        self.writer_id = os.urandom(4).hex()
+        # Where log_gradients was last called (see _position): tags first
+        # seen after it in the same step are in the update phase.
+        self.gradients_at: tuple | None = None
 
 
 _lock = threading.Lock()
@@ -90,15 +135,34 @@ def _default_writer():
     return summary_ops_v2._summary_state.writer  # pylint: disable=protected-access
 
 
-def _tag_state(writer, tag: str, make_info) -> _TagState:
+def _writer_state(writer) -> _WriterState:
     with _lock:
         ws = _writers.get(writer)
         if ws is None:
             ws = _writers[writer] = _WriterState()
+        return ws
+
+
+def _tag_state(writer, tag: str, make_info: Callable[[int], metadata.TensorInfo]) -> _TagState:
+    """The writer's state of ``tag``; ``make_info(order)`` makes the info of a new tag."""
+    ws = _writer_state(writer)
+    with _lock:
         st = ws.tags.get(tag)
         if st is None:
-            st = ws.tags[tag] = _TagState(tag, make_info(len(ws.tags)))
+            st = ws.tags[tag] = _TagState(tag, make_info(len(ws.tags)), ws.writer_id)
         return st
+
+
+def _position(step: tf.Tensor) -> tuple:
+    """Which step a call belongs to, as far as the Python side can tell:
+    the step's value when eager; inside ``tf.function``, the outermost
+    function being traced (one trace is one step's code)."""
+    if tf.executing_eagerly():
+        return ("eager", int(step))
+    graph = tf.compat.v1.get_default_graph()
+    while isinstance(getattr(graph, "outer_graph", None), type(graph)):
+        graph = graph.outer_graph
+    return ("graph", weakref.ref(graph))
 
 
 def _resolve_step(step) -> tf.Tensor:
@@ -130,22 +194,54 @@ def _check_every_n(every_n_steps: int | None) -> int | None:
     return int(every_n_steps)
 
 
-def _info_for(x: tf.Tensor, role: str, description: str | None, dtype: str):
+def _info_for(x: tf.Tensor, role: str, description: str | None, dtype: str, neginf_ok: bool = False):
     shape = None if x.shape.rank is None else tuple(x.shape.as_list())
 
     def make(order: int) -> metadata.TensorInfo:
         return metadata.TensorInfo(
             dtype=dtype, shape=shape, role=role, order=order, op_type="",
-            description=description or "",
+            description=description or "", neginf_ok=neginf_ok,
         )
 
     return make
 
 
+def _nonfinite(vec: tf.Tensor, neginf_ok: bool) -> tf.Tensor:
+    """Whether a record holds a NaN or an Inf that is not intended (as
+    ``records.nonfinite_count``)."""
+    fields = ["nan", "posinf"] + ([] if neginf_ok else ["neginf"])
+    return tf.reduce_sum(tf.gather(vec, [F[k] for k in fields])) > 0
+
+
 def _write(st: _TagState, stats_vec: tf.Tensor, step: tf.Tensor) -> tf.Tensor:
-    """One record of ``st.tag``; metadata with the tag's first record only."""
+    """One record of ``st.tag``: a step's first under the tag itself, a
+    later one of the same step as a repeat (see ``_write_repeat``)."""
+    # (step of the last record written, records written at that step)
+    at = st.var("written_at", np.array([-1, 0], np.int64))
+    last = st.var("last_record", np.zeros(metadata.NUM_FIELDS, np.float64))
+    pos = at.read_value()
+    prev = last.read_value()
+    repeat = tf.equal(pos[0], step)
+    written = tf.cond(
+        repeat,
+        lambda: _write_repeat(st, stats_vec, step, prev, pos[1]),
+        lambda: _write_first(st, stats_vec, step),
+    )
+    with tf.control_dependencies([written]):
+        count = tf.where(repeat, pos[1] + 1, tf.constant(1, tf.int64))
+        updates = [
+            at.assign(tf.where(written, tf.stack([step, count]), pos)),
+            last.assign(tf.where(written, stats_vec, prev)),
+        ]
+    with tf.control_dependencies(updates):
+        return tf.identity(written)
+
+
+def _write_first(st: _TagState, stats_vec: tf.Tensor, step: tf.Tensor) -> tf.Tensor:
+    """A record under the tag; the full metadata with the tag's first record,
+    the compact one (``_compact_metadata``) with every later one."""
     pending = st.var("metadata_pending", True)
-    meta = tf.where(pending, st.serialized_metadata, b"")
+    meta = tf.where(pending, st.serialized_metadata, st.later_metadata)
     written = tf.summary.write(st.tag, stats_vec, step=step, metadata=meta)
     with tf.control_dependencies([written]):
         # Only a record that was actually written clears the flag.
@@ -154,31 +250,49 @@ def _write(st: _TagState, stats_vec: tf.Tensor, step: tf.Tensor) -> tf.Tensor:
         return tf.identity(written)
 
 
+def _write_repeat(
+    st: _TagState, stats_vec: tf.Tensor, step: tf.Tensor, prev: tf.Tensor, count: tf.Tensor
+) -> tf.Tensor:
+    """A record of a step that already has one under the tag (micro-batches,
+    a loop body), as a packed event (format 3) under ``st.repeat_tag``.
+
+    TensorBoard's Rust data server keeps one event per tag and step (a
+    second one preempts the first), so the record cannot go under the tag
+    itself. The event's rows hold the true step; its event step counts the
+    repeat events, so that no repeat preempts another. The step's first
+    repeat event also carries the step's first record: a reader that merges
+    the tag's parts keeps a step's records from the part written last,
+    which then holds them all, in order. Every repeat event carries the
+    one-row table, so that each stands on its own.
+    """
+    events = st.var("repeat_events", np.int64(0))
+    head = tf.stack([tf.constant(0.0, tf.float64), tf.cast(step, tf.float64)])
+    rows = tf.stack([tf.concat([head, prev], 0), tf.concat([head, stats_vec], 0)])
+    rows = rows[tf.cast(count > 1, tf.int32):]
+    n = events.read_value()
+    written = tf.summary.write(st.repeat_tag, rows, step=n, metadata=st.repeat_metadata)
+    with tf.control_dependencies([written]):
+        update = events.assign(tf.where(written, n + 1, n))
+    with tf.control_dependencies([update]):
+        return tf.identity(written)
+
+
 def _record(st: _TagState, stats_vec: tf.Tensor, step: tf.Tensor, every_n: int | None) -> tf.Tensor:
+    """Writes ``stats_vec`` as ``every_n`` says (``latch.decide``)."""
     if every_n is None:
         return _write(st, stats_vec, step)
-    prev_step = st.var("prev_step", np.int64(-1))
+    prev_step = st.var("prev_step", np.int64(latch.NO_PREVIOUS_STEP))
     prev_stats = st.var("prev_stats", np.zeros(metadata.NUM_FIELDS, np.float64))
     latched = st.var("latched", False)
-    nonfinite = tf.reduce_sum(tf.gather(stats_vec, _NONFINITE)) > 0
-    first_bad = tf.logical_and(nonfinite, tf.logical_not(latched))
-    regular = tf.equal(step % every_n, 0)
-    p_step = prev_step.read_value()
-    # The last step before the first bad one, unless it was written already.
-    write_prev = tf.logical_and(
-        first_bad,
-        tf.logical_and(p_step >= 0, tf.logical_and(tf.not_equal(p_step % every_n, 0), p_step < step)),
-    )
+    p_step, p_stats = prev_step.read_value(), prev_stats.read_value()
+    nonfinite = _nonfinite(stats_vec, st.info.neginf_ok)
+    d = latch.decide(step, p_step, nonfinite, latched.read_value(), every_n)
     no = lambda: tf.constant(False)  # noqa: E731
-    wrote_prev = tf.cond(write_prev, lambda: _write(st, prev_stats.read_value(), p_step), no)
+    wrote_prev = tf.cond(d.write_prev, lambda: _write(st, p_stats, p_step), no)
     with tf.control_dependencies([wrote_prev]):
-        wrote_now = tf.cond(tf.logical_or(regular, first_bad), lambda: _write(st, stats_vec, step), no)
+        wrote_now = tf.cond(d.write_now, lambda: _write(st, stats_vec, step), no)
     with tf.control_dependencies([wrote_now]):
-        updates = [
-            prev_step.assign(step),
-            prev_stats.assign(stats_vec),
-            latched.assign(tf.logical_or(latched, nonfinite)),
-        ]
+        updates = [prev_step.assign(step), prev_stats.assign(stats_vec), latched.assign(d.latched)]
     with tf.control_dependencies(updates):
         return tf.logical_or(wrote_prev, wrote_now)
 
@@ -228,8 +342,10 @@ def write_stats(
     For statistics computed elsewhere, e.g. inside a ``jit_compile``'d step
     where summary ops cannot run. The writer keeps the first ``info`` it sees
     for a tag, with ``order`` replaced by the tag's position in the writer's
-    execution order. Inside ``strategy.run`` the replicas' records are
-    combined before the one write. Returns whether a record was written.
+    execution order; its ``neginf_ok`` (an intended -Inf) is what the
+    ``every_n_steps`` latch applies. Inside ``strategy.run`` the replicas'
+    records are combined before the one write. Returns whether a record was
+    written.
     """
     every_n = _check_every_n(every_n_steps)
     _check_role(info.role)
@@ -250,27 +366,45 @@ def log_numerics(
     role: str | None = None,
     description: str | None = None,
     every_n_steps: int | None = None,
+    allow_neginf: bool = False,
 ) -> bool | tf.Tensor:
     """Records the numerics of a float tensor under tag ``name``.
 
-    ``role`` defaults to "loss" when the last component of ``name`` contains
-    "loss", else "activation". With ``every_n_steps=N`` a record is written
-    at steps that are multiples of N, and also at the first step where the
-    tensor is non-finite and at the step logged before it. Returns whether a
-    record was written.
+    Args:
+      name: the tag.
+      tensor: a float16, bfloat16, float32 or float64 tensor.
+      step: the step; by default ``tf.summary.experimental.get_step()``.
+      role: what the tensor is (``metadata.ROLES``). By default "update"
+        where the tag is first logged after ``log_gradients`` in the same
+        step (a clipped norm in the optimizer's update), else "loss" when
+        the last component of ``name`` contains "loss", else "activation".
+      description: shown with the tensor.
+      every_n_steps: write a record at steps that are multiples of N, and
+        also at the first step where the tensor is non-finite and the step
+        logged before it (``latch.decide``).
+      allow_neginf: -Inf is intended in this tensor (an attention mask): it
+        is no anomaly, and not the latch's first non-finite step. Kept in the
+        tag's metadata, so every reader applies it. A NaN or +Inf still counts.
+
+    Returns:
+      Whether a record was written.
 
     Raises:
       TypeError: ``tensor`` is not float16, bfloat16, float32 or float64.
     """
     every_n = _check_every_n(every_n_steps)
-    role = _check_role(default_role(name) if role is None else role)
+    if role is not None:
+        _check_role(role)
     x = tf.convert_to_tensor(tensor)
     dtype = stats.check_dtype(x, name)
     writer = _default_writer()
     if writer is None:
         return tf.constant(False)
     step = _resolve_step(step)
-    st = _tag_state(writer, name, _info_for(x, role, description, dtype))
+    if role is None:
+        after_gradients = _writer_state(writer).gradients_at == _position(step)
+        role = "update" if after_gradients else default_role(name)
+    st = _tag_state(writer, name, _info_for(x, role, description, dtype, bool(allow_neginf)))
 
     def compute_and_emit() -> tf.Tensor:
         return _emit([(st, _combine(stats.tensor_stats(x, name)))], step, every_n)
@@ -341,23 +475,55 @@ def log_gradients(grads: Sequence, variables: Sequence, step=None, *, every_n_st
         lambda order: metadata.TensorInfo(dtype=norm_dtype, shape=(), role="global_norm", order=order),
     )
 
+    # Tags first logged after this call, in the same step, are the update's.
+    _writer_state(writer).gradients_at = _position(step)
+
     def compute_and_emit() -> tf.Tensor:
         vecs = [_combine(stats.tensor_stats(g, tag)) for tag, g, _ in pairs]
-        norm = global_norm_of_stats(tf.stack(vecs), norm_dtype)
-        records = list(zip(states, vecs)) + [(norm_state, stats.tensor_stats(norm, "global_norm"))]
+        records = list(zip(states, vecs)) + [(norm_state, global_norm_record(tf.stack(vecs), norm_dtype))]
         return _emit(records, step, every_n)
 
     return _gated_compute(compute_and_emit)
 
 
-def global_norm_of_stats(vecs: tf.Tensor, dtype: str) -> tf.Tensor:
-    """The global L2 norm of tensors from their records ``vecs`` [n, F].
+def global_norm_record(vecs: tf.Tensor, dtype: str) -> tf.Tensor:
+    """The record of the global L2 norm of tensors from their records ``vecs`` [n, F].
 
-    sqrt of the summed squares; NaN if any element is NaN, else Inf if any
-    is Inf (as ``tf.linalg.global_norm``), with no extra pass over the data.
+    The TensorFlow twin of ``records.global_norm_record``: sqrt of the
+    summed squares in float64 (NaN if any element is NaN, else Inf if any
+    is Inf, as ``tf.linalg.global_norm``), with no extra pass over the data,
+    recorded as one value of ``dtype`` as ``records.scalar_record`` does:
+    not rounded to ``dtype``, so a norm of finite gradients beyond its range
+    is a finite record that counts as an overflow, never a fake +Inf.
     """
+    vecs = tf.reshape(tf.cast(vecs, tf.float64), [-1, metadata.NUM_FIELDS])
     nan = tf.reduce_sum(vecs[:, F["nan"]])
     inf = tf.reduce_sum(vecs[:, F["posinf"]] + vecs[:, F["neginf"]])
     norm = tf.sqrt(tf.reduce_sum(vecs[:, F["sum_sq"]]))
     norm = tf.where(nan > 0, tf.constant(np.nan, tf.float64), tf.where(inf > 0, tf.constant(np.inf, tf.float64), norm))
-    return tf.cast(norm, dtype)
+    return scalar_record(norm, dtype)
+
+
+def scalar_record(value: tf.Tensor, dtype: str) -> tf.Tensor:
+    """The record of one float64 value held to ``dtype``'s range: the
+    TensorFlow twin of ``records.scalar_record``."""
+    v = tf.reshape(tf.cast(value, tf.float64), [])
+    finite = tf.math.is_finite(v)
+    one, zero = tf.constant(1.0, tf.float64), tf.constant(0.0, tf.float64)
+    flag = lambda b: tf.where(b, one, zero)  # noqa: E731
+    fin = tf.where(finite, v, zero)
+    extreme = tf.where(finite, v, tf.constant(np.nan, tf.float64))
+    mag = tf.abs(fin)
+    return tf.stack([
+        one,
+        flag(tf.math.is_nan(v)),
+        flag(tf.equal(v, np.inf)),
+        flag(tf.equal(v, -np.inf)),
+        extreme,
+        extreme,
+        fin,
+        fin * fin,
+        flag(finite & tf.equal(v, 0.0)),
+        flag(mag > metadata.overflow_margin(dtype)),
+        flag((mag > 0) & (mag < metadata.smallest_normal(dtype))),
+    ])

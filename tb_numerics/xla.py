@@ -79,8 +79,9 @@ class CompiledStats:
         out = self.collect(named, role="gradient")
         if out:
             norm_dtype = "float64" if any(self._infos[t].dtype == "float64" for t in out) else "float32"
-            norm = summary.global_norm_of_stats(tf.stack(list(out.values())), norm_dtype)
-            out.update(self.collect({"gradients/global_norm": norm}, role="global_norm"))
+            tag = "gradients/global_norm"
+            self._infos.setdefault(tag, metadata.TensorInfo(dtype=norm_dtype, shape=(), role="global_norm"))
+            out[tag] = summary.global_norm_record(tf.stack(list(out.values())), norm_dtype)
         return out
 
     def write(self, records: Mapping[str, tf.Tensor], step=None, every_n_steps: int | None = None) -> bool:

@@ -8,10 +8,10 @@ import sys
 import numpy as np
 import pytest
 import tensorflow as tf
-from tensorboard.compat.proto import event_pb2
+from tensorboard.compat.proto import event_pb2, summary_pb2
 
 import tb_numerics as tbn
-from tb_numerics import cli, event_reader, metadata, stats, summary
+from tb_numerics import cli, event_reader, metadata, records, stats, summary
 from tb_numerics.records import numpy_stats
 
 import two_replicas
@@ -27,9 +27,9 @@ def read(logdir):
     return {s.tag: (s.info, s.steps.tolist(), s.values) for s in runs[0].series}
 
 
-def report(logdir):
+def report(logdir, problems_expected=False):
     summaries, problems = cli.report(str(logdir), cli.analysis.SafeRange())
-    assert problems == []
+    assert bool(problems) == problems_expected, problems
     return summaries[0]
 
 
@@ -182,29 +182,59 @@ def test_without_writer_or_under_record_if_false_nothing_is_written(tmp_path):
     assert read(tmp_path)["x"][1] == [1]
 
 
-def test_metadata_only_in_first_event_and_bytes_per_record(tmp_path):
+def test_full_metadata_in_first_event_compact_in_later_ones_and_bytes_per_record(tmp_path):
     writer = tf.summary.create_file_writer(str(tmp_path))
 
     @tf.function
     def step(x):
-        return tbn.log_numerics("dense3/output", x)
+        return tbn.log_numerics("dense3/output", x, allow_neginf=True)
 
     x = tf.constant(np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32))
     counter = tf.Variable(0, dtype=tf.int64)
     with writer.as_default(step=counter):
         for s in range(20):
-            step(x) if s % 2 else tbn.log_numerics("dense3/output", x)
+            step(x) if s % 2 else tbn.log_numerics("dense3/output", x, allow_neginf=True)
             counter.assign_add(1)
     writer.close()
     events = [event_pb2.Event.FromString(r) for r in raw_events(tmp_path)]
-    values = [(e, e.summary.value[0]) for e in events if e.summary.value]
+    values = [v for e in events for v in e.summary.value]
     assert len(values) == 20
-    with_meta = [v.HasField("metadata") for _, v in values]
-    assert with_meta == [True] + [False] * 19
+    # Every record names the plugin and the tensor class, so each is
+    # recognisable on its own; only the first has the whole TensorInfo.
+    assert all(v.metadata.plugin_data.plugin_name == "numerics" for v in values)
+    assert all(v.metadata.data_class == summary_pb2.DATA_CLASS_TENSOR for v in values)
+    first = metadata.parse_plugin_metadata(values[0].metadata.plugin_data.content)
+    assert first.shape == (64, 64) and first.neginf_ok and first.role == "activation"
+    later = [metadata.parse_plugin_metadata(v.metadata.plugin_data.content) for v in values[1:]]
+    assert {(i.dtype, i.role, i.order, i.neginf_ok, i.shape) for i in later} == {("float32", "activation", 0, True, None)}
     sizes = [len(r) + 16 for r in raw_events(tmp_path)]  # + TFRecord framing
-    # 13-character tag: 146 bytes per record after the first.
-    assert max(sizes[2:]) <= 150, sizes
+    # 13-character tag: 146 bytes per record without metadata, 98 more for
+    # the compact metadata (of which 17 for "neginf_ok").
+    assert max(sizes[2:]) <= 244, sizes
     assert read(tmp_path)["dense3/output"][1] == list(range(20))
+
+
+def test_records_after_a_damaged_first_event_are_still_read(tmp_path):
+    writer = tf.summary.create_file_writer(str(tmp_path))
+    counter = tf.Variable(0, dtype=tf.int64)
+    with writer.as_default(step=counter):
+        for s in range(10):
+            tbn.log_numerics("dense/output", tf.constant([1.0, np.nan if s == 7 else 2.0]))
+            tbn.log_numerics("model/loss", tf.constant(0.5))
+            counter.assign_add(1)
+    writer.close()
+    (path,) = [os.path.join(tmp_path, f) for f in os.listdir(tmp_path)]
+    data = bytearray(open(path, "rb").read())
+    # Past the file-version event, to the tag's first record.
+    offset = 16 + int.from_bytes(data[:8], "little")
+    data[offset + 40] ^= 0xFF  # inside the data: its checksum fails
+    open(path, "wb").write(bytes(data))
+    runs = event_reader.read_logdir(str(tmp_path))
+    series = {s.tag: s for s in runs[0].series}
+    assert series["dense/output"].steps.tolist() == list(range(1, 10))
+    assert series["dense/output"].info.role == "activation"
+    s = report(tmp_path, problems_expected=True)
+    assert (s["first_anomaly"]["step"], s["first_anomaly"]["tensor"]) == (7, "dense/output")
 
 
 def test_write_stats_writes_precomputed_stats(tmp_path):
@@ -308,3 +338,181 @@ def test_mirrored_strategy_combines_replicas_into_one_record(tmp_path):
         np.testing.assert_allclose(got[[F["sum"], F["sum_sq"]]], want[[F["sum"], F["sum_sq"]]], rtol=1e-5)
     assert np.array(res["got"]["h"][1][0])[F["nan"]] == 1
     assert np.array(res["got"]["h"][1][0])[F["count"]] == 16
+
+
+def cli_json(logdir):
+    """``tb-numerics report --json LOGDIR``, run in-process: (exit status, runs)."""
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        status = cli.main(["report", "--json", str(logdir)])
+    return status, json.loads(out.getvalue())["runs"]
+
+
+def _mask(step):
+    """An attention mask: -Inf intended in every step; a NaN at step 3."""
+    m = np.array([0.0, -np.inf, 0.5, -np.inf], np.float32)
+    if step == 3:
+        m[2] = np.nan
+    return m
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "function"])
+def test_intended_neginf_is_not_the_latchs_first_nonfinite_step(tmp_path, graph):
+    def body(x, step):
+        return tbn.log_numerics("attn/mask", x, step=step, every_n_steps=5, allow_neginf=True)
+
+    fn = tf.function(body) if graph else body
+    writer = tf.summary.create_file_writer(str(tmp_path))
+    with writer.as_default():
+        for s in range(12):
+            fn(tf.constant(_mask(s)), tf.constant(s, tf.int64))
+    writer.close()
+    info, steps, values = read(tmp_path)["attn/mask"]
+    assert info.neginf_ok  # in the run: every reader applies it
+    # The NaN at step 3 is the latch's first non-finite step: written with
+    # the step before it, whatever N is.
+    assert steps == [0, 2, 3, 5, 10]
+    bad = records.nonfinite_count(np.asarray(values), info.neginf_ok) > 0
+    assert [s for s, b in zip(steps, bad) if b] == [3]
+
+
+def test_write_stats_latch_applies_the_infos_intended_neginf(tmp_path):
+    info = metadata.TensorInfo(dtype="float32", shape=(4,), role="activation", neginf_ok=True)
+    writer = tf.summary.create_file_writer(str(tmp_path))
+    with writer.as_default():
+        for s in range(8):
+            summary.write_stats("mask", numpy_stats(_mask(s)), step=s, info=info, every_n_steps=4)
+    writer.close()
+    got_info, steps, _ = read(tmp_path)["mask"]
+    assert got_info.neginf_ok and steps == [0, 2, 3, 4]
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "function"])
+def test_every_record_of_a_tag_logged_twice_in_a_step_reaches_the_report(tmp_path, graph):
+    # Two micro-batches per step under one tag; -Inf in the first of step 4.
+    def body(a, b, step):
+        tbn.log_numerics("accum/grad", a, step=step)
+        tbn.log_numerics("accum/grad", b, step=step)
+        return tbn.log_numerics("accum/grad", b * 2.0, step=step) if not graph else tf.constant(True)
+
+    fn = tf.function(body) if graph else body
+    writer = tf.summary.create_file_writer(str(tmp_path))
+    with writer.as_default():
+        for s in range(6):
+            a = np.full(3, 1.0 + s, np.float32)
+            if s == 4:
+                a[1] = -np.inf
+            fn(tf.constant(a), tf.constant(np.full(3, -1.0 - s, np.float32)), tf.constant(s, tf.int64))
+    writer.close()
+    per_step = 2 if graph else 3
+    _, steps, values = read(tmp_path)["accum/grad"]
+    assert steps == [s for s in range(6) for _ in range(per_step)]
+    # The records of a step are in the order they were logged.
+    np.testing.assert_array_equal(np.asarray(values)[::per_step, F["max"]], [1, 2, 3, 4, 5, 6])
+    assert np.asarray(values)[4 * per_step, F["neginf"]] == 1
+    status, runs = cli_json(tmp_path)
+    assert status == 1
+    assert (runs[0]["first_anomaly"]["step"], runs[0]["first_anomaly"]["neginf"]) == (4, 1)
+
+
+@pytest.mark.parametrize("load_fast", [True, False], ids=["rust", "python"])
+def test_repeated_records_of_a_step_survive_in_real_tensorboard(tmp_path, load_fast):
+    from tb_process import tensorboard, wait_for
+
+    logdir = tmp_path / "logs"
+    writer = tf.summary.create_file_writer(str(logdir / "run"))
+
+    @tf.function
+    def step(a, b):
+        tbn.log_numerics("accum/grad", a)
+        tbn.log_numerics("accum/grad", b)
+
+    counter = tf.Variable(0, dtype=tf.int64)
+    with writer.as_default(step=counter):
+        for s in range(5):
+            a = np.full(3, 1.0, np.float32)
+            if s == 3:
+                a[0] = -np.inf  # only in the first micro-batch
+            step(tf.constant(a), tf.constant(np.full(3, 2.0, np.float32)))
+            counter.assign_add(1)
+    writer.close()
+    with tensorboard(str(logdir), load_fast=load_fast) as tb:
+        got = wait_for(
+            lambda: (s := tb.get_json("/data/plugin/numerics/summary?run=run"))["records"] == 10
+            and not s["stale"] and s,
+            timeout=90,
+        )
+        assert got["first_anomaly"]["step"] == 3 and got["first_anomaly"]["neginf"] == 1
+        series = tb.get_json("/data/plugin/numerics/series?run=run&tensor=accum/grad")
+        assert series["steps"] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+
+
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "function"])
+def test_a_tensor_logged_after_the_gradients_is_in_the_update_phase(tmp_path, graph):
+    variables = _variables()
+
+    def body(h, grads, step):
+        tbn.log_numerics("dense1/output", h, step=step)
+        tbn.log_gradients(grads, variables, step=step)
+        clipped = tf.linalg.global_norm(tf.clip_by_global_norm(grads, 1.0)[0])
+        tbn.log_numerics("optimizer/clipped_norm", clipped, step=step)
+        return tbn.log_numerics("optimizer/lr", tf.constant(0.1), step=step, role="other")
+
+    fn = tf.function(body) if graph else body
+    writer = tf.summary.create_file_writer(str(tmp_path))
+    with writer.as_default():
+        for s in range(3):
+            g = np.ones([4], np.float32)
+            if s == 2:
+                g[0] = np.nan  # the gradient makes the clipped norm NaN
+            grads = [tf.ones([16, 4]), tf.constant(g)]
+            if s == 1:  # first logged in a later step, before its gradients: forward
+                tbn.log_numerics("dense2/output", tf.ones(2), step=s)
+            fn(tf.ones([2, 16]), grads, tf.constant(s, tf.int64))
+    writer.close()
+    infos = {tag: v[0] for tag, v in read(tmp_path).items()}
+    assert infos["optimizer/clipped_norm"].role == "update"
+    assert infos["optimizer/lr"].role == "other"  # a role passed is kept
+    assert infos["dense1/output"].role == "activation"
+    assert infos["dense2/output"].role == "activation"
+    status, runs = cli_json(tmp_path)
+    a = runs[0]["first_anomaly"]
+    assert (status, a["step"], a["tensor"], a["phase"]) == (1, 2, "gradients/dense1/bias", "backward")
+
+
+def test_finite_gradients_beyond_float32_make_a_finite_global_norm(tmp_path):
+    variables = [tf.Variable(tf.zeros([1]), name="w%d" % i) for i in range(16)]
+    grads = [tf.constant([1e38], tf.float32)] * 16
+    writer = tf.summary.create_file_writer(str(tmp_path))
+    with writer.as_default(step=0):
+        tbn.log_gradients(grads, variables)
+    writer.close()
+    norm = read(tmp_path)["gradients/global_norm"][2][0]
+    # sqrt(16) * 1e38 = 4e38: beyond float32, kept in float64, an overflow risk.
+    np.testing.assert_allclose(norm[F["max"]], 4e38, rtol=1e-6)
+    assert norm[F["posinf"]] == 0 and norm[F["overflow"]] == 1
+    status, runs = cli_json(tmp_path)
+    assert status == 0 and runs[0]["first_anomaly"] is None
+    assert runs[0]["first_warning"]["kind"] == "overflow_risk"
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float16", "float64"])
+def test_global_norm_record_in_tensorflow_and_numpy_agree(dtype):
+    rng = np.random.default_rng(0)
+    cases = {
+        "healthy": [rng.standard_normal(5), rng.standard_normal(3)],
+        "huge": [np.full(4, 1e38), np.full(12, 1e38)],
+        "float16 margin": [np.full(4, 600.0)],
+        "zero": [np.zeros(3)],
+        "tiny": [np.full(2, 1e-20)],
+        "nan": [np.array([1.0, np.nan]), np.full(2, np.inf)],
+        "inf": [np.array([1.0, -np.inf])],
+    }
+    for name, parts in cases.items():
+        recs = np.stack([numpy_stats(p.astype(np.float64)) for p in parts])
+        want = records.global_norm_record(recs, dtype)
+        got = summary.global_norm_record(tf.constant(recs), dtype).numpy()
+        np.testing.assert_array_equal(got, want, err_msg=name)

@@ -1,0 +1,87 @@
+"""The every-N latch: one rule, the same on the host and in a traced step."""
+
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from tb_numerics import latch
+
+
+def run_host(steps, bad, every_n):
+    """The decisions of a sequence of records, on the host."""
+    prev, latched, out = latch.NO_PREVIOUS_STEP, False, []
+    for step, nonfinite in zip(steps, bad):
+        d = latch.decide(step, prev, nonfinite, latched, every_n)
+        out.append((bool(d.write_now), bool(d.write_prev)))
+        prev, latched = step, d.latched
+    return out
+
+
+def run_graph(steps, bad, every_n):
+    """The same in a tf.function, with its state in variables."""
+    prev = tf.Variable(np.int64(latch.NO_PREVIOUS_STEP))
+    latched = tf.Variable(False)
+
+    @tf.function
+    def one(step, nonfinite):
+        d = latch.decide(step, prev.read_value(), nonfinite, latched.read_value(), every_n)
+        prev.assign(step)
+        latched.assign(d.latched)
+        return tf.stack([d.write_now, d.write_prev])
+
+    return [tuple(one(tf.constant(s, tf.int64), tf.constant(b)).numpy().tolist()) for s, b in zip(steps, bad)]
+
+
+def written(steps, decisions):
+    """The steps written, in order (a previous record before the current one)."""
+    out = []
+    for i, (now, prev) in enumerate(decisions):
+        if prev:
+            out.append(steps[i - 1])
+        if now:
+            out.append(steps[i])
+    return out
+
+
+def test_every_nth_step_the_first_bad_step_and_the_one_before():
+    steps = list(range(20))
+    bad = [s >= 13 for s in steps]
+    assert written(steps, run_host(steps, bad, 5)) == [0, 5, 10, 12, 13, 15]
+
+
+def test_the_step_before_is_not_written_twice():
+    steps = list(range(12))
+    bad = [s == 11 for s in steps]  # the step before, 10, is a multiple of 5
+    assert written(steps, run_host(steps, bad, 5)) == [0, 5, 10, 11]
+
+
+def test_an_earlier_record_of_the_same_step_counts_as_the_one_before():
+    steps = [0, 1, 1, 2]  # a tag logged twice at step 1 (micro-batches)
+    bad = [False, False, True, False]
+    assert run_host(steps, bad, 5) == [(True, False), (False, False), (True, True), (False, False)]
+
+
+def test_steps_going_back_do_not_write_a_later_step_as_the_one_before():
+    steps = [7, 3]  # a restarted loop
+    assert run_host(steps, [False, True], 5) == [(False, False), (True, False)]
+
+
+def test_python_and_numpy_arguments_agree():
+    # ~True is -2 on a Python bool: decide must not use it as a flag.
+    d = latch.decide(6, 4, False, True, 5)
+    assert (bool(d.write_now), bool(d.write_prev), bool(d.latched)) == (False, False, True)
+    d = latch.decide(np.int64(6), np.int64(4), np.bool_(True), np.bool_(False), 5)
+    assert (bool(d.write_now), bool(d.write_prev), bool(d.latched)) == (True, True, True)
+
+
+@pytest.mark.parametrize("every_n", [1, 3, 7])
+def test_host_and_graph_decide_the_same(every_n):
+    rng = np.random.default_rng(every_n)
+    # Rising steps with gaps and repeats, a restart, sparse non-finite records.
+    steps = np.cumsum(rng.integers(0, 3, 60)).tolist()
+    steps[40:] = [s - 25 for s in steps[40:]]
+    bad = (rng.random(60) < 0.08).tolist()
+    host = run_host(steps, bad, every_n)
+    assert host == run_graph(steps, bad, every_n)
+    # Whatever N, the first non-finite record is written.
+    assert host[bad.index(True)][0]
