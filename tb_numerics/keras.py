@@ -33,7 +33,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tb_numerics import _keras_replay, analysis, cli, event_reader, metadata, record_writer, records, stats, summary
+from tb_numerics import _keras_replay, analysis, cli, event_reader, latch, metadata, record_writer, records, stats, summary
 
 F = metadata.FIELD_INDEX
 _NONFINITE = slice(F["nan"], F["neginf"] + 1)
@@ -654,17 +654,20 @@ class NumericsCallback(keras.callbacks.Callback):
         step = int(aux[1])
         step_records = self._records(step_stats, aux)
         nonfinite = any(records.nonfinite_count(v, info.neginf_ok) > 0 for _, v, info in step_records)
-        first_bad = nonfinite and not self._latched
-        if first_bad and self._prev is not None and self._prev[0] == step - 1:
-            self._writer.write_many(*self._prev)
-        if step % self.every_n_steps == 0 or first_bad or (nonfinite and self._lso):
-            self._writer.write_many(step, step_records)
-            self._prev = None
-        else:
-            self._prev = (step, step_records)
-        self._latched = self._latched or nonfinite
         scale = float(aux[2]) if self._lso else None
-        if not any(analysis.record_is_anomaly(tag, v, info, self.safe_range, scale) for tag, v, info in step_records):
+        # A LossScaleOptimizer's skip does not close the latch (it is written anyway, below).
+        anomaly = any(analysis.record_is_anomaly(tag, v, info, self.safe_range, scale) for tag, v, info in step_records)
+        # _prev: the last step computed but not written (None once written).
+        prev_step = self._prev[0] if self._prev is not None else latch.NO_PREVIOUS_STEP
+        decision = latch.decide(step, prev_step, anomaly, self._latched, self.every_n_steps)
+        if decision.write_prev:
+            self._writer.write_many(*self._prev)
+        written = bool(decision.write_now) or (nonfinite and self._lso)
+        if written:
+            self._writer.write_many(step, step_records)
+        self._prev = None if written else (step, step_records)
+        self._latched = bool(decision.latched)
+        if not anomaly:
             return False
         if self._replay is not None and self.replay_verdict is None:
             self._writer.flush()
