@@ -168,12 +168,16 @@ def _two_sqrts(x):
     return out
 
 
-def test_eager_op_repeated_in_a_step_is_aggregated_into_one_record(tmp_path):
+def test_eager_op_repeated_in_a_step_keeps_one_record_per_execution(tmp_path):
+    # Every execution counts: the same eager op twice in a step is two
+    # occurrences of its tag at that step, in execution order.
     _run(str(tmp_path), _two_sqrts, [[1.0, 4.0], [0.5, 4.0]], "eager", tbn.op_numerics())
     ra = _analysis(str(tmp_path))
     (h,) = [h for h in ra.health if h.series.info.op_type == "Sqrt"]
-    assert h.series.values[:, 0].tolist() == [4.0, 4.0]  # two calls x two values
-    assert h.series.values[:, 1].tolist() == [0.0, 1.0]  # sqrt(-0.5) in step 1
+    assert h.series.steps.tolist() == [0, 0, 1, 1]
+    assert h.series.values[:, 0].tolist() == [2.0] * 4
+    assert h.series.values[:, 1].tolist() == [0.0, 0.0, 0.0, 1.0]  # sqrt(0.5 - 1) in step 1
+    assert h.series.occurrence(3) == (2, 2)
     assert "test_oplevel.py:%d" % _line_of("# LOOP") in h.series.info.description
 
 

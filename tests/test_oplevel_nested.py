@@ -1,0 +1,260 @@
+"""op_numerics around an eager step that calls tf.functions (TensorFlow's own
+debugging tutorials' structure), and ops inside nested graphs: called
+functions and their gradients, tf.cond branches, tf.while_loop bodies and
+Keras RNN loops, in the full and the flight-recorder modes.
+
+Each test trains for real and reads the answer back through
+``tb-numerics report --json``.
+"""
+
+from __future__ import annotations
+
+import json
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tb_numerics as tbn
+from tb_numerics import cli, event_reader, records
+
+HEALTHY = [1.0, 2.0, 3.0]
+BAD = [1.0, 0.0, 3.0]  # log(0) = -Inf in the second element
+
+
+def _line_of(marker: str) -> int:
+    with open(__file__) as f:
+        for i, line in enumerate(f, 1):
+            if line.rstrip().endswith(marker) and "def _line_of" not in line:
+                return i
+    raise AssertionError(marker)
+
+
+def _report(logdir, capsys) -> tuple[int, dict]:
+    code = cli.main(["report", str(logdir), "--json"])
+    (run,) = json.loads(capsys.readouterr().out)["runs"]
+    return code, run
+
+
+def _series(logdir) -> dict[str, records.TensorSeries]:
+    (run,) = event_reader.read_logdir(str(logdir))
+    return {s.tag: s for s in run.series}
+
+
+class _Model:
+    """A step in the tutorials' shape: eager code calling tf.function helpers."""
+
+    def __init__(self):
+        self.w = tf.Variable([1.0, 1.0, 1.0])
+
+        @tf.function
+        def forward(h):
+            return tf.math.log(h)  # NESTED_LOG
+
+        @tf.function
+        def loss_of(y):
+            return tf.reduce_mean(y * y)
+
+        self.forward, self.loss_of = forward, loss_of
+
+    def train_step(self, x):
+        with tf.GradientTape() as tape:
+            h = x * self.w  # EAGER_MUL
+            loss = self.loss_of(self.forward(h))
+        grad = tape.gradient(loss, self.w)
+        self.w.assign_sub(0.0 * grad)  # the update (no change: the data decides)
+        return loss
+
+
+def _train(logdir, inputs, step_kind: str, recorder, model: _Model | None = None) -> _Model:
+    model = model or _Model()
+    writer = tf.summary.create_file_writer(str(logdir))
+    var = tf.Variable(0, dtype=tf.int64)
+    for i, x in enumerate(inputs):
+        var.assign(i)
+        with writer.as_default(step=var if step_kind == "variable" else i), recorder:
+            model.train_step(tf.constant(x))
+    writer.close()
+    return model
+
+
+@pytest.mark.parametrize("step_kind", ["int", "variable"])
+def test_eager_loop_records_nested_ops_at_each_calls_step(tmp_path, capsys, step_kind):
+    _train(tmp_path, [HEALTHY] * 3 + [BAD], step_kind, tbn.op_numerics())
+    code, run = _report(tmp_path, capsys)
+    a = run["first_anomaly"]
+    assert code == cli.EXIT_ANOMALY
+    # The forward Log inside the called function, not an eager gradient op after it.
+    assert (a["step"], a["op_type"], a["phase"], a["tensor"]) == (3, "Log", "forward", "ops/Log")
+    assert a["last_healthy_step"] == 2 and a["neginf"] == 1
+    assert "test_oplevel_nested.py:%d (forward)" % _line_of("# NESTED_LOG") in a["tensor_description"]
+    series = _series(tmp_path)
+    # Every op, nested or eager, forward or backward, at the step of each call.
+    assert all(sorted(set(s.steps.tolist())) == [0, 1, 2, 3] for s in series.values()), {
+        t: s.steps.tolist() for t, s in series.items()}
+    assert "test_oplevel_nested.py:%d" % _line_of("# EAGER_MUL") in series["ops/Mul"].info.description
+    grads = [s for s in series.values() if s.info.phase == "backward"]
+    # The gradient ops TensorFlow builds for the called functions run and are linked.
+    assert any(s.info.op_type == "Reciprocal" and "gradient of ops/Log" in s.info.description for s in grads)
+
+
+def test_an_evaluation_pass_outside_the_block_records_nothing(tmp_path, capsys):
+    recorder = tbn.op_numerics()
+    model = _train(tmp_path / "run", [HEALTHY] * 2, "int", recorder)
+    writer = tf.summary.create_file_writer(str(tmp_path / "run"))
+    with writer.as_default(step=50):  # evaluation: the traced functions run, outside the recorder
+        model.loss_of(model.forward(tf.constant(BAD)))
+    writer.close()
+    code, run = _report(tmp_path, capsys)
+    assert code == cli.EXIT_OK and run["first_anomaly"] is None
+    assert all(sorted(set(s.steps.tolist())) == [0, 1] for s in _series(tmp_path / "run").values())
+
+
+def test_first_bad_backward_op_is_the_eager_one_that_ran_first(tmp_path, capsys):
+    # sqrt(h) eager after a called function: its gradient (eager, infinite at
+    # 0) runs before the called function's backward graph, which the Inf then
+    # reaches. That backward graph is traced with the forward call, before
+    # the eager gradient op exists: execution order, not trace order, decides.
+    w = tf.Variable([1.0, 1.0, 1.0])
+
+    @tf.function
+    def scale(x):
+        return x * w
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(tf.sqrt(scale(x)))  # EAGER_SQRT
+        return tape.gradient(loss, w)
+
+    writer = tf.summary.create_file_writer(str(tmp_path))
+    recorder = tbn.op_numerics()
+    for i, x in enumerate([HEALTHY, BAD]):
+        with writer.as_default(step=i), recorder:
+            step(tf.constant(x))
+    writer.close()
+    code, run = _report(tmp_path, capsys)
+    a = run["first_anomaly"]
+    assert (a["step"], a["op_type"], a["phase"]) == (1, "SqrtGrad", "backward")
+    assert "test_oplevel_nested.py:%d" % _line_of("# EAGER_SQRT") in a["tensor_description"]
+    nested_grad = [s for s in _series(tmp_path).values()
+                   if s.tag.startswith("ops/gradients/") and records.nonfinite_count(s.values[-1]) > 0]
+    assert nested_grad  # ran after the SqrtGrad, also non-finite, not blamed
+    assert recorder.first_bad.op_type == "SqrtGrad"
+
+
+# ---------------------------------------------------------------- control flow
+
+
+def _loop_log(x):
+    # s halves each iteration; log(s - 0.25) reaches log(0) at iteration 2.
+    def body(i, s, acc):
+        y = tf.math.log(s - 0.25)  # LOOP_LOG
+        return i + 1, s * 0.5, acc + y
+
+    _, _, acc = tf.while_loop(lambda i, s, acc: i < 3, body, (0, x, tf.zeros_like(x)))
+    return tf.cond(tf.reduce_min(x) > 0.0, lambda: tf.sqrt(acc * acc),  # COND_SQRT
+                   lambda: acc)
+
+
+@pytest.mark.parametrize("flight", [None, 3])
+def test_while_and_cond_bodies_in_a_called_function(tmp_path, capsys, flight):
+    fn = tf.function(_loop_log)
+    writer = tf.summary.create_file_writer(str(tmp_path))
+    recorder = tbn.op_numerics(flight_recorder=flight)
+    # x = 1 until step 3: s = 1, 0.5, 0.25 -> log(0) at iteration 2 of step 3.
+    for i, x in enumerate([[2.0, 2.0]] * 3 + [[2.0, 1.0]] * 2):
+        with writer.as_default(step=i), recorder:
+            fn(tf.constant(x))
+    writer.close()
+    code, run = _report(tmp_path, capsys)
+    a = run["first_anomaly"]
+    assert (a["step"], a["op_type"], a["phase"]) == (3, "Log", "forward")
+    assert "test_oplevel_nested.py:%d" % _line_of("# LOOP_LOG") in a["tensor_description"]
+    series = _series(tmp_path)
+    log = series[a["tensor"]]
+    at3 = np.flatnonzero(log.steps == 3)
+    assert len(at3) == 3  # one record per iteration
+    assert [log.occurrence(i) for i in at3] == [(1, 3), (2, 3), (3, 3)]
+    assert log.values[at3, records.F["neginf"]].tolist() == [0.0, 0.0, 1.0]
+    assert any(s.info.op_type == "Sqrt" for s in series.values())  # the cond branch
+    assert sorted(set(log.steps.tolist())) == ([0, 1, 2, 3, 4] if flight is None else [1, 2, 3])
+    assert recorder.first_bad is not None and recorder.first_bad.op_type == "Log"
+
+
+@pytest.mark.parametrize("flight", [None, 2])
+def test_while_and_cond_bodies_in_a_traced_step(tmp_path, capsys, flight):
+    recorder = tbn.op_numerics(flight_recorder=flight)
+    fn = tf.function(recorder(_loop_log))
+    writer = tf.summary.create_file_writer(str(tmp_path))
+    step = tf.Variable(0, dtype=tf.int64)
+    with writer.as_default(step=step):
+        for i, x in enumerate([[2.0, 2.0]] * 3 + [[2.0, 1.0]] * 2):
+            step.assign(i)
+            fn(tf.constant(x))
+    writer.close()
+    code, run = _report(tmp_path, capsys)
+    a = run["first_anomaly"]
+    assert (a["step"], a["op_type"], a["phase"]) == (3, "Log", "forward")
+    assert "test_oplevel_nested.py:%d" % _line_of("# LOOP_LOG") in a["tensor_description"]
+    log = _series(tmp_path)[a["tensor"]]
+    assert a["tensor"].startswith("ops/while/")
+    if flight is None:  # every iteration's record, as occurrences
+        assert log.steps.tolist() == [s for s in range(5) for _ in range(3)]
+    else:  # the window's steps, each step's iterations merged in one record
+        assert recorder.triggered and log.steps.tolist() == [2, 3]
+        assert log.values[:, records.F["count"]].tolist() == [6.0, 6.0]
+
+
+# ---------------------------------------------------------------- Keras RNN
+
+
+def _rnn_model():
+    keras.utils.set_random_seed(1)
+    return keras.Sequential([keras.Input((4, 2)), keras.layers.SimpleRNN(3, name="rnn"),
+                             keras.layers.Dense(1, name="head")])
+
+
+def _rnn_inputs():
+    x = np.ones((5, 2, 4, 2), np.float32)
+    x[3, 1, 2, 0] = np.inf  # step 3, third time step: Inf * weight in the RNN cell
+    return x
+
+
+@pytest.mark.parametrize("flight", [None, 2])
+@pytest.mark.parametrize("mode", ["eager_block", "traced_step"])
+def test_keras_rnn_loop_ops_are_recorded(tmp_path, capsys, mode, flight):
+    model = _rnn_model()
+    recorder = tbn.op_numerics(flight_recorder=flight)
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(model(x) ** 2)
+        return tape.gradient(loss, model.trainable_variables)
+
+    writer = tf.summary.create_file_writer(str(tmp_path))
+    counter = tf.Variable(0, dtype=tf.int64)
+    if mode == "traced_step":
+        fn = tf.function(recorder(step))
+    else:
+        inner = tf.function(step)
+
+        def fn(x):
+            with recorder:
+                return inner(x)
+
+    with writer.as_default(step=counter):
+        for i, x in enumerate(_rnn_inputs()):
+            counter.assign(i)
+            fn(tf.constant(x))
+    writer.close()
+    code, run = _report(tmp_path, capsys)
+    a = run["first_anomaly"]
+    assert a["step"] == 3 and a["phase"] == "forward"
+    assert a["op_type"] == "MatMul" and "while" in a["tensor"]
+    series = _series(tmp_path)[a["tensor"]]
+    at3 = np.flatnonzero(series.steps == 3)
+    if flight is None:
+        assert len(at3) == 4  # one record per time step of the RNN loop
+    else:
+        assert recorder.triggered and sorted(set(series.steps.tolist())) == [2, 3]
