@@ -85,7 +85,7 @@ class ForwardOp(NamedTuple):
 
 
 def _ids(tensors: Iterable[Any]) -> tuple[Any, ...]:
-    return tuple(None if t is None else id(t) if not hasattr(t, "_id") else t._id for t in tensors)  # noqa: SLF001
+    return tuple(None if t is None else t._id for t in tensors)  # noqa: SLF001 - unique per tensor
 
 
 class ForwardIndex:

@@ -67,21 +67,21 @@ cannot run inside XLA, and XLA fuses ops so their outputs do not exist.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import functools
 import re
 import threading
 from typing import Any, Callable, Collection, NamedTuple, TypeVar
 
-import numpy as np
 import tensorflow as tf
 
 from tb_numerics import _tf_internal, metadata, stats, summary
 from tb_numerics._op_flight import EagerFlight, GraphFlight, Record
 from tb_numerics._op_nested import NestedRecords
+from tb_numerics._op_record import GRADIENT_OF, OpRecord, op_record
+from tb_numerics._op_record import first_bad as first_bad_of
 from tb_numerics._op_source import ForwardIndex, ForwardOp, SourceLocator
 from tb_numerics._op_tags import TAG_PREFIX, OpTags, eager_site, graph_site
-from tb_numerics.records import F, nonfinite_count
+from tb_numerics.records import nonfinite_count
 
 __all__ = [
     "DEFAULT_SKIP_OP_TYPES",
@@ -117,88 +117,8 @@ DEFAULT_SKIP_OP_TYPES = frozenset(
 _FIRST_OUTPUT_ONLY = ("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3")
 
 _BACKWARD_NAME = re.compile(r"(^|/)(gradient_tape|gradients(_\d+)?)/|_grad/")
-_GRADIENT_OF = ", gradient of "
 
 FnT = TypeVar("FnT", bound=Callable[..., Any])
-
-
-@dataclasses.dataclass(frozen=True)
-class OpRecord:
-    """An op output's record at one step: the first non-finite one, as
-    ``OpNumerics.first_bad`` and ``replay_step`` return it.
-
-    ``source`` is the user's line that made the op, ``file.py:LINE
-    (function)``; for a gradient op, the line of the forward op it
-    differentiates (``description`` says which). ``inputs`` holds, for each
-    float input of the op at that step, its element count, min, max
-    (of the finite values), zero count and NaN / +Inf / -Inf counts, where the
-    recorder saw them (``replay_step``); else it is empty.
-    """
-
-    tag: str
-    op_type: str
-    source: str
-    description: str
-    phase: str
-    step: int | None
-    record: tuple[float, ...]
-    inputs: tuple[dict[str, float], ...] = ()
-
-    @property
-    def name(self) -> str:
-        """The op's name: its tag without ``ops/``."""
-        return OpTags.op_name(self.tag)
-
-    def to_json(self) -> dict[str, Any]:
-        """The op as the report's ``first_anomaly.op`` object, with its inputs' ranges."""
-        v = self.record
-        return {
-            "name": self.name,
-            "type": self.op_type,
-            "source": self.source,
-            "phase": self.phase,
-            "step": self.step,
-            "nan": int(v[F["nan"]]),
-            "posinf": int(v[F["posinf"]]),
-            "neginf": int(v[F["neginf"]]),
-            "size": int(v[F["count"]]),
-            "inputs": [dict(i) for i in self.inputs],
-        }
-
-
-def _input_ranges(inputs) -> tuple[dict[str, float], ...]:
-    """Count, min, max, zeros and non-finite counts of each float input (eager tensors)."""
-    out = []
-    for t in inputs or ():
-        if t is None or not t.dtype.is_floating:
-            continue
-        x = np.asarray(t.numpy(), np.float64).reshape(-1)
-        fin = x[np.isfinite(x)]
-        out.append({
-            "count": int(x.size),
-            "min": float(fin.min()) if fin.size else float("nan"),
-            "max": float(fin.max()) if fin.size else float("nan"),
-            "zeros": int(np.count_nonzero(x == 0)),
-            "nan": int(np.count_nonzero(np.isnan(x))),
-            "posinf": int(np.count_nonzero(x == np.inf)),
-            "neginf": int(np.count_nonzero(x == -np.inf)),
-        })
-    return tuple(out)
-
-
-def _op_record(tag: str, vec: Any, info: metadata.TensorInfo, step: int | None,
-               inputs: Any = None) -> OpRecord:
-    v = np.asarray(vec, np.float64)
-    return OpRecord(
-        tag=tag,
-        op_type=info.op_type,
-        source=info.description.split(_GRADIENT_OF)[0],
-        description=info.description,
-        phase=info.phase,
-        step=step,
-        record=tuple(float(x) for x in v),
-        inputs=_input_ranges(inputs),
-    )
 
 
 class _Op(NamedTuple):
@@ -422,7 +342,7 @@ class OpNumerics:
             st.backward_seen |= own_graph
             role = "gradient"
             if fwd is not None:
-                where = "%s%s%s" % (fwd.where, _GRADIENT_OF, fwd.tag)
+                where = "%s%s%s" % (fwd.where, GRADIENT_OF, fwd.tag)
         else:
             role = "weight" if st.backward_seen else "activation"
         if op.name is not None:  # a graph op: its name is unique in its graph
@@ -478,7 +398,7 @@ class OpNumerics:
         vec = stats.op_stats(tensor, tag)
         st.eager.append(((st.nested_before, 0, len(st.eager)), tag, vec, info))
         if self._inspect_inputs and st.first_bad is None and nonfinite_count(vec.numpy()) > 0:
-            st.first_bad = _op_record(tag, vec, info, st.step, inputs)
+            st.first_bad = op_record(tag, vec, info, st.step, inputs)
 
     # ------------------------------------------------------------ end of a step
 
@@ -492,7 +412,7 @@ class OpNumerics:
             rows.append(((pos, 1, 0), tag, vec, info))
         rows.sort(key=lambda r: r[0])
         recs: list[Record] = [(tag, vec, info) for _, tag, vec, info in rows]
-        self.first_bad = st.first_bad or _first_bad(recs, st.step)
+        self.first_bad = st.first_bad or first_bad_of(recs, st.step)
         if self._eager_flight is not None:
             self._eager_flight.add(st.step, recs)
             return
@@ -511,15 +431,6 @@ class OpNumerics:
             return
         for tag, vec, info in recs:
             summary.write_stats(tag, vec, step=st.step, info=info)
-
-
-def _first_bad(recs: list[Record], step: int | None) -> OpRecord | None:
-    """The first non-finite record of ``recs`` (in execution order)."""
-    for tag, vec, info in recs:
-        v = np.asarray(vec, np.float64)
-        if nonfinite_count(v) > 0:
-            return _op_record(tag, v, info, step)
-    return None
 
 
 def _check_arguments(flight_recorder: Any, dtypes: Collection[str]) -> None:

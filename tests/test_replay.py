@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 
 import keras
-import numpy as np
 import pytest
 import tensorflow as tf
 
