@@ -32,11 +32,12 @@ class EagerFlight:
         self._history: collections.deque = collections.deque(maxlen=window)
         self.fired = False
 
-    def add(self, step: int, recs: Sequence[Record]) -> None:
-        """Keeps one step's records; writes the window at the first non-finite step."""
+    def add(self, step: int, recs: Sequence[Record]) -> bool:
+        """Keeps one step's records; writes the window at the first non-finite step
+        and returns whether it did so now."""
         self._history.append((step, recs))
         if self.fired or not recs:
-            return
+            return False
         vecs = np.stack([np.asarray(vec) for _, vec, _ in recs])
         if np.any(vecs[:, list(NONFINITE_FIELDS)] > 0):
             self.fired = True
@@ -44,6 +45,7 @@ class EagerFlight:
                 for tag, vec, info in window:
                     summary.write_stats(tag, vec, step=s, info=info)
             self._history.clear()
+        return self.fired
 
 
 class GraphFlight:

@@ -4,20 +4,44 @@
 return: the first op of a step, in execution order, whose output holds a
 NaN or an Inf, with its source line, phase and, where the recorder saw them,
 its inputs' ranges ("Log of an input whose min is exactly 0").
+
+It is also what an eager block or a replay writes beside its op records at
+a step where one is non-finite (a format addition, read by no older
+reader): one event under tag ``MARK_TAG`` and plugin ``MARK_PLUGIN_NAME``
+whose string tensor is ``OpRecord.to_json()``, naming the op and which of
+its tag's records at that step (``occurrence``) ran first. Execution order
+across the iterations of a loop (an op whose record of iteration 3 went bad
+because of an op after it in iteration 2) is known only there: a tag's
+``TensorInfo.order`` is where the op first ran. ``parse_mark`` reads one.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any, Sequence
 
 import numpy as np
+from tensorboard.compat.proto import summary_pb2
 
 from tb_numerics import metadata
 from tb_numerics._op_tags import OpTags
 from tb_numerics.records import F, nonfinite_count
 
-__all__ = ["GRADIENT_OF", "OpRecord", "first_bad", "op_record"]
+__all__ = [
+    "GRADIENT_OF",
+    "MARK_PLUGIN_NAME",
+    "MARK_TAG",
+    "OpRecord",
+    "first_bad",
+    "mark_metadata",
+    "op_record",
+    "parse_mark",
+]
+
+MARK_PLUGIN_NAME = "numerics_first_op"
+MARK_TAG = "ops/.first_nonfinite"
+MARK_VERSION = 1
 
 # A gradient op's description: "<forward op's line>, gradient of <its tag>".
 GRADIENT_OF = ", gradient of "
@@ -44,6 +68,7 @@ class OpRecord:
     step: int | None
     record: tuple[float, ...]
     inputs: tuple[dict[str, float], ...] = ()
+    occurrence: tuple[int, int] = (1, 1)  # (k, n): the k-th of its tag's n records at the step
 
     @property
     def name(self) -> str:
@@ -51,9 +76,12 @@ class OpRecord:
         return OpTags.op_name(self.tag)
 
     def to_json(self) -> dict[str, Any]:
-        """The op as the report's ``first_anomaly.op`` object, with its inputs' ranges."""
+        """The op as the report's ``first_anomaly.op`` object (name, type,
+        source, phase), with its tag, occurrence, counts and inputs' ranges."""
         v = self.record
         return {
+            "tag": self.tag,
+            "occurrence": list(self.occurrence),
             "name": self.name,
             "type": self.op_type,
             "source": self.source,
@@ -103,10 +131,40 @@ def op_record(tag: str, vec: Any, info: metadata.TensorInfo, step: int | None,
     )
 
 
-def first_bad(recs: Sequence[tuple[str, Any, metadata.TensorInfo]], step: int | None) -> OpRecord | None:
-    """The first non-finite record of ``recs`` (in execution order)."""
-    for tag, vec, info in recs:
+def first_bad(recs: Sequence[tuple[str, Any, metadata.TensorInfo]], step: int | None,
+              found: OpRecord | None = None) -> OpRecord | None:
+    """The first non-finite record of ``recs`` (one step's, in execution order),
+    with its occurrence; ``found``, where given, is that record already made."""
+    for i, (tag, vec, info) in enumerate(recs):
         v = np.asarray(vec, np.float64)
         if nonfinite_count(v) > 0:
-            return op_record(tag, v, info, step)
+            same = [t == tag for t, _, _ in recs]
+            occurrence = (sum(same[:i]) + 1, sum(same))
+            return dataclasses.replace(found or op_record(tag, v, info, step), occurrence=occurrence)
     return None
+
+
+def mark_metadata() -> summary_pb2.SummaryMetadata:
+    """The summary metadata of a first-non-finite-op mark."""
+    meta = summary_pb2.SummaryMetadata()
+    meta.plugin_data.plugin_name = MARK_PLUGIN_NAME
+    meta.plugin_data.content = json.dumps({"version": MARK_VERSION}).encode()
+    meta.data_class = summary_pb2.DATA_CLASS_TENSOR
+    return meta
+
+
+def parse_mark(text: bytes | str) -> dict[str, Any]:
+    """The op of a mark's string tensor, as ``OpRecord.to_json`` wrote it.
+
+    Raises:
+      metadata.FormatError: the text is not such an object.
+    """
+    try:
+        op = json.loads(text)
+    except (TypeError, ValueError, UnicodeDecodeError) as e:
+        raise metadata.FormatError("a first-op mark is not JSON: %s" % e) from None
+    need = {"tag": str, "name": str, "type": str, "source": str, "phase": str, "occurrence": list}
+    bad = [k for k, t in need.items() if not isinstance(op, dict) or not isinstance(op.get(k), t)]
+    if bad:
+        raise metadata.FormatError("a first-op mark lacks %s" % ", ".join(bad))
+    return op

@@ -67,6 +67,7 @@ cannot run inside XLA, and XLA fuses ops so their outputs do not exist.
 from __future__ import annotations
 
 import contextlib
+import json
 import functools
 import re
 import threading
@@ -77,7 +78,7 @@ import tensorflow as tf
 from tb_numerics import _tf_internal, metadata, stats, summary
 from tb_numerics._op_flight import EagerFlight, GraphFlight, Record
 from tb_numerics._op_nested import NestedRecords
-from tb_numerics._op_record import GRADIENT_OF, OpRecord, op_record
+from tb_numerics._op_record import GRADIENT_OF, MARK_TAG, OpRecord, mark_metadata, op_record
 from tb_numerics._op_record import first_bad as first_bad_of
 from tb_numerics._op_source import ForwardIndex, ForwardOp, SourceLocator
 from tb_numerics._op_tags import TAG_PREFIX, OpTags, eager_site, graph_site
@@ -412,12 +413,17 @@ class OpNumerics:
             rows.append(((pos, 1, 0), tag, vec, info))
         rows.sort(key=lambda r: r[0])
         recs: list[Record] = [(tag, vec, info) for _, tag, vec, info in rows]
-        self.first_bad = st.first_bad or first_bad_of(recs, st.step)
+        self.first_bad = first_bad_of(recs, st.step, st.first_bad)
         if self._eager_flight is not None:
-            self._eager_flight.add(st.step, recs)
-            return
-        for tag, vec, info in recs:
-            summary.write_stats(tag, vec, step=st.step, info=info)
+            written = self._eager_flight.add(st.step, recs)
+        else:
+            written = True
+            for tag, vec, info in recs:
+                summary.write_stats(tag, vec, step=st.step, info=info)
+        if written and self.first_bad is not None and st.step is not None:
+            # Which record ran first, where the tags' order cannot say (loops).
+            tf.summary.write(MARK_TAG, tf.constant(json.dumps(self.first_bad.to_json())),
+                             step=st.step, metadata=mark_metadata())
 
     def _finish_traced(self, st: _Step) -> None:
         recs: list[Record] = [(tag, vec, info) for tag, (vec, info) in st.records.items()]

@@ -8,7 +8,6 @@ with ``tbn.op_numerics`` and reads the logdir back through the same code as
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 import pytest

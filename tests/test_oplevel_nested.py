@@ -258,3 +258,53 @@ def test_keras_rnn_loop_ops_are_recorded(tmp_path, capsys, mode, flight):
         assert len(at3) == 4  # one record per time step of the RNN loop
     else:
         assert recorder.triggered and sorted(set(series.steps.tolist())) == [2, 3]
+
+
+# ---------------------------------------------------------------- execution order in loops
+
+
+def _feedback_loop(x):
+    # The Log's output feeds the next iteration's Mul: log(0) = -Inf at
+    # iteration 2, then the Mul of iteration 3 (first in the body) is -Inf too.
+    def body(i, s):
+        a = s * 2.0  # FEEDBACK_MUL
+        return i + 1, tf.math.log(a)  # FEEDBACK_LOG
+
+    return tf.while_loop(lambda i, s: i < 4, body, (0, x))[1]
+
+
+def _marks(logdir) -> dict[int, dict]:
+    """The first-non-finite-op marks of a run, by step."""
+    from tb_numerics import _op_record
+
+    out = {}
+    for path in sorted(logdir.glob("events.out.tfevents.*")):
+        for event in tf.compat.v1.train.summary_iterator(str(path)):
+            for value in event.summary.value:
+                if value.metadata.plugin_data.plugin_name == _op_record.MARK_PLUGIN_NAME:
+                    out[event.step] = _op_record.parse_mark(value.tensor.string_val[0])
+    return out
+
+
+@pytest.mark.parametrize("flight", [None, 2])
+def test_first_bad_op_across_loop_iterations_is_marked_in_execution_order(tmp_path, flight):
+    fn = tf.function(_feedback_loop)
+    writer = tf.summary.create_file_writer(str(tmp_path))
+    recorder = tbn.op_numerics(flight_recorder=flight)
+    for i, x in enumerate([2.0, 2.0, 0.5]):
+        with writer.as_default(step=i), recorder:
+            fn(tf.constant([x]))
+    writer.close()
+    series = {s.info.op_type: s for s in _series(tmp_path).values()}
+    mul, log = series["Mul"], series["Log"]
+    bad = lambda s: [s.occurrence(i) for i in np.flatnonzero(  # noqa: E731
+        (s.steps == 2) & (records.nonfinite_count(s.values) > 0))]
+    # Both ops' records at step 2 hold non-finite values; the Mul's tag comes
+    # first in the body, but its first bad record ran after the Log's.
+    assert bad(log)[0] == (2, 4) and bad(mul)[0] == (3, 4)
+    first = recorder.first_bad
+    assert (first.op_type, first.occurrence, first.step) == ("Log", (2, 4), 2)
+    mark = _marks(tmp_path)
+    assert list(mark) == [2]
+    assert (mark[2]["type"], mark[2]["occurrence"], mark[2]["tag"]) == ("Log", [2, 4], log.tag)
+    assert mark[2]["source"].endswith("test_oplevel_nested.py:%d (body)" % _line_of("# FEEDBACK_LOG"))

@@ -100,6 +100,22 @@ def test_replay_names_the_first_bad_op_and_its_line(tmp_path, capsys, case, comp
     assert (a["step"], a["op_type"], a["phase"], a["tensor"]) == (7, op_type, phase, got.tag)
     assert source in a["tensor_description"]
     assert not tf.config.functions_run_eagerly()  # restored
+    # Beside the records, the mark of that step's first non-finite op.
+    (mark,) = _marks(tmp_path)
+    assert mark["step"] == 7 and (mark["tag"], mark["type"], mark["source"]) == (
+        got.tag, op_type, got.source)
+
+
+def _marks(logdir) -> list[dict]:
+    from tb_numerics import _op_record
+
+    out = []
+    for path in sorted(logdir.glob("events.out.tfevents.*")):
+        for event in tf.compat.v1.train.summary_iterator(str(path)):
+            for value in event.summary.value:
+                if value.metadata.plugin_data.plugin_name == _op_record.MARK_PLUGIN_NAME:
+                    out.append(dict(_op_record.parse_mark(value.tensor.string_val[0]), step=event.step))
+    return out
 
 
 def test_replay_reports_the_inputs_ranges():
