@@ -22,6 +22,7 @@ present, and raises ``UnsupportedTensorFlowError`` saying what is missing.
 
 from __future__ import annotations
 
+import re
 import threading
 from typing import Any, Callable
 
@@ -125,6 +126,27 @@ _FUNCTION_PREFIXES = ("__inference_", "__forward_", "__backward_")
 def is_function_call(op_type: str) -> bool:
     """Whether an eager callback is the execution of a whole traced function."""
     return op_type.startswith(_FUNCTION_PREFIXES)
+
+
+def outermost_function_name(graph: Any) -> str:
+    """The name of the outermost function graph ``graph`` is (or is nested in)."""
+    while True:
+        ref = getattr(graph, "_weak_outer_graph", None)
+        outer = ref() if ref is not None else None
+        if outer is None or not getattr(outer, "building_function", False):
+            return graph.name
+        graph = outer
+
+
+_CALLED = re.compile(r"^__(?:inference|forward)_(.+)_\d+$")
+
+
+def called_function_name(op_type: str) -> str | None:
+    """The function graph's name in the op type of an eager call of its forward
+    or inference function (``__inference_<name>_<uid>``), else None (a
+    gradient's backward function, ``__inference___backward_<name>_...``)."""
+    m = _CALLED.match(op_type)
+    return m.group(1) if m and not m.group(1).startswith("__backward_") else None
 
 
 def eager_scope_name() -> str:

@@ -67,8 +67,9 @@ cannot run inside XLA, and XLA fuses ops so their outputs do not exist.
 from __future__ import annotations
 
 import contextlib
-import json
 import functools
+import json
+import logging
 import re
 import threading
 from typing import Any, Callable, Collection, NamedTuple, TypeVar
@@ -120,6 +121,8 @@ _FIRST_OUTPUT_ONLY = ("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3")
 _BACKWARD_NAME = re.compile(r"(^|/)(gradient_tape|gradients(_\d+)?)/|_grad/")
 
 FnT = TypeVar("FnT", bound=Callable[..., Any])
+
+_log = logging.getLogger(__name__)
 
 
 class _Op(NamedTuple):
@@ -208,6 +211,10 @@ class OpNumerics:
         self._graph_flight = GraphFlight(flight_recorder) if flight_recorder else None
         # Replay: find the first bad op as ops run, with its inputs.
         self._inspect_inputs = False
+        # Names of the functions traced in an eager block, and of those
+        # called there that were not (warned about once).
+        self._traced_here: set[str] = set()
+        self._warned: set[str] = set()
 
     # ------------------------------------------------------------ public
 
@@ -286,7 +293,10 @@ class OpNumerics:
             # A whole traced function ran: its ops were seen when it was traced.
             st.function_ran = True
             st.backward_seen |= op_type.startswith("__backward_")
+            self._check_traced_here(op_type)
             return None
+        if graph is not None and st.graph is None:
+            self._traced_here.add(_tf_internal.outermost_function_name(graph))
         if op_type in self._skip or (self._op_types is not None and op_type not in self._op_types):
             return None
         picked = [
@@ -302,6 +312,17 @@ class OpNumerics:
             return self._record(st, _Op(op_type, op_name, graph, inputs, outputs), picked)
         finally:
             self._local.busy = False
+
+    def _check_traced_here(self, op_type: str) -> None:
+        """Warns once per function called in an eager block but traced outside
+        any: its graph has no record ops, so its ops go unrecorded."""
+        name = _tf_internal.called_function_name(op_type)
+        if name is None or name in self._traced_here or name in self._warned:
+            return
+        self._warned.add(name)
+        _log.warning(
+            "op_numerics: tf.function %r was traced before the recorder was active, so its ops "
+            "are not recorded; call it first inside the recorder's block (or trace it anew)", name)
 
     def _record(self, st: _Step, op: _Op, picked) -> list | None:
         """Records the picked outputs of ``op``; returns the op's new outputs, if any."""

@@ -308,3 +308,56 @@ def test_first_bad_op_across_loop_iterations_is_marked_in_execution_order(tmp_pa
     assert list(mark) == [2]
     assert (mark[2]["type"], mark[2]["occurrence"], mark[2]["tag"]) == ("Log", [2, 4], log.tag)
     assert mark[2]["source"].endswith("test_oplevel_nested.py:%d (body)" % _line_of("# FEEDBACK_LOG"))
+
+
+@pytest.mark.parametrize("flight", [None, 2])
+def test_traced_step_records_the_gradient_ops_of_a_function_it_calls(tmp_path, capsys, flight):
+    # The backward graph TensorFlow builds for the called function has no
+    # automatic control dependencies: its record ops must still run.
+    w = tf.Variable([1.0, 1.0, 1.0])
+
+    @tf.function
+    def root(x):
+        return tf.sqrt(x * w)  # CALLED_SQRT
+
+    recorder = tbn.op_numerics(flight_recorder=flight)
+
+    @tf.function
+    @recorder
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_sum(root(x))
+        return tape.gradient(loss, w)
+
+    writer = tf.summary.create_file_writer(str(tmp_path))
+    counter = tf.Variable(0, dtype=tf.int64)
+    with writer.as_default(step=counter):
+        for i, x in enumerate([HEALTHY, HEALTHY, BAD]):
+            counter.assign(i)
+            step(tf.constant(x))
+    writer.close()
+    code, run = _report(tmp_path, capsys)
+    a = run["first_anomaly"]
+    assert (a["step"], a["op_type"], a["phase"]) == (2, "SqrtGrad", "backward")
+    assert "test_oplevel_nested.py:%d (root)" % _line_of("# CALLED_SQRT") in a["tensor_description"]
+    assert "gradient of" in a["tensor_description"]
+
+
+def test_a_function_traced_before_the_recorder_is_named_in_a_warning(tmp_path, caplog):
+    model = _Model()
+    model.train_step(tf.constant(HEALTHY))  # a warm-up call traces both helpers, unrecorded
+    writer = tf.summary.create_file_writer(str(tmp_path))
+    recorder = tbn.op_numerics()
+    with caplog.at_level("WARNING", logger="tb_numerics.oplevel"):
+        for i in range(2):
+            with writer.as_default(step=i), recorder:
+                model.train_step(tf.constant(HEALTHY))
+    writer.close()
+    warned = [r.getMessage() for r in caplog.records if "traced before" in r.getMessage()]
+    assert len(warned) == 2, warned  # once per function, not per call
+    assert any("'forward'" in m for m in warned) and any("'loss_of'" in m for m in warned)
+    # Traced inside the block: no warning.
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="tb_numerics.oplevel"):
+        _train(tmp_path / "fresh", [HEALTHY] * 2, "int", tbn.op_numerics())
+    assert not [r for r in caplog.records if "traced before" in r.getMessage()]
