@@ -12,7 +12,9 @@ privately, the same ones its own ``enable_check_numerics`` and
 * whether the graph being built is compiled by XLA (``jit_compile=True``);
 * whether a graph adds automatic control dependencies (a called function's
   backward graph does not, and prunes stateful ops no output depends on),
-  and the forward op ``tf.gradients``' helper is differentiating;
+  the forward op ``tf.gradients``' helper is differentiating, whether a
+  graph is a ``tf.while_loop``'s gradient body, and the function graph an
+  eager function call runs;
 * the eager name scope, and variables that bypass ``tf.function``'s
   "variables only on the first trace" rule (ring buffers made per trace).
 

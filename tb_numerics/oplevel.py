@@ -37,11 +37,16 @@ Outside any block those record ops do nothing, so an evaluation pass through
 an instrumented function records nothing. Every execution of an op counts:
 an op in a loop body gives one record per iteration (occurrences of its tag
 at that step, in execution order), and tags are first written in execution
-order, so the order the analysis sorts by is the order ops first ran. A
-function traced before the recorder was first active is not instrumented
-(trace it inside the block). ``OpNumerics.first_bad`` is the first
-non-finite record of the last eager step in exact execution order, and
-``replay_step`` runs a step function once this way and returns it.
+order, so the order the analysis sorts by is the order ops first ran. Where
+that cannot tell (an op early in a loop body whose record of iteration 3
+went bad because of a later op at iteration 2), the block also writes, at a
+step with a non-finite op record, a mark naming the first of them in exact
+execution order (``_op_record``). ``OpNumerics.first_bad`` is that record of
+the last eager step, and ``replay_step`` runs a step function once this way
+and returns it. A function traced before the recorder was first active has
+no record ops (a warning names it: trace it inside the block). Gradient
+bodies of ``tf.while_loop`` (a Keras RNN's backward pass) are not recorded:
+they may only capture values of the forward loop.
 
 The record is ``stats.op_stats``, lighter than the layer-level
 ``tensor_stats`` because it runs on every op output. Count, NaN / +Inf /
@@ -176,6 +181,9 @@ class OpNumerics:
     source line and each gradient op its forward op; ``OpTags`` names the
     tags; ``EagerFlight`` and ``GraphFlight`` (``_op_flight``) are the
     flight recorders.
+
+    One step at a time per recorder: its blocks cannot nest, and the state
+    that records of nested graphs share is the recorder's.
 
     Attributes:
       flight_recorder: the window K, or None for the full mode.
