@@ -376,6 +376,8 @@ class OpNumerics:
         else:
             role = "weight" if st.backward_seen else "activation"
         if op.name is not None:  # a graph op: its name is unique in its graph
+            if st.graph is None:  # in a function an eager step calls: say which
+                return _Described(role, where, "%s/%s" % (_function_label(op.graph), op.name), backward)
             return _Described(role, where, op.name, backward)
         scope = _tf_internal.eager_scope_name()
         if fwd is not None:
@@ -466,6 +468,14 @@ class OpNumerics:
             return
         for tag, vec, info in recs:
             summary.write_stats(tag, vec, step=st.step, info=info)
+
+
+def _function_label(graph: Any) -> str:
+    """The name of the function an eager step called that ``graph`` belongs to;
+    for its backward graph (``__backward_<name>_<uid>``), that function's name."""
+    name = _tf_internal.outermost_function_name(graph)
+    m = re.match(r"^__backward_(.+)_\d+$", name)
+    return m.group(1) if m else name
 
 
 def _check_arguments(flight_recorder: Any, dtypes: Collection[str]) -> None:

@@ -86,7 +86,7 @@ def test_eager_loop_records_nested_ops_at_each_calls_step(tmp_path, capsys, step
     a = run["first_anomaly"]
     assert code == cli.EXIT_ANOMALY
     # The forward Log inside the called function, not an eager gradient op after it.
-    assert (a["step"], a["op_type"], a["phase"], a["tensor"]) == (3, "Log", "forward", "ops/Log")
+    assert (a["step"], a["op_type"], a["phase"], a["tensor"]) == (3, "Log", "forward", "ops/forward/Log")
     assert a["last_healthy_step"] == 2 and a["neginf"] == 1
     assert "test_oplevel_nested.py:%d (forward)" % _line_of("# NESTED_LOG") in a["tensor_description"]
     series = _series(tmp_path)
@@ -96,7 +96,8 @@ def test_eager_loop_records_nested_ops_at_each_calls_step(tmp_path, capsys, step
     assert "test_oplevel_nested.py:%d" % _line_of("# EAGER_MUL") in series["ops/Mul"].info.description
     grads = [s for s in series.values() if s.info.phase == "backward"]
     # The gradient ops TensorFlow builds for the called functions run and are linked.
-    assert any(s.info.op_type == "Reciprocal" and "gradient of ops/Log" in s.info.description for s in grads)
+    assert any(s.tag == "ops/forward/gradients/Log_grad/Reciprocal"
+               and "gradient of ops/forward/Log" in s.info.description for s in grads)
 
 
 def test_an_evaluation_pass_outside_the_block_records_nothing(tmp_path, capsys):
@@ -138,7 +139,7 @@ def test_first_bad_backward_op_is_the_eager_one_that_ran_first(tmp_path, capsys)
     assert (a["step"], a["op_type"], a["phase"]) == (1, "SqrtGrad", "backward")
     assert "test_oplevel_nested.py:%d" % _line_of("# EAGER_SQRT") in a["tensor_description"]
     nested_grad = [s for s in _series(tmp_path).values()
-                   if s.tag.startswith("ops/gradients/") and records.nonfinite_count(s.values[-1]) > 0]
+                   if s.tag.startswith("ops/scale/gradients/") and records.nonfinite_count(s.values[-1]) > 0]
     assert nested_grad  # ran after the SqrtGrad, also non-finite, not blamed
     assert recorder.first_bad.op_type == "SqrtGrad"
 
