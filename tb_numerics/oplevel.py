@@ -88,6 +88,7 @@ from tb_numerics._op_record import GRADIENT_OF, MARK_TAG, OpRecord, mark_metadat
 from tb_numerics._op_record import first_bad as first_bad_of
 from tb_numerics._op_source import ForwardIndex, ForwardOp, SourceLocator
 from tb_numerics._op_tags import TAG_PREFIX, OpTags, eager_site, graph_site
+from tb_numerics._op_write import StepWriter
 from tb_numerics.records import nonfinite_count
 
 __all__ = [
@@ -216,6 +217,7 @@ class OpNumerics:
         self._nested = NestedRecords()
         self._nested_site: dict[str, int] = {}  # tag -> site id in NestedRecords
         self._eager_flight = EagerFlight(flight_recorder) if flight_recorder else None
+        self._step_writer = StepWriter()
         self._graph_flight = GraphFlight(flight_recorder) if flight_recorder else None
         # Replay: find the first bad op as ops run, with its inputs.
         self._inspect_inputs = False
@@ -449,8 +451,7 @@ class OpNumerics:
             written = self._eager_flight.add(st.step, recs)
         else:
             written = True
-            for tag, vec, info in recs:
-                summary.write_stats(tag, vec, step=st.step, info=info)
+            self._step_writer.write(recs, st.step)
         if written and self.first_bad is not None and st.step is not None:
             # Which record ran first, where the tags' order cannot say (loops).
             tf.summary.write(MARK_TAG, tf.constant(json.dumps(self.first_bad.to_json())),
