@@ -362,3 +362,24 @@ def test_a_function_traced_before_the_recorder_is_named_in_a_warning(tmp_path, c
     with caplog.at_level("WARNING", logger="tb_numerics.oplevel"):
         _train(tmp_path / "fresh", [HEALTHY] * 2, "int", tbn.op_numerics())
     assert not [r for r in caplog.records if "traced before" in r.getMessage()]
+
+
+def test_eager_blocks_write_to_the_writer_of_each_block_and_any_number_of_iterations(tmp_path):
+    # A loop whose trip count changes from step to step gives each step its
+    # own list of records; two writers alternate. Every record reaches its own
+    # writer, whatever the number of distinct lists.
+    @tf.function
+    def repeat(x, n):
+        return tf.while_loop(lambda i, s: i < n, lambda i, s: (i + 1, tf.sqrt(s + 1.0)), (0, x))[1]
+
+    writers = [tf.summary.create_file_writer(str(tmp_path / name)) for name in ("a", "b")]
+    recorder = tbn.op_numerics(op_types={"Sqrt"})
+    for i in range(20):
+        with writers[i % 2].as_default(step=i), recorder:
+            repeat(tf.constant([1.0]), tf.constant(i + 1))
+    for w in writers:
+        w.close()
+    for name, parity in (("a", 0), ("b", 1)):
+        (sqrt,) = _series(tmp_path / name).values()
+        want = [i for i in range(20) if i % 2 == parity for _ in range(i + 1)]
+        assert sqrt.steps.tolist() == want
