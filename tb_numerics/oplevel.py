@@ -181,7 +181,9 @@ class OpNumerics:
     ``SourceLocator`` and ``ForwardIndex`` (``_op_source``) give each op its
     source line and each gradient op its forward op; ``OpTags`` names the
     tags; ``EagerFlight`` and ``GraphFlight`` (``_op_flight``) are the
-    flight recorders.
+    flight recorders; ``StepWriter`` (``_op_write``) writes an eager step's
+    records in one traced call; ``OpRecord`` (``_op_record``) is the first
+    non-finite record of a step and the mark written beside it.
 
     One step at a time per recorder: its blocks cannot nest, and the state
     that records of nested graphs share is the recorder's.
