@@ -17,18 +17,13 @@ import pytest
 import tensorflow as tf
 
 import tb_numerics as tbn
+from op_records import line_of, marks
 from tb_numerics import cli, event_reader, records
 
 HEALTHY = [1.0, 2.0, 3.0]
 BAD = [1.0, 0.0, 3.0]  # log(0) = -Inf in the second element
 
 
-def _line_of(marker: str) -> int:
-    with open(__file__) as f:
-        for i, line in enumerate(f, 1):
-            if line.rstrip().endswith(marker) and "def _line_of" not in line:
-                return i
-    raise AssertionError(marker)
 
 
 def _report(logdir, capsys) -> tuple[int, dict]:
@@ -88,12 +83,12 @@ def test_eager_loop_records_nested_ops_at_each_calls_step(tmp_path, capsys, step
     # The forward Log inside the called function, not an eager gradient op after it.
     assert (a["step"], a["op_type"], a["phase"], a["tensor"]) == (3, "Log", "forward", "ops/forward/Log")
     assert a["last_healthy_step"] == 2 and a["neginf"] == 1
-    assert "test_oplevel_nested.py:%d (forward)" % _line_of("# NESTED_LOG") in a["tensor_description"]
+    assert "test_oplevel_nested.py:%d (forward)" % line_of(__file__, "# NESTED_LOG") in a["tensor_description"]
     series = _series(tmp_path)
     # Every op, nested or eager, forward or backward, at the step of each call.
     assert all(sorted(set(s.steps.tolist())) == [0, 1, 2, 3] for s in series.values()), {
         t: s.steps.tolist() for t, s in series.items()}
-    assert "test_oplevel_nested.py:%d" % _line_of("# EAGER_MUL") in series["ops/Mul"].info.description
+    assert "test_oplevel_nested.py:%d" % line_of(__file__, "# EAGER_MUL") in series["ops/Mul"].info.description
     grads = [s for s in series.values() if s.info.phase == "backward"]
     # The gradient ops TensorFlow builds for the called functions run and are linked.
     assert any(s.tag == "ops/forward/gradients/Log_grad/Reciprocal"
@@ -137,7 +132,7 @@ def test_first_bad_backward_op_is_the_eager_one_that_ran_first(tmp_path, capsys)
     code, run = _report(tmp_path, capsys)
     a = run["first_anomaly"]
     assert (a["step"], a["op_type"], a["phase"]) == (1, "SqrtGrad", "backward")
-    assert "test_oplevel_nested.py:%d" % _line_of("# EAGER_SQRT") in a["tensor_description"]
+    assert "test_oplevel_nested.py:%d" % line_of(__file__, "# EAGER_SQRT") in a["tensor_description"]
     nested_grad = [s for s in _series(tmp_path).values()
                    if s.tag.startswith("ops/scale/gradients/") and records.nonfinite_count(s.values[-1]) > 0]
     assert nested_grad  # ran after the SqrtGrad, also non-finite, not blamed
@@ -148,7 +143,7 @@ def test_first_bad_backward_op_is_the_eager_one_that_ran_first(tmp_path, capsys)
 
 
 def _loop_log(x):
-    # s halves each iteration; log(s - 0.25) reaches log(0) at iteration 2.
+    # s halves each iteration; log(s - 0.25) reaches log(0) where s reaches 0.25.
     def body(i, s, acc):
         y = tf.math.log(s - 0.25)  # LOOP_LOG
         return i + 1, s * 0.5, acc + y
@@ -158,25 +153,32 @@ def _loop_log(x):
                    lambda: acc)
 
 
+# Step 3 on: s = 1, 0.5, 0.25 in the second element, so log(0) at the third iteration.
+LOOP_INPUTS = [[2.0, 2.0]] * 3 + [[2.0, 1.0]] * 2
+
+
+def _loop_log_anomaly(logdir, capsys) -> tuple[dict, dict[str, records.TensorSeries]]:
+    """The report's first anomaly of a run of ``_loop_log`` on LOOP_INPUTS, checked, and its series."""
+    _, run = _report(logdir, capsys)
+    a = run["first_anomaly"]
+    assert (a["step"], a["op_type"], a["phase"]) == (3, "Log", "forward")
+    assert "test_oplevel_nested.py:%d" % line_of(__file__, "# LOOP_LOG") in a["tensor_description"]
+    return a, _series(logdir)
+
+
 @pytest.mark.parametrize("flight", [None, 3])
 def test_while_and_cond_bodies_in_a_called_function(tmp_path, capsys, flight):
     fn = tf.function(_loop_log)
     writer = tf.summary.create_file_writer(str(tmp_path))
     recorder = tbn.op_numerics(flight_recorder=flight)
-    # x = 1 until step 3: s = 1, 0.5, 0.25 -> log(0) at iteration 2 of step 3.
-    for i, x in enumerate([[2.0, 2.0]] * 3 + [[2.0, 1.0]] * 2):
+    for i, x in enumerate(LOOP_INPUTS):
         with writer.as_default(step=i), recorder:
             fn(tf.constant(x))
     writer.close()
-    code, run = _report(tmp_path, capsys)
-    a = run["first_anomaly"]
-    assert (a["step"], a["op_type"], a["phase"]) == (3, "Log", "forward")
-    assert "test_oplevel_nested.py:%d" % _line_of("# LOOP_LOG") in a["tensor_description"]
-    series = _series(tmp_path)
+    a, series = _loop_log_anomaly(tmp_path, capsys)
     log = series[a["tensor"]]
     at3 = np.flatnonzero(log.steps == 3)
-    assert len(at3) == 3  # one record per iteration
-    assert [log.occurrence(i) for i in at3] == [(1, 3), (2, 3), (3, 3)]
+    assert [log.occurrence(i) for i in at3] == [(1, 3), (2, 3), (3, 3)]  # one record per iteration
     assert log.values[at3, records.F["neginf"]].tolist() == [0.0, 0.0, 1.0]
     assert any(s.info.op_type == "Sqrt" for s in series.values())  # the cond branch
     assert sorted(set(log.steps.tolist())) == ([0, 1, 2, 3, 4] if flight is None else [1, 2, 3])
@@ -190,15 +192,12 @@ def test_while_and_cond_bodies_in_a_traced_step(tmp_path, capsys, flight):
     writer = tf.summary.create_file_writer(str(tmp_path))
     step = tf.Variable(0, dtype=tf.int64)
     with writer.as_default(step=step):
-        for i, x in enumerate([[2.0, 2.0]] * 3 + [[2.0, 1.0]] * 2):
+        for i, x in enumerate(LOOP_INPUTS):
             step.assign(i)
             fn(tf.constant(x))
     writer.close()
-    code, run = _report(tmp_path, capsys)
-    a = run["first_anomaly"]
-    assert (a["step"], a["op_type"], a["phase"]) == (3, "Log", "forward")
-    assert "test_oplevel_nested.py:%d" % _line_of("# LOOP_LOG") in a["tensor_description"]
-    log = _series(tmp_path)[a["tensor"]]
+    a, series = _loop_log_anomaly(tmp_path, capsys)
+    log = series[a["tensor"]]
     assert a["tensor"].startswith("ops/while/")
     if flight is None:  # every iteration's record, as occurrences
         assert log.steps.tolist() == [s for s in range(5) for _ in range(3)]
@@ -274,19 +273,6 @@ def _feedback_loop(x):
     return tf.while_loop(lambda i, s: i < 4, body, (0, x))[1]
 
 
-def _marks(logdir) -> dict[int, dict]:
-    """The first-non-finite-op marks of a run, by step."""
-    from tb_numerics import _op_record
-
-    out = {}
-    for path in sorted(logdir.glob("events.out.tfevents.*")):
-        for event in tf.compat.v1.train.summary_iterator(str(path)):
-            for value in event.summary.value:
-                if value.metadata.plugin_data.plugin_name == _op_record.MARK_PLUGIN_NAME:
-                    out[event.step] = _op_record.parse_mark(value.tensor.string_val[0])
-    return out
-
-
 @pytest.mark.parametrize("flight", [None, 2])
 def test_first_bad_op_across_loop_iterations_is_marked_in_execution_order(tmp_path, flight):
     fn = tf.function(_feedback_loop)
@@ -305,10 +291,10 @@ def test_first_bad_op_across_loop_iterations_is_marked_in_execution_order(tmp_pa
     assert bad(log)[0] == (2, 4) and bad(mul)[0] == (3, 4)
     first = recorder.first_bad
     assert (first.op_type, first.occurrence, first.step) == ("Log", (2, 4), 2)
-    mark = _marks(tmp_path)
+    mark = {m["step"]: m for m in marks(tmp_path)}
     assert list(mark) == [2]
     assert (mark[2]["type"], mark[2]["occurrence"], mark[2]["tag"]) == ("Log", [2, 4], log.tag)
-    assert mark[2]["source"].endswith("test_oplevel_nested.py:%d (body)" % _line_of("# FEEDBACK_LOG"))
+    assert mark[2]["source"].endswith("test_oplevel_nested.py:%d (body)" % line_of(__file__, "# FEEDBACK_LOG"))
 
 
 @pytest.mark.parametrize("flight", [None, 2])
@@ -340,7 +326,7 @@ def test_traced_step_records_the_gradient_ops_of_a_function_it_calls(tmp_path, c
     code, run = _report(tmp_path, capsys)
     a = run["first_anomaly"]
     assert (a["step"], a["op_type"], a["phase"]) == (2, "SqrtGrad", "backward")
-    assert "test_oplevel_nested.py:%d (root)" % _line_of("# CALLED_SQRT") in a["tensor_description"]
+    assert "test_oplevel_nested.py:%d (root)" % line_of(__file__, "# CALLED_SQRT") in a["tensor_description"]
     assert "gradient of" in a["tensor_description"]
 
 

@@ -14,15 +14,10 @@ import keras
 import pytest
 import tensorflow as tf
 
+from op_records import line_of, marks
 from tb_numerics import cli, oplevel, records
 
 
-def _line_of(marker: str) -> int:
-    with open(__file__) as f:
-        for i, line in enumerate(f, 1):
-            if line.rstrip().endswith(marker) and "def _line_of" not in line:
-                return i
-    raise AssertionError(marker)
 
 
 class LogRelu(keras.layers.Layer):
@@ -87,7 +82,7 @@ def test_replay_names_the_first_bad_op_and_its_line(tmp_path, capsys, case, comp
     writer = tf.summary.create_file_writer(str(tmp_path))
     got = oplevel.replay_step(step, *args, step=7, writer=writer)
     writer.close()
-    source = "test_replay.py:%d (%s)" % (_line_of(marker), function)
+    source = "test_replay.py:%d (%s)" % (line_of(__file__, marker), function)
     assert (got.op_type, got.phase, got.step) == (op_type, phase, 7)
     assert got.source.endswith(source), got.source
     op = got.to_json()
@@ -101,21 +96,10 @@ def test_replay_names_the_first_bad_op_and_its_line(tmp_path, capsys, case, comp
     assert source in a["tensor_description"]
     assert not tf.config.functions_run_eagerly()  # restored
     # Beside the records, the mark of that step's first non-finite op.
-    (mark,) = _marks(tmp_path)
+    (mark,) = marks(tmp_path)
     assert mark["step"] == 7 and (mark["tag"], mark["type"], mark["source"]) == (
         got.tag, op_type, got.source)
 
-
-def _marks(logdir) -> list[dict]:
-    from tb_numerics import _op_record
-
-    out = []
-    for path in sorted(logdir.glob("events.out.tfevents.*")):
-        for event in tf.compat.v1.train.summary_iterator(str(path)):
-            for value in event.summary.value:
-                if value.metadata.plugin_data.plugin_name == _op_record.MARK_PLUGIN_NAME:
-                    out.append(dict(_op_record.parse_mark(value.tensor.string_val[0]), step=event.step))
-    return out
 
 
 def test_replay_reports_the_inputs_ranges():
