@@ -369,3 +369,33 @@ def test_eager_blocks_write_to_the_writer_of_each_block_and_any_number_of_iterat
         (sqrt,) = _series(tmp_path / name).values()
         want = [i for i in range(20) if i % 2 == parity for _ in range(i + 1)]
         assert sqrt.steps.tolist() == want
+
+
+def test_keras_model_and_optimizer_in_an_eager_block(tmp_path, capsys):
+    # The tutorials' custom loop: an eager Keras model and optimizer, a loss
+    # in a tf.function helper; logits of 1e4 saturate the softmax at step 3.
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(3)])
+    opt = keras.optimizers.Adam(1e-3)
+
+    @tf.function
+    def loss_of(logits, y):
+        p = tf.nn.softmax(logits)
+        return -tf.reduce_mean(tf.math.log(tf.gather(p, y, batch_dims=1)))  # SOFTMAX_LOG
+
+    writer = tf.summary.create_file_writer(str(tmp_path))
+    recorder = tbn.op_numerics()
+    rs = np.random.RandomState(0)
+    for i in range(4):
+        x, y = rs.randn(8, 4).astype("float32") * (1e4 if i == 3 else 1), rs.randint(0, 3, 8)
+        with writer.as_default(step=i), recorder:
+            with tf.GradientTape() as tape:
+                loss = loss_of(model(x, training=True), tf.constant(y))
+            opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+    writer.close()
+    _, run = _report(tmp_path, capsys)
+    a = run["first_anomaly"]
+    assert (a["step"], a["tensor"], a["op_type"], a["phase"]) == (3, "ops/loss_of/Log", "Log", "forward")
+    assert "test_oplevel_nested.py:%d" % line_of(__file__, "# SOFTMAX_LOG") in a["tensor_description"]
+    phases = {s.info.phase for s in _series(tmp_path).values()}
+    assert phases == {"forward", "backward", "update"}  # the optimizer's ops after the gradients
