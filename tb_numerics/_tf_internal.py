@@ -10,6 +10,11 @@ privately, the same ones its own ``enable_check_numerics`` and
 * the tape's gradient-function hook (``TFE_Py_RegisterGradientFunction``), to
   learn which forward op a gradient op differentiates;
 * whether the graph being built is compiled by XLA (``jit_compile=True``);
+* whether a graph adds automatic control dependencies (a called function's
+  backward graph does not, and prunes stateful ops no output depends on),
+  the forward op ``tf.gradients``' helper is differentiating, whether a
+  graph is a ``tf.while_loop``'s gradient body, and the function graph an
+  eager function call runs;
 * the eager name scope, and variables that bypass ``tf.function``'s
   "variables only on the first trace" rule (ring buffers made per trace).
 
@@ -19,6 +24,7 @@ present, and raises ``UnsupportedTensorFlowError`` saying what is missing.
 
 from __future__ import annotations
 
+import re
 import threading
 from typing import Any, Callable
 
@@ -42,6 +48,11 @@ def _version() -> tuple[int, int]:
 
 
 _checked = False
+
+
+def _local_names(fn: Callable[..., Any]) -> tuple[str, ...]:
+    code = fn.__code__
+    return code.co_varnames + code.co_cellvars
 
 
 def check_supported() -> None:
@@ -77,6 +88,11 @@ def check_supported() -> None:
                 ("context.scope_name", hasattr(context.context(), "scope_name")),
                 ("resource_variable_ops.ResourceVariable",
                  hasattr(resource_variable_ops, "ResourceVariable")),
+                ("while_v2._WhileBodyGradFuncGraph", _while_grad_graph_class() is not None),
+                ("Graph._add_control_dependencies",
+                 hasattr(tf.Graph(), "_add_control_dependencies")),
+                ("_GradientsHelper's local 'op'",
+                 "op" in _local_names(gradients_util._GradientsHelper)),
             )
             if not ok
         ]
@@ -114,6 +130,27 @@ def is_function_call(op_type: str) -> bool:
     return op_type.startswith(_FUNCTION_PREFIXES)
 
 
+def outermost_function_name(graph: Any) -> str:
+    """The name of the outermost function graph ``graph`` is (or is nested in)."""
+    while True:
+        ref = getattr(graph, "_weak_outer_graph", None)
+        outer = ref() if ref is not None else None
+        if outer is None or not getattr(outer, "building_function", False):
+            return graph.name
+        graph = outer
+
+
+_CALLED = re.compile(r"^__(?:inference|forward)_(.+)_\d+$")
+
+
+def called_function_name(op_type: str) -> str | None:
+    """The function graph's name in the op type of an eager call of its forward
+    or inference function (``__inference_<name>_<uid>``), else None (a
+    gradient's backward function, ``__inference___backward_<name>_...``)."""
+    m = _CALLED.match(op_type)
+    return m.group(1) if m and not m.group(1).startswith("__backward_") else None
+
+
 def eager_scope_name() -> str:
     """The current eager name scope, e.g. "dense_1/" ("" at top level)."""
     from tensorflow.python.eager import context
@@ -127,6 +164,58 @@ def in_xla_context() -> bool:
     from tensorflow.python.ops import control_flow_util
 
     return bool(control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph()))
+
+
+def adds_control_dependencies(graph: Any) -> bool:
+    """Whether ``graph`` runs its stateful ops without outputs depending on them.
+
+    ``tf.function`` traces (and the branches and loop bodies inside them)
+    add automatic control dependencies; the backward function TensorFlow
+    builds for a called ``tf.function`` does not.
+    """
+    return bool(getattr(graph, "_add_control_dependencies", False))
+
+
+def _while_grad_graph_class() -> type | None:
+    from tensorflow.python.ops import while_v2
+
+    return getattr(while_v2, "_WhileBodyGradFuncGraph", None)
+
+
+def in_loop_gradient(graph: Any) -> bool:
+    """Whether ``graph`` is (or is nested in) the gradient body of a ``tf.while_loop``.
+
+    Such a body may only capture values of the forward loop: a variable read
+    there (as op records need) makes ``tape.gradient`` fail.
+    """
+    cls = _while_grad_graph_class()
+    while graph is not None:
+        if cls is not None and isinstance(graph, cls):
+            return True
+        ref = getattr(graph, "_weak_outer_graph", None)
+        graph = ref() if ref is not None else None
+    return False
+
+
+def graph_forward_op(op_name: str) -> tuple[str, Any, Any] | None:
+    """(type, inputs, outputs) of the forward op whose gradient op ``op_name`` is being built
+    by ``tf.gradients``' helper (a called function's backward graph), or None.
+
+    The helper names a gradient op ``<forward op name>_grad/...``; its loop
+    variable ``op`` is that forward op while the gradient function runs.
+    """
+    import sys
+
+    from tensorflow.python.ops import gradients_util
+
+    code = gradients_util._GradientsHelper.__code__
+    frame = sys._getframe(1)
+    while frame is not None and frame.f_code is not code:
+        frame = frame.f_back
+    op = None if frame is None else frame.f_locals.get("op")
+    if op is None or "%s_grad/" % op.name not in op_name:
+        return None
+    return op.type, tuple(op.inputs), tuple(op.outputs)
 
 
 def creation_stack() -> list[tuple[str, int, str]]:

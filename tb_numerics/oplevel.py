@@ -6,25 +6,47 @@ anything, forward ops and the gradient ops the tape builds alike::
 
     recorder = tbn.op_numerics()              # or op_numerics(flight_recorder=8)
 
-    @tf.function                              # optional: works eagerly too
-    @recorder                                 # each call is one step
+    @tf.function                              # a traced step: each call is one step
+    @recorder
     def train_step(x, y):
         ...
 
-    # or, around an eager step:
-    with recorder:
-        train_step_eager(x, y)
+    for step, (x, y) in enumerate(data):      # or an eager step, which may call
+        with writer.as_default(step=step), recorder:   # tf.functions of its own
+            train_step_eager(x, y)
 
 Each op output becomes an ordinary numerics record under the tag
 ``ops/<op name>`` (the graph op name in a ``tf.function``, ``<name
-scope><OpType>`` eagerly), with ``TensorInfo.op_type`` the op type,
-``TensorInfo.order`` its position in the step and ``TensorInfo.description``
-the user's source line that created it (``file:line (function)``; for a
-gradient op, the line of the forward op it differentiates). Ops built inside
-the gradient computation have role "gradient" (backward phase); ops created
-after it, such as the optimizer's, role "weight" (update phase); all others
-role "activation" (forward phase). So the analysis core's "first anomaly"
-names the first op, in execution order, whose output left the safe range.
+scope><OpType>`` eagerly), with ``TensorInfo.op_type`` the op type and
+``TensorInfo.description`` the user's source line that created it
+(``file:line (function)``; for a gradient op, the line of the forward op it
+differentiates). Ops built inside the gradient computation have role
+"gradient" (backward phase); ops run after it, such as the optimizer's, role
+"weight" (update phase); all others role "activation" (forward phase). So
+the analysis core's "first anomaly" names the first op whose output left
+the safe range.
+
+**An eager block owns its step.** Around an eager step, the recorder also
+records the ops of the ``tf.function``s the step calls (and their gradients,
+their ``tf.cond`` branches and ``tf.while_loop`` bodies, such as Keras RNN
+loops): their record ops, added when a function is traced inside the block,
+store each record with its execution position in the recorder's own
+variables, and the block writes them when it closes, in execution order, at
+the step the block was entered with (a Python int or a ``tf.Variable``).
+Outside any block those record ops do nothing, so an evaluation pass through
+an instrumented function records nothing. Every execution of an op counts:
+an op in a loop body gives one record per iteration (occurrences of its tag
+at that step, in execution order), and tags are first written in execution
+order, so the order the analysis sorts by is the order ops first ran. Where
+that cannot tell (an op early in a loop body whose record of iteration 3
+went bad because of a later op at iteration 2), the block also writes, at a
+step with a non-finite op record, a mark naming the first of them in exact
+execution order (``_op_record``). ``OpNumerics.first_bad`` is that record of
+the last eager step, and ``replay_step`` runs a step function once this way
+and returns it. A function traced before the recorder was first active has
+no record ops (a warning names it: trace it inside the block). Gradient
+bodies of ``tf.while_loop`` (a Keras RNN's backward pass) are not recorded:
+they may only capture values of the forward loop.
 
 The record is ``stats.op_stats``, lighter than the layer-level
 ``tensor_stats`` because it runs on every op output. Count, NaN / +Inf /
@@ -49,24 +71,34 @@ cannot run inside XLA, and XLA fuses ops so their outputs do not exist.
 
 from __future__ import annotations
 
-import collections
+import contextlib
 import functools
-import importlib.util
+import json
 import logging
-import os
 import re
-import sysconfig
 import threading
-from typing import Any, Callable, Collection, Iterable, TypeVar
+from typing import Any, Callable, Collection, NamedTuple, TypeVar
 
-import numpy as np
 import tensorflow as tf
 
 from tb_numerics import _tf_internal, metadata, stats, summary
+from tb_numerics._op_flight import EagerFlight, GraphFlight, Record
+from tb_numerics._op_nested import NestedRecords
+from tb_numerics._op_record import GRADIENT_OF, MARK_TAG, OpRecord, mark_metadata, op_record
+from tb_numerics._op_record import first_bad as first_bad_of
+from tb_numerics._op_source import ForwardIndex, ForwardOp, SourceLocator
+from tb_numerics._op_tags import TAG_PREFIX, OpTags, eager_site, graph_site
+from tb_numerics._op_write import StepWriter
+from tb_numerics.records import nonfinite_count
 
-_log = logging.getLogger(__name__)
-
-TAG_PREFIX = "ops/"
+__all__ = [
+    "DEFAULT_SKIP_OP_TYPES",
+    "OpNumerics",
+    "OpRecord",
+    "TAG_PREFIX",
+    "op_numerics",
+    "replay_step",
+]
 
 # Op types skipped by default: they move, copy or reshape values, create
 # constants or call functions (whose own ops are recorded), so they cannot be
@@ -82,7 +114,8 @@ DEFAULT_SKIP_OP_TYPES = frozenset(
     Merge NextIteration NoOp OnesLike Pack PartitionedCall Placeholder PlaceholderWithDefault
     PreventGradient ReadVariableOp Reshape Shape ShapeN Size Slice Snapshot Split SplitV
     Squeeze StatefulPartitionedCall StatelessIf StatelessWhile StopGradient StridedSlice
-    Switch Tile Transpose Unpack VarHandleOp While ZerosLike
+    Switch TensorListFromTensor TensorListGetItem TensorListReserve TensorListSetItem
+    TensorListStack Tile Transpose Unpack VarHandleOp While ZerosLike
     Abs Neg Relu Relu6 Relu6Grad ReluGrad
     """.split()
 )
@@ -93,56 +126,72 @@ _FIRST_OUTPUT_ONLY = ("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3")
 
 _BACKWARD_NAME = re.compile(r"(^|/)(gradient_tape|gradients(_\d+)?)/|_grad/")
 
-_F = metadata.FIELD_INDEX
-_NONFINITE = slice(_F["nan"], _F["neginf"] + 1)
-
 FnT = TypeVar("FnT", bound=Callable[..., Any])
 
-
-def _library_dirs() -> tuple[str, ...]:
-    """Directories whose frames are never "the user's source line"."""
-    dirs = [os.path.dirname(os.path.abspath(__file__)), sysconfig.get_paths()["stdlib"]]
-    for mod in ("tensorflow", "keras", "tf_keras", "absl"):
-        spec = importlib.util.find_spec(mod)
-        if spec is not None and spec.submodule_search_locations:
-            dirs.extend(spec.submodule_search_locations)
-    return tuple(os.path.join(os.path.realpath(d), "") for d in dirs)
+_log = logging.getLogger(__name__)
 
 
-@functools.lru_cache(maxsize=4096)
-def _is_library_file(filename: str, dirs: tuple[str, ...]) -> bool:
-    if filename.startswith("<frozen") or "__autograph_generated_file" in filename:
-        return True
-    return os.path.realpath(filename).startswith(dirs)
+class _Op(NamedTuple):
+    """One op as the op callback reports it."""
+
+    type: str
+    name: str | None  # the graph op name; None for an eager op
+    graph: Any  # the graph being built; None for an eager op
+    inputs: Any
+    outputs: Any
 
 
-def _short_path(filename: str) -> str:
-    try:
-        rel = os.path.relpath(filename)
-    except ValueError:  # another drive on Windows
-        return filename
-    return filename if rel.startswith(os.pardir) else rel
+class _Described(NamedTuple):
+    role: str
+    where: str
+    base: str  # the op's name in its tag
+    backward: bool
 
 
 class _Step:
-    """What one step has recorded so far."""
+    """What one step (one block, or one trace of a decorated step) has recorded so far."""
 
     def __init__(self, graph: Any, step: Any):
         self.graph = graph  # None for an eager step, else the FuncGraph being traced
-        self.step = step
-        self.order = 0
+        self.step = step  # eager: an int or None; traced: the user's step
         self.backward_seen = False
-        self.records: dict[str, list[Any]] = {}  # tag -> [stats, info], in first-seen order
-        # Forward ops, by (op type, output ids) and (op type, input ids), so a
-        # gradient op can name the forward op it differentiates.
-        self.forward: dict[tuple[Any, ...], tuple[str, str]] = {}
+        self.forward = ForwardIndex()
+        # Traced step: tag -> (record, info) of its own graph's ops, in trace
+        # order; (tag, info, acc row) of ops in graphs nested in it (flight recorder).
+        self.records: dict[str, tuple[Any, metadata.TensorInfo]] = {}
+        self.acc_sites: list[tuple[str, metadata.TensorInfo, int]] = []
+        # Eager step: (order key, tag, record, info) of each eager op output.
+        self.eager: list[tuple[tuple[int, int, int], str, Any, metadata.TensorInfo]] = []
+        self.nested_before = 0  # nested records that ran before the next eager op
+        self.function_ran = False  # a function ran since nested_before was read
+        self.first_bad: OpRecord | None = None  # found as ops ran (inspect mode)
 
 
 class OpNumerics:
-    """Records the numerics of every float op output of a step; see ``op_numerics``.
+    """Records the numerics of every float op output of a step.
 
-    Use it as a context manager around one step, or as a decorator of the step
-    function (each call is one step).
+    Use it as a context manager around one eager step (``with recorder:``),
+    or as a decorator of a step function under ``@tf.function`` (each call
+    is one step). ``op_numerics`` documents the arguments.
+
+    It composes small pieces: the op callback here picks the outputs to
+    record and where each record goes (an eager op's record is kept for the
+    end of the block, a traced op's is added to its graph, an op of a graph
+    nested in the step gets record ops from ``NestedRecords``);
+    ``SourceLocator`` and ``ForwardIndex`` (``_op_source``) give each op its
+    source line and each gradient op its forward op; ``OpTags`` names the
+    tags; ``EagerFlight`` and ``GraphFlight`` (``_op_flight``) are the
+    flight recorders; ``StepWriter`` (``_op_write``) writes an eager step's
+    records in one traced call; ``OpRecord`` (``_op_record``) is the first
+    non-finite record of a step and the mark written beside it.
+
+    One step at a time per recorder: its blocks cannot nest, and the state
+    that records of nested graphs share is the recorder's.
+
+    Attributes:
+      flight_recorder: the window K, or None for the full mode.
+      first_bad: the first non-finite ``OpRecord`` of the last eager step, in
+        execution order; None where that step had none.
     """
 
     def __init__(
@@ -156,40 +205,35 @@ class OpNumerics:
         step: Any = None,
     ):
         _tf_internal.check_supported()
-        if flight_recorder is not None and (
-            isinstance(flight_recorder, bool) or not isinstance(flight_recorder, int) or flight_recorder < 1
-        ):
-            raise ValueError("flight_recorder must be a whole number of steps >= 1, got %r" % (flight_recorder,))
-        bad = sorted(set(dtypes) - set(metadata.SUPPORTED_DTYPES))
-        if bad:
-            raise ValueError("unsupported dtypes %s; choose from %s" % (bad, list(metadata.SUPPORTED_DTYPES)))
+        _check_arguments(flight_recorder, dtypes)
         self.flight_recorder = flight_recorder
+        self.first_bad: OpRecord | None = None
         self._op_types = None if op_types is None else frozenset(op_types)
         self._skip = frozenset(skip_op_types)
-        self._name_re = None if name_regex is None else re.compile(name_regex)
         self._dtypes = frozenset(dtypes)
         self._step_arg = step
         self._local = threading.local()
-        self._lib_dirs = _library_dirs()
-        self._backward_frames = _tf_internal.backward_frames()
-        # tag per op site, and the TensorInfo first recorded for each tag
-        self._tags: dict[tuple[Any, ...], str] = {}
-        self._tag_owner: dict[str, tuple[Any, ...]] = {}
+        self._source = SourceLocator()
+        self._tags = OpTags(name_regex)
         self._infos: dict[str, metadata.TensorInfo] = {}
-        # flight recorder state: eager history and the "already written" flag
-        self._history: collections.deque = collections.deque(maxlen=flight_recorder or 1)
-        self._fired_var: tf.Variable | None = None
-        self._fired = False
-        self._warned_nested = False
+        self._nested = NestedRecords()
+        self._nested_site: dict[str, int] = {}  # tag -> site id in NestedRecords
+        self._eager_flight = EagerFlight(flight_recorder) if flight_recorder else None
+        self._step_writer = StepWriter()
+        self._graph_flight = GraphFlight(flight_recorder) if flight_recorder else None
+        # Replay: find the first bad op as ops run, with its inputs.
+        self._inspect_inputs = False
+        # Names of the functions traced in an eager block, and of those
+        # called there that were not (warned about once).
+        self._traced_here: set[str] = set()
+        self._warned: set[str] = set()
 
     # ------------------------------------------------------------ public
 
     @property
     def triggered(self) -> bool:
         """Whether the flight recorder has met a non-finite value and written its window."""
-        if self._fired:
-            return True
-        return self._fired_var is not None and bool(self._fired_var.numpy())
+        return any(f is not None and f.fired for f in (self._eager_flight, self._graph_flight))
 
     def __call__(self, fn: FnT) -> FnT:
         """Decorates a step function: each call is one recorded step."""
@@ -214,7 +258,10 @@ class OpNumerics:
             if _tf_internal.in_xla_context():
                 raise _xla_error()
             graph = tf.compat.v1.get_default_graph()
-        self._local.step = _Step(graph, self._resolve_step(graph))
+        st = _Step(graph, self._resolve_step(graph))
+        if graph is None:
+            self._nested.open_block()
+        self._local.step = st
         self._local.busy = False
         _tf_internal.acquire_gradient_hook()
         _tf_internal.add_op_callback(self._callback)
@@ -225,6 +272,8 @@ class OpNumerics:
         self._local.step = None
         _tf_internal.remove_op_callback(self._callback)
         _tf_internal.release_gradient_hook()
+        if st.graph is None:
+            self._nested.close_block()
         # An eager step that failed still writes what it saw before the error.
         if exc_type is None or st.graph is None:
             self._local.busy = True
@@ -233,7 +282,7 @@ class OpNumerics:
             finally:
                 self._local.busy = False
 
-    # ------------------------------------------------------------ step
+    # ------------------------------------------------------------ ops
 
     def _resolve_step(self, graph: Any) -> Any:
         step = self._step_arg if self._step_arg is not None else tf.summary.experimental.get_step()
@@ -241,6 +290,8 @@ class OpNumerics:
             raise ValueError(
                 "op_numerics needs a step: pass step=, or call tf.summary.experimental.set_step()"
             )
+        if graph is None and step is not None:  # the block owns the value of this call's step
+            return int(step.numpy()) if hasattr(step, "numpy") else int(step)
         return step
 
     def _callback(self, op_type, inputs, attrs, outputs, op_name=None, graph=None):
@@ -251,7 +302,13 @@ class OpNumerics:
         # Eager ops run through execute() report their type as bytes.
         op_type = op_type.decode() if isinstance(op_type, bytes) else op_type
         if graph is None and _tf_internal.is_function_call(op_type):
-            return None  # a whole traced function: its ops were seen when it was traced
+            # A whole traced function ran: its ops were seen when it was traced.
+            st.function_ran = True
+            st.backward_seen |= op_type.startswith("__backward_")
+            self._check_traced_here(op_type)
+            return None
+        if graph is not None and st.graph is None:
+            self._traced_here.add(_tf_internal.outermost_function_name(graph))
         if op_type in self._skip or (self._op_types is not None and op_type not in self._op_types):
             return None
         picked = [
@@ -264,109 +321,76 @@ class OpNumerics:
             return None
         self._local.busy = True
         try:
-            self._record(st, op_type, op_name, graph, inputs, outputs, picked)
+            return self._record(st, _Op(op_type, op_name, graph, inputs, outputs), picked)
         finally:
             self._local.busy = False
-        return None
 
-    def _record(self, st: _Step, op_type, op_name, graph, inputs, outputs, picked) -> None:
-        own_graph = graph is None or graph is st.graph
-        if graph is not None and _tf_internal.in_xla_context():
-            raise _xla_error()
-        if not own_graph and self.flight_recorder:
-            if not self._warned_nested:
-                self._warned_nested = True
-                _log.warning(
-                    "op_numerics flight recorder: ops of nested functions and control-flow "
-                    "branches (e.g. %s in %s) are not recorded; use the full mode to see them",
-                    op_name, getattr(graph, "name", graph),
-                )
+    def _check_traced_here(self, op_type: str) -> None:
+        """Warns once per function called in an eager block but traced outside
+        any: its graph has no record ops, so its ops go unrecorded."""
+        name = _tf_internal.called_function_name(op_type)
+        if name is None or name in self._traced_here or name in self._warned:
             return
-        user, in_backward = self._inspect_stack()
+        self._warned.add(name)
+        _log.warning(
+            "op_numerics: tf.function %r was traced before the recorder was active, so its ops "
+            "are not recorded; call it first inside the recorder's block (or trace it anew)", name)
+
+    def _record(self, st: _Step, op: _Op, picked) -> list | None:
+        """Records the picked outputs of ``op``; returns the op's new outputs, if any."""
+        own_graph = op.graph is None or op.graph is st.graph
+        if op.graph is not None and _tf_internal.in_xla_context():
+            raise _xla_error()
+        if not own_graph and _tf_internal.in_loop_gradient(op.graph):
+            return None  # not recordable there; the loop's forward ops are
+        d = self._describe(st, op, own_graph)
+        outputs, replaced = list(op.outputs), False
+        for slot, tensor in picked:
+            site = eager_site(d.base, d.where, slot) if op.graph is None else graph_site(
+                op.graph, own_graph, op.name, slot)
+            tag = self._tags.tag(site, d.base if slot == 0 else "%s:%d" % (d.base, slot))
+            if not d.backward and slot == 0:
+                st.forward.note(op.type, op.inputs, op.outputs, ForwardOp(tag or "", d.where))
+            if tag is None:  # filtered out by name_regex
+                continue
+            info = self._info(tag, tensor, op.type, d.role, d.where)
+            new = self._keep(st, op, own_graph, tag, tensor, info)
+            if new is not None:
+                outputs[slot], replaced = new, True
+        return outputs if replaced else None
+
+    def _describe(self, st: _Step, op: _Op, own_graph: bool) -> _Described:
+        """Role, source line and name of ``op``."""
+        where, in_backward = self._source.locate()
         forward_op = _tf_internal.current_forward_op()
+        if forward_op is None and op.name is not None and "_grad/" in op.name:
+            forward_op = _tf_internal.graph_forward_op(op.name)
         backward = (
             in_backward or forward_op is not None
-            or (op_name is not None and _BACKWARD_NAME.search(op_name) is not None)
+            or (op.name is not None and _BACKWARD_NAME.search(op.name) is not None)
         )
-        where = "%s:%d (%s)" % (_short_path(user[0]), user[1], user[2]) if user else ""
-        fwd = self._forward_of(st, forward_op) if backward else None
+        fwd = st.forward.find(forward_op) if backward else None
         if backward:
-            st.backward_seen = True
+            # A called function's backward graph is traced with its forward
+            # call: only what runs in the step itself marks the update phase.
+            st.backward_seen |= own_graph
             role = "gradient"
             if fwd is not None:
-                where = "%s, gradient of %s" % (fwd[1], fwd[0])
+                where = "%s%s%s" % (fwd.where, GRADIENT_OF, fwd.tag)
         else:
             role = "weight" if st.backward_seen else "activation"
-        if op_name is not None:  # a graph op: its name is unique in its graph
-            base = op_name
-            site: tuple[Any, ...] = ("graph", None if own_graph else graph.name, op_name)
-        else:
-            scope = _tf_internal.eager_scope_name()
-            if fwd is not None:
-                scope = "gradient_tape/%s/" % fwd[0][len(TAG_PREFIX):]
-            elif backward:
-                scope = "gradient_tape/" + scope
-            base = scope + op_type
-            site = ("eager", base, where)
-        for slot, tensor in picked:
-            tag = self._tag(site + (slot,), base if slot == 0 else "%s:%d" % (base, slot))
-            if not backward and slot == 0:
-                self._note_forward(st, op_type, inputs, outputs, tag, where)
-            if not tag:  # filtered out by name_regex
-                continue
-            if own_graph:
-                self._add(st, tag, tensor, op_type, role, where)
-            else:  # full mode, op of a nested function or branch: write it there
-                info = self._info(tag, tensor, op_type, role, where, st.order)
-                st.order += 1
-                # The default step, not this step's value: the trace outlives this step.
-                summary.write_stats(tag, stats.op_stats(tensor, tag), step=self._step_arg, info=info)
+        if op.name is not None:  # a graph op: its name is unique in its graph
+            if st.graph is None:  # in a function an eager step calls: say which
+                return _Described(role, where, "%s/%s" % (_function_label(op.graph), op.name), backward)
+            return _Described(role, where, op.name, backward)
+        scope = _tf_internal.eager_scope_name()
+        if fwd is not None:
+            scope = "gradient_tape/%s/" % OpTags.op_name(fwd.tag)
+        elif backward:
+            scope = "gradient_tape/" + scope
+        return _Described(role, where, scope + op.type, backward)
 
-    def _inspect_stack(self) -> tuple[tuple[str, int, str] | None, bool]:
-        """The user's innermost frame, and whether a gradient computation encloses it."""
-        in_backward = False
-        for filename, lineno, name in _tf_internal.creation_stack():
-            if (filename, name) in self._backward_frames:
-                in_backward = True
-            if not _is_library_file(filename, self._lib_dirs):
-                return (filename, lineno, name), in_backward
-        return None, in_backward
-
-    def _note_forward(self, st: _Step, op_type, inputs, outputs, tag: str, where: str) -> None:
-        entry = (tag, where)
-        st.forward[("out", op_type) + _ids(outputs)] = entry
-        if inputs:
-            st.forward.setdefault(("in", op_type) + _ids(inputs), entry)
-
-    def _forward_of(self, st: _Step, forward_op) -> tuple[str, str] | None:
-        if forward_op is None:
-            return None
-        op_type, inputs, outputs = forward_op
-        if outputs is not None:
-            hit = st.forward.get(("out", op_type) + _ids(outputs))
-            if hit is not None:
-                return hit
-        if inputs is not None:
-            return st.forward.get(("in", op_type) + _ids(inputs))
-        return None
-
-    def _tag(self, site: tuple[Any, ...], base: str) -> str:
-        """The tag of an op site: stable across steps, unique per site."""
-        tag = self._tags.get(site)
-        if tag is None:
-            if self._name_re is not None and not self._name_re.search(base):
-                tag = ""
-            else:
-                tag = TAG_PREFIX + base
-                n = 0
-                while tag in self._tag_owner:
-                    n += 1
-                    tag = "%s%s_%d" % (TAG_PREFIX, base, n)
-                self._tag_owner[tag] = site
-            self._tags[site] = tag
-        return tag
-
-    def _info(self, tag, tensor, op_type, role, where, order) -> metadata.TensorInfo:
+    def _info(self, tag: str, tensor, op_type: str, role: str, where: str) -> metadata.TensorInfo:
         info = self._infos.get(tag)
         if info is None:
             shape = tensor.shape
@@ -374,91 +398,97 @@ class OpNumerics:
                 dtype=tensor.dtype.name,
                 shape=None if shape.rank is None else tuple(shape.as_list()),
                 role=role,
-                order=order,
+                order=len(self._infos),  # the writer's order replaces it
                 op_type=op_type,
                 description=where,
             )
             self._infos[tag] = info
         return info
 
-    def _add(self, st: _Step, tag: str, tensor, op_type, role, where) -> None:
+    def _keep(self, st: _Step, op: _Op, own_graph: bool, tag: str, tensor, info) -> tf.Tensor | None:
+        """Keeps one output's record where it belongs; returns its replacement, if any."""
+        if op.graph is None:
+            self._keep_eager(st, tag, tensor, info, op.inputs)
+            return None
+        if own_graph:
+            st.records[tag] = (stats.op_stats(tensor, tag), info)
+            return None
+        if st.graph is None:  # a graph nested in an eager step: kept until the block closes
+            site = self._nested_site.get(tag)
+            if site is None:
+                site = self._nested_site[tag] = len(self._nested.sites)
+                self._nested.sites.append((tag, info))
+            return self._nested.keep(op.graph, tensor, tag, site)
+        if not self.flight_recorder:  # nested in a traced step: written where it runs
+            def write() -> tf.Tensor:
+                return summary.write_stats(tag, stats.op_stats(tensor, tag), step=st.step, info=info)
+
+            return self._nested.attach(op.graph, tensor, write)
+        row = self._nested.new_acc_row()
+        st.acc_sites.append((tag, info, row))
+        return self._nested.accumulate(op.graph, tensor, tag, row)
+
+    def _keep_eager(self, st: _Step, tag: str, tensor, info, inputs) -> None:
+        if st.function_ran:  # nested records that ran so far come before this op
+            st.nested_before, st.function_ran = self._nested.position(), False
         vec = stats.op_stats(tensor, tag)
-        rec = st.records.get(tag)
-        if rec is not None:  # the same op again in this step (eager): aggregate
-            rec[0] = stats.merge_stats(rec[0], vec)
-            return
-        st.records[tag] = [vec, self._info(tag, tensor, op_type, role, where, st.order)]
-        st.order += 1
+        st.eager.append(((st.nested_before, 0, len(st.eager)), tag, vec, info))
+        if self._inspect_inputs and st.first_bad is None and nonfinite_count(vec.numpy()) > 0:
+            st.first_bad = op_record(tag, vec, info, st.step, inputs)
+
+    # ------------------------------------------------------------ end of a step
 
     def _finish(self, st: _Step) -> None:
-        recs = [(tag, vec, info) for tag, (vec, info) in st.records.items()]
+        if st.graph is not None:
+            self._finish_traced(st)
+            return
+        rows = list(st.eager)
+        for pos, site, vec in self._nested.drain():
+            tag, info = self._nested.sites[site]
+            rows.append(((pos, 1, 0), tag, vec, info))
+        rows.sort(key=lambda r: r[0])
+        recs: list[Record] = [(tag, vec, info) for _, tag, vec, info in rows]
+        self.first_bad = first_bad_of(recs, st.step, st.first_bad)
+        if self._eager_flight is not None:
+            written = self._eager_flight.add(st.step, recs)
+        else:
+            written = True
+            self._step_writer.write(recs, st.step)
+        if written and self.first_bad is not None and st.step is not None:
+            # Which record ran first, where the tags' order cannot say (loops).
+            tf.summary.write(MARK_TAG, tf.constant(json.dumps(self.first_bad.to_json())),
+                             step=st.step, metadata=mark_metadata())
+
+    def _finish_traced(self, st: _Step) -> None:
+        recs: list[Record] = [(tag, vec, info) for tag, (vec, info) in st.records.items()]
+        if st.acc_sites:
+            merged = self._nested.take_acc_rows([row for _, _, row in st.acc_sites])
+            recs += [(tag, merged[i], info) for i, (tag, info, _) in enumerate(st.acc_sites)]
         if not recs:
             return
-        if not self.flight_recorder:
-            for tag, vec, info in recs:
-                summary.write_stats(tag, vec, step=st.step, info=info)
-        elif st.graph is None:
-            self._finish_eager_flight(st, recs)
-        else:
-            self._finish_graph_flight(st, recs)
-
-    # ------------------------------------------------------------ flight recorder
-
-    def _finish_eager_flight(self, st: _Step, recs) -> None:
-        step = int(st.step.numpy() if hasattr(st.step, "numpy") else st.step)
-        self._history.append((step, recs))
-        if self._fired:
+        if self._graph_flight is not None:
+            self._graph_flight.finish(st.step, recs)
             return
-        bad = tf.reduce_any(tf.stack([vec for _, vec, _ in recs])[:, _NONFINITE] > 0)
-        if bool(bad.numpy()):
-            self._fired = True
-            for s, window in self._history:
-                for tag, vec, info in window:
-                    summary.write_stats(tag, vec, step=s, info=info)
-            self._history.clear()
-
-    def _finish_graph_flight(self, st: _Step, recs) -> None:
-        k, n = self.flight_recorder, len(recs)
-        if self._fired_var is None:
-            self._fired_var = _tf_internal.untracked_variable(False, "op_numerics_fired")
-        # One ring buffer per trace: its shape is this trace's number of records.
-        buf = _tf_internal.untracked_variable(
-            np.zeros([k, n, metadata.NUM_FIELDS], np.float64), "op_numerics_window")
-        steps = _tf_internal.untracked_variable(np.full([k], -1, np.int64), "op_numerics_steps")
-        count = _tf_internal.untracked_variable(np.int64(0), "op_numerics_count")
-        now = tf.stack([vec for _, vec, _ in recs])
-        slot = tf.reshape(count % k, [1, 1])
-        buf.scatter_nd_update(slot, now[None])
-        steps.scatter_nd_update(slot, tf.reshape(tf.cast(st.step, tf.int64), [1]))
-        count.assign_add(1)
-        fired = self._fired_var
-
-        def write_window():
-            # Oldest first: the K-1 steps before the failing one, then it. A
-            # loop, not K unrolled copies, keeps the trace small.
-            def write_slot(j):
-                s = (count - k + j) % k
-                step_j, window = steps[s], buf[s]
-
-                def write_all():
-                    for i, (tag, _, info) in enumerate(recs):
-                        summary.write_stats(tag, window[i], step=step_j, info=info)
-                    return tf.constant(True)
-
-                tf.cond(step_j >= 0, write_all, lambda: tf.constant(False))
-                return (j + 1,)
-
-            tf.while_loop(lambda j: j < k, write_slot, (tf.constant(0, tf.int64),))
-            fired.assign(True)
-            return tf.constant(True)
-
-        bad = tf.reduce_any(now[:, _NONFINITE] > 0)
-        tf.cond(tf.logical_and(bad, tf.logical_not(fired.read_value())), write_window,
-                lambda: tf.constant(False))
+        for tag, vec, info in recs:
+            summary.write_stats(tag, vec, step=st.step, info=info)
 
 
-def _ids(tensors: Iterable[Any]) -> tuple[Any, ...]:
-    return tuple(None if t is None else t._id for t in tensors)  # noqa: SLF001 - unique per tensor
+def _function_label(graph: Any) -> str:
+    """The name of the function an eager step called that ``graph`` belongs to;
+    for its backward graph (``__backward_<name>_<uid>``), that function's name."""
+    name = _tf_internal.outermost_function_name(graph)
+    m = re.match(r"^__backward_(.+)_\d+$", name)
+    return m.group(1) if m else name
+
+
+def _check_arguments(flight_recorder: Any, dtypes: Collection[str]) -> None:
+    if flight_recorder is not None and (
+        isinstance(flight_recorder, bool) or not isinstance(flight_recorder, int) or flight_recorder < 1
+    ):
+        raise ValueError("flight_recorder must be a whole number of steps >= 1, got %r" % (flight_recorder,))
+    bad = sorted(set(dtypes) - set(metadata.SUPPORTED_DTYPES))
+    if bad:
+        raise ValueError("unsupported dtypes %s; choose from %s" % (bad, list(metadata.SUPPORTED_DTYPES)))
 
 
 def _xla_error() -> ValueError:
@@ -484,9 +514,9 @@ def op_numerics(
     Args:
       flight_recorder: None records every op at every step (to the default
         summary writer). An int K keeps each op's statistics of the last K
-        steps in memory on the device and writes them only at the first step
-        where any op output is non-finite: the failing step and the K-1 steps
-        before it, and nothing else, so the mode can be left on.
+        steps in memory (on the device for a traced step) and writes them only
+        at the first step where any op output is non-finite: the failing step
+        and the K-1 steps before it, and nothing else, so the mode can be left on.
       op_types: only these op types (e.g. {"Sqrt", "SqrtGrad"}); None for all.
       skip_op_types: op types never recorded; the default skips ops that only
         move, copy or reshape values, and ReLU, its gradient, Neg and Abs,
@@ -495,11 +525,17 @@ def op_numerics(
       name_regex: only ops whose name (graph op name, or eager scope + type)
         matches this regular expression (``re.search``).
       dtypes: only outputs of these dtypes (names, e.g. "float32").
-      step: the step to record at; None uses tf.summary's default step.
+      step: the step to record at; None uses tf.summary's default step
+        (an eager block reads its value when it is entered).
 
     Returns:
-      An OpNumerics: a context manager around one step, or a decorator of the
-      step function. Inside tf.function apply it under @tf.function.
+      An OpNumerics: a context manager around one eager step, or a decorator
+      of the step function. Inside tf.function apply it under @tf.function.
+
+    Raises:
+      ValueError: ``flight_recorder`` is not a whole number >= 1, or a dtype
+        is not supported.
+      UnsupportedTensorFlowError: this TensorFlow lacks a hook it needs.
     """
     return OpNumerics(
         flight_recorder=flight_recorder,
@@ -509,3 +545,58 @@ def op_numerics(
         dtypes=dtypes,
         step=step,
     )
+
+
+def replay_step(
+    fn: Callable[..., Any],
+    *args: Any,
+    step: int | None = None,
+    writer: Any = None,
+    recorder: OpNumerics | None = None,
+    **kwargs: Any,
+) -> OpRecord | None:
+    """Runs ``fn(*args, **kwargs)`` once, eagerly, under op-level recording, and
+    returns its first non-finite op.
+
+    Every ``tf.function`` it calls (``fn`` itself too) runs eagerly for this
+    call (``tf.config.run_functions_eagerly``), so every op, inside XLA-compiled
+    functions too, is an eager op: recorded in exact execution order, with its
+    inputs at hand. The op records are written to ``writer`` (else the default
+    writer, if any) at ``step``. The caller owns what the step changes (its
+    variables' updates, an optimizer's iteration count): replay it on a copy
+    or restore the state afterwards.
+
+    Args:
+      fn: the step function, e.g. a forward pass and ``tape.gradient``.
+      *args, **kwargs: its inputs.
+      step: the step to record at; None uses tf.summary's default step.
+      writer: a ``tf.summary`` writer for the records; None for the default.
+      recorder: the OpNumerics to record with (its filters); None for
+        ``op_numerics()``'s defaults. It must have no flight recorder.
+
+    Returns:
+      The first op, in execution order, whose output holds a NaN or an Inf,
+      with its source line, phase and its inputs' ranges at that step; None
+      where every recorded op output was finite.
+
+    Raises:
+      ValueError: ``recorder`` has a flight recorder.
+      Whatever ``fn`` raises (the records made before it are still written).
+    """
+    recorder = recorder or OpNumerics(step=step)
+    if recorder.flight_recorder:
+        raise ValueError("replay_step records every op of the step: pass a recorder without flight_recorder")
+    step_before = recorder._step_arg  # noqa: SLF001 - this call's step
+    if step is not None:
+        recorder._step_arg = step  # noqa: SLF001
+    eager_before = tf.config.functions_run_eagerly()
+    tf.config.run_functions_eagerly(True)
+    recorder._inspect_inputs = True  # noqa: SLF001
+    try:
+        with writer.as_default() if writer is not None else contextlib.nullcontext(), recorder:
+            fn(*args, **kwargs)
+    finally:
+        recorder._inspect_inputs = False  # noqa: SLF001
+        recorder._step_arg = step_before  # noqa: SLF001
+        tf.config.run_functions_eagerly(eager_before)
+    return recorder.first_bad

@@ -8,24 +8,18 @@ with ``tbn.op_numerics`` and reads the logdir back through the same code as
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 import pytest
 import tensorflow as tf
 
 import tb_numerics as tbn
+from op_records import line_of
 from tb_numerics import analysis, cli, event_reader, records
 
 MODES = ["eager", "function"]
 
 
-def _line_of(marker: str) -> int:
-    with open(__file__) as f:
-        for i, line in enumerate(f, 1):
-            if line.rstrip().endswith(marker) and "def _line_of" not in line:
-                return i
-    raise AssertionError(marker)
 
 
 def _run(logdir: str, body, inputs, mode: str, recorder) -> None:
@@ -80,7 +74,7 @@ def test_sqrt_at_zero_names_the_sqrt_gradient_op_and_its_source_line(tmp_path, m
     assert a["tensor"].startswith("ops/") and a["tensor"].endswith("SqrtGrad")
     assert a["posinf"] == 1
     assert "gradient of sqrt" in a["hint"].lower()
-    where = "test_oplevel.py:%d (_sqrt_loss)" % _line_of("# SQRT")
+    where = "test_oplevel.py:%d (_sqrt_loss)" % line_of(__file__, "# SQRT")
     assert where in a["tensor_description"]
     # The forward Mul and Sqrt of that step come first and are healthy.
     before = _healthy_before(ra, a)
@@ -124,7 +118,7 @@ def test_forward_non_finite_names_the_forward_op(tmp_path, mode, body, marker, o
     a = analysis.first_anomaly(ra)
     assert a["step"] == 1 and a["phase"] == "forward"
     assert a["op_type"] in op_types
-    assert "test_oplevel.py:%d" % _line_of(marker) in a["tensor_description"]
+    assert "test_oplevel.py:%d" % line_of(__file__, marker) in a["tensor_description"]
     assert _healthy_before(ra, a)  # the Mul/Abs before it, healthy
     assert a["hint"]
 
@@ -136,7 +130,7 @@ def test_report_cli_json_names_the_op(tmp_path, capsys):
     (run,) = json.loads(capsys.readouterr().out)["runs"]
     a = run["first_anomaly"]
     assert (a["step"], a["op_type"], a["phase"]) == (1, "SqrtGrad", "backward")
-    assert "test_oplevel.py:%d" % _line_of("# SQRT") in a["tensor_description"]
+    assert "test_oplevel.py:%d" % line_of(__file__, "# SQRT") in a["tensor_description"]
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -150,7 +144,7 @@ def test_flight_recorder_writes_only_the_window_ending_at_the_first_anomaly(tmp_
     assert ra.steps.tolist() == [2, 3, 4]
     a = analysis.first_anomaly(ra)
     assert (a["step"], a["last_healthy_step"], a["op_type"]) == (4, 3, "SqrtGrad")
-    assert "test_oplevel.py:%d" % _line_of("# SQRT") in a["tensor_description"]
+    assert "test_oplevel.py:%d" % line_of(__file__, "# SQRT") in a["tensor_description"]
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -168,13 +162,17 @@ def _two_sqrts(x):
     return out
 
 
-def test_eager_op_repeated_in_a_step_is_aggregated_into_one_record(tmp_path):
+def test_eager_op_repeated_in_a_step_keeps_one_record_per_execution(tmp_path):
+    # Every execution counts: the same eager op twice in a step is two
+    # occurrences of its tag at that step, in execution order.
     _run(str(tmp_path), _two_sqrts, [[1.0, 4.0], [0.5, 4.0]], "eager", tbn.op_numerics())
     ra = _analysis(str(tmp_path))
     (h,) = [h for h in ra.health if h.series.info.op_type == "Sqrt"]
-    assert h.series.values[:, 0].tolist() == [4.0, 4.0]  # two calls x two values
-    assert h.series.values[:, 1].tolist() == [0.0, 1.0]  # sqrt(-0.5) in step 1
-    assert "test_oplevel.py:%d" % _line_of("# LOOP") in h.series.info.description
+    assert h.series.steps.tolist() == [0, 0, 1, 1]
+    assert h.series.values[:, 0].tolist() == [2.0] * 4
+    assert h.series.values[:, 1].tolist() == [0.0, 0.0, 0.0, 1.0]  # sqrt(0.5 - 1) in step 1
+    assert h.series.occurrence(3) == (2, 2)
+    assert "test_oplevel.py:%d" % line_of(__file__, "# LOOP") in h.series.info.description
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -211,7 +209,7 @@ def test_eager_keras_layer_ops_are_recorded_at_the_user_line(tmp_path):
     _run(str(tmp_path), body, [[1.0, 2.0, 3.0]], "eager", tbn.op_numerics())
     (h,) = [h for h in _analysis(str(tmp_path)).health if h.series.info.op_type == "MatMul"]
     assert h.series.tag == "ops/d1/MatMul"
-    assert h.series.info.description.endswith("test_oplevel.py:%d (body)" % _line_of("# KERAS"))
+    assert h.series.info.description.endswith("test_oplevel.py:%d (body)" % line_of(__file__, "# KERAS"))
 
 
 def test_traced_step_whose_optimizer_builds_on_the_first_call(tmp_path):
@@ -429,4 +427,4 @@ def test_relu_neg_abs_are_skipped_and_the_op_that_made_the_value_is_named(tmp_pa
     assert "MatMul" in ops and ops.isdisjoint({"Relu", "ReluGrad", "Neg", "Abs"})
     a = analysis.first_anomaly(ra)
     assert a["step"] == 1 and a["op_type"] == "Mul" and a["posinf"] > 0
-    assert "test_oplevel.py:%d" % _line_of("# BIG") in a["tensor_description"]
+    assert "test_oplevel.py:%d" % line_of(__file__, "# BIG") in a["tensor_description"]

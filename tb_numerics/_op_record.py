@@ -1,0 +1,170 @@
+"""The record of one op output at one step, as op-level recording reports it.
+
+``OpRecord`` is what ``OpNumerics.first_bad`` and ``oplevel.replay_step``
+return: the first op of a step, in execution order, whose output holds a
+NaN or an Inf, with its source line, phase and, where the recorder saw them,
+its inputs' ranges ("Log of an input whose min is exactly 0").
+
+It is also what an eager block or a replay writes beside its op records at
+a step where one is non-finite (a format addition, read by no older
+reader): one event under tag ``MARK_TAG`` and plugin ``MARK_PLUGIN_NAME``
+whose string tensor is ``OpRecord.to_json()``, naming the op and which of
+its tag's records at that step (``occurrence``) ran first. Execution order
+across the iterations of a loop (an op whose record of iteration 3 went bad
+because of an op after it in iteration 2) is known only there: a tag's
+``TensorInfo.order`` is where the op first ran. ``parse_mark`` reads one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Sequence
+
+import numpy as np
+from tensorboard.compat.proto import summary_pb2
+
+from tb_numerics import metadata
+from tb_numerics._op_tags import OpTags
+from tb_numerics.records import F, nonfinite_count
+
+__all__ = [
+    "GRADIENT_OF",
+    "MARK_PLUGIN_NAME",
+    "MARK_TAG",
+    "OpRecord",
+    "first_bad",
+    "mark_metadata",
+    "op_record",
+    "parse_mark",
+]
+
+MARK_PLUGIN_NAME = "numerics_first_op"
+MARK_TAG = "ops/.first_nonfinite"
+MARK_VERSION = 1
+
+# A gradient op's description: "<forward op's line>, gradient of <its tag>".
+GRADIENT_OF = ", gradient of "
+
+
+@dataclasses.dataclass(frozen=True)
+class OpRecord:
+    """An op output's record at one step: the first non-finite one, as
+    ``OpNumerics.first_bad`` and ``replay_step`` return it.
+
+    ``source`` is the user's line that made the op, ``file.py:LINE
+    (function)``; for a gradient op, the line of the forward op it
+    differentiates (``description`` says which). ``inputs`` holds, for each
+    float input of the op at that step, its element count, min, max
+    (of the finite values), zero count and NaN / +Inf / -Inf counts, where the
+    recorder saw them (``replay_step``); else it is empty.
+    """
+
+    tag: str
+    op_type: str
+    source: str
+    description: str
+    phase: str
+    step: int | None
+    record: tuple[float, ...]
+    inputs: tuple[dict[str, float], ...] = ()
+    occurrence: tuple[int, int] = (1, 1)  # (k, n): the k-th of its tag's n records at the step
+
+    @property
+    def name(self) -> str:
+        """The op's name: its tag without ``ops/``."""
+        return OpTags.op_name(self.tag)
+
+    def to_json(self) -> dict[str, Any]:
+        """The op as the report's ``first_anomaly.op`` object (name, type,
+        source, phase), with its tag, occurrence, counts and inputs' ranges."""
+        v = self.record
+        return {
+            "tag": self.tag,
+            "occurrence": list(self.occurrence),
+            "name": self.name,
+            "type": self.op_type,
+            "source": self.source,
+            "phase": self.phase,
+            "step": self.step,
+            "nan": int(v[F["nan"]]),
+            "posinf": int(v[F["posinf"]]),
+            "neginf": int(v[F["neginf"]]),
+            "size": int(v[F["count"]]),
+            "inputs": [dict(i) for i in self.inputs],
+        }
+
+
+def _input_ranges(inputs) -> tuple[dict[str, float], ...]:
+    """Count, min, max, zeros and non-finite counts of each float input (eager tensors)."""
+    out = []
+    for t in inputs or ():
+        if t is None or not t.dtype.is_floating:
+            continue
+        x = np.asarray(t.numpy(), np.float64).reshape(-1)
+        fin = x[np.isfinite(x)]
+        out.append({
+            "count": int(x.size),
+            "min": float(fin.min()) if fin.size else float("nan"),
+            "max": float(fin.max()) if fin.size else float("nan"),
+            "zeros": int(np.count_nonzero(x == 0)),
+            "nan": int(np.count_nonzero(np.isnan(x))),
+            "posinf": int(np.count_nonzero(x == np.inf)),
+            "neginf": int(np.count_nonzero(x == -np.inf)),
+        })
+    return tuple(out)
+
+
+def op_record(tag: str, vec: Any, info: metadata.TensorInfo, step: int | None,
+              inputs: Any = None) -> OpRecord:
+    """The OpRecord of one record, with its op's inputs' ranges where ``inputs`` are given."""
+    v = np.asarray(vec, np.float64)
+    return OpRecord(
+        tag=tag,
+        op_type=info.op_type,
+        source=info.description.split(GRADIENT_OF)[0],
+        description=info.description,
+        phase=info.phase,
+        step=step,
+        record=tuple(float(x) for x in v),
+        inputs=_input_ranges(inputs),
+    )
+
+
+def first_bad(recs: Sequence[tuple[str, Any, metadata.TensorInfo]], step: int | None,
+              found: OpRecord | None = None) -> OpRecord | None:
+    """The first non-finite record of ``recs`` (one step's, in execution order),
+    with its occurrence; ``found``, where given, is that record already made."""
+    for i, (tag, vec, info) in enumerate(recs):
+        v = np.asarray(vec, np.float64)
+        if nonfinite_count(v) > 0:
+            same = [t == tag for t, _, _ in recs]
+            occurrence = (sum(same[:i]) + 1, sum(same))
+            return dataclasses.replace(found or op_record(tag, v, info, step), occurrence=occurrence)
+    return None
+
+
+def mark_metadata() -> summary_pb2.SummaryMetadata:
+    """The summary metadata of a first-non-finite-op mark."""
+    meta = summary_pb2.SummaryMetadata()
+    meta.plugin_data.plugin_name = MARK_PLUGIN_NAME
+    meta.plugin_data.content = json.dumps({"version": MARK_VERSION}).encode()
+    meta.data_class = summary_pb2.DATA_CLASS_TENSOR
+    return meta
+
+
+def parse_mark(text: bytes | str) -> dict[str, Any]:
+    """The op of a mark's string tensor, as ``OpRecord.to_json`` wrote it.
+
+    Raises:
+      metadata.FormatError: the text is not such an object.
+    """
+    try:
+        op = json.loads(text)
+    except (TypeError, ValueError, UnicodeDecodeError) as e:
+        raise metadata.FormatError("a first-op mark is not JSON: %s" % e) from None
+    need = {"tag": str, "name": str, "type": str, "source": str, "phase": str, "occurrence": list}
+    bad = [k for k, t in need.items() if not isinstance(op, dict) or not isinstance(op.get(k), t)]
+    if bad:
+        raise metadata.FormatError("a first-op mark lacks %s" % ", ".join(bad))
+    return op
