@@ -125,11 +125,23 @@ def _fit_with_nan_in_batch_5(logdir, **callback_args) -> analysis.RunAnalysis:
     return _analysis(logdir)
 
 
-def test_weights_are_recorded_every_weights_every_n_steps_and_at_a_bad_step(tmp_path):
+def test_a_replay_holds_back_the_update_of_a_nonfinite_step(tmp_path):
+    """Issue 14: the NaN batch's update is not applied (the weights the
+    replay needs), so the steps after it train on finite weights."""
     ra = _fit_with_nan_in_batch_5(tmp_path, weights_every_n_steps=3)
     assert ra.find("d/output").series.steps.tolist() == list(range(8))
-    # Every 3rd step, and the steps whose loss is NaN: step 5's batch, then
-    # every step after it (its update made the weights NaN).
+    for tag in ("net/d/kernel", "net/d/bias"):
+        assert ra.find(tag).series.steps.tolist() == [0, 3, 5, 6], tag
+        assert not ra.find(tag).codes.any()  # finite at step 6, after the bad step
+    assert analysis.first_anomaly(ra)["step"] == 5
+
+
+def test_weights_are_recorded_every_weights_every_n_steps_and_at_a_bad_step(tmp_path):
+    ra = _fit_with_nan_in_batch_5(tmp_path, weights_every_n_steps=3, replay=False)
+    assert ra.find("d/output").series.steps.tolist() == list(range(8))
+    # Without replay training is unchanged: every 3rd step, and the steps
+    # whose loss is NaN: step 5's batch, then every step after it (its
+    # update made the weights NaN).
     for tag in ("net/d/kernel", "net/d/bias"):
         assert ra.find(tag).series.steps.tolist() == [0, 3, 5, 6, 7], tag
     # An update ratio needs finite weights before the update.
@@ -178,8 +190,9 @@ def test_stop_on_anomaly_stops_at_the_first_nonfinite_step_and_layer(tmp_path, c
     a = cb.anomaly
     assert a is not None
     step = a["step"]
-    # Training stopped right after the bad step, not at the end of the epoch.
-    assert int(model.optimizer.iterations) == step + 1 < 32
+    # Training stopped right after the bad step, not at the end of the epoch;
+    # the bad step's update was held back for the replay.
+    assert int(model.optimizer.iterations) == step < 32
     # It is the first non-finite record of the run, and the one the CLI reports.
     ra = _analysis(tmp_path)
     assert analysis.first_anomaly(ra)["tensor"] == a["tensor"]
