@@ -367,30 +367,6 @@ def _return_freed_memory() -> None:
         pass
 
 
-def _decode(data: list) -> tuple[np.ndarray, np.ndarray | list]:
-    """Steps and values of a list of ``provider.TensorDatum``.
-
-    Values come back as one ``[n, NUM_FIELDS]`` array when every record has
-    the right shape (the fast, usual case), else as a list of arrays for
-    ``records.make_series`` to check one by one.
-    """
-    steps = np.fromiter((d.step for d in data), dtype=np.int64, count=len(data))
-    arrays = [d.numpy for d in data]
-    try:
-        values = np.stack(arrays)
-        if values.ndim == 2 and values.shape[1] == metadata.NUM_FIELDS:
-            return steps, values.astype(np.float64, copy=False)
-    except (ValueError, TypeError):
-        pass
-    rows = []
-    for a in arrays:
-        try:
-            rows.append(np.asarray(a, dtype=np.float64))
-        except (ValueError, TypeError):
-            rows.append(np.full(0, np.nan))  # dropped as malformed by make_series
-    return steps, rows
-
-
 def _decode_tags(
     run: str, batch: list[str], data: dict, unreadable: Mapping[str, str],
     to_read: Mapping[str, tuple[tuple, Any, _TagData | None]],
@@ -405,13 +381,12 @@ def _decode_tags(
             continue
         problems: list[str] = []
         points = data.pop(tag, [])
+        steps = np.fromiter((d.step for d in points), dtype=np.int64, count=len(points))
+        decoded = packed.decode_tag(tag, info, steps, [d.numpy for d in points], problems)
         if isinstance(info, metadata.TensorInfo):
-            steps, values = _decode(points)
-            out[tag] = _TagData(version, records.make_series(tag, info, steps, values, problems), problems)
+            out[tag] = _TagData(version, decoded[0], problems)
         else:
-            steps = np.fromiter((d.step for d in points), dtype=np.int64, count=len(points))
-            parts = packed.unpack_block(tag, info, steps, [np.asarray(d.numpy) for d in points], problems)
-            out[tag] = _TagData(version, None, problems, {p.tag: p for p in parts})
+            out[tag] = _TagData(version, None, problems, {p.tag: p for p in decoded})
         _log_new_problems(run, prev, problems)
     return out
 
