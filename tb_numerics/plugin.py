@@ -94,21 +94,6 @@ def _not_found(message: str) -> _BadRequest:
 # ------------------------------------------------------------------ JSON
 
 
-def _float_list(a: np.ndarray) -> list:
-    """A float array as a JSON list, NaN/±Inf spelled as strings."""
-    a = np.asarray(a, dtype=np.float64)
-    out = a.tolist()
-    for i in np.flatnonzero(~np.isfinite(a)).tolist():
-        x = out[i]
-        out[i] = "NaN" if x != x else ("Infinity" if x > 0 else "-Infinity")
-    return out
-
-
-def _count_list(a: np.ndarray) -> list:
-    """Counts (stored as float64) as JSON integers."""
-    return np.asarray(a).astype(np.int64).tolist()
-
-
 def _jsonable(obj: Any) -> Any:
     """``obj`` with numpy values made plain and NaN/±Inf made strings."""
     if isinstance(obj, dict):
@@ -828,14 +813,11 @@ class NumericsPlugin(base_plugin.TBPlugin):
         h = answer.analysis.find(tag)
         if h is None:
             raise _not_found("no numerics data for tensor %r in run %r" % (tag, run))
-        st = h.series.steps
-        lo = 0 if start is None else int(np.searchsorted(st, start, side="left"))
-        hi = len(st) if end is None else int(np.searchsorted(st, end, side="right"))
         return {
             "run": run,
             "tensor": tag,
             "info": h.series.info.to_json(),
-            **_series_points(st[lo:hi], h.series.values[lo:hi], h.codes[lo:hi], h.kinds[lo:hi], max_points),
+            **analysis.series_points(h, max_points, start, end),
             **answer.freshness(),
         }
 
@@ -965,81 +947,6 @@ def _read_cost(listing: Mapping[str, Any], *known: Mapping[str, _TagData]) -> in
         for tag, ts in listing.items()
         if not any((t := k.get(tag)) is not None and t.version == _version(ts) for k in known)
     )
-
-
-def _series_points(
-    steps: np.ndarray, values: np.ndarray, codes: np.ndarray, kinds: np.ndarray, max_points: int
-) -> dict[str, Any]:
-    """Chart points of records, bucketed by equal counts beyond ``max_points``."""
-    values = values.astype(np.float64, copy=False)  # bucket sums of float32 counts would round
-    n = len(steps)
-    d = records.derived(values) if n else {k: np.zeros(0) for k in ("mean", "std", "max_abs", "l2")}
-    col = {name: values[:, i] if n else np.zeros(0) for i, name in enumerate(metadata.FIELDS)}
-    counts = ("count", "nan", "posinf", "neginf", "zeros", "overflow", "underflow")
-    # Op-level records leave out the sums (see oplevel.py): their mean, std
-    # and L2 norm are not recorded (null), not NaN. A recorded sum of squares
-    # of finite values is never NaN.
-    unrecorded = np.isnan(col["sum_sq"]) & (d["finite"] > 0) if n else np.zeros(0, bool)
-
-    def moments(values: list, gone: np.ndarray) -> list:
-        return [None if g else v for v, g in zip(values, gone.tolist())] if gone.any() else values
-
-    downsampled = n > max_points
-    if not downsampled:
-        fields = {
-            "min": _float_list(col["min"]),
-            "max": _float_list(col["max"]),
-            "max_abs": _float_list(d["max_abs"]),
-            "mean": moments(_float_list(d["mean"]), unrecorded),
-            "std": moments(_float_list(d["std"]), unrecorded),
-            "l2": moments(_float_list(d["l2"]), unrecorded),
-            **{k: _count_list(col[k]) for k in counts},
-        }
-        return {
-            "steps": steps.tolist(),
-            "step_end": steps.tolist(),
-            "fields": fields,
-            "health": codes.astype(int).tolist(),
-            "kinds": [analysis.WARNING_KINDS[k - 1] if k else None for k in kinds.tolist()],
-            "downsampled": False,
-        }
-    bounds = np.unique((np.arange(max_points, dtype=np.int64) * n) // max_points)
-    ends = np.r_[bounds[1:], n]
-
-    def nanmean(x: np.ndarray) -> np.ndarray:
-        ok = np.isfinite(x)
-        total = np.add.reduceat(np.where(ok, x, 0.0), bounds)
-        num = np.add.reduceat(ok.astype(np.int64), bounds)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return np.where(num > 0, total / np.maximum(num, 1), np.nan)
-
-    gone = np.logical_and.reduceat(unrecorded, bounds)  # buckets with no sums recorded
-    fields = {
-        "min": _float_list(np.fmin.reduceat(col["min"], bounds)),
-        "max": _float_list(np.fmax.reduceat(col["max"], bounds)),
-        "max_abs": _float_list(np.fmax.reduceat(d["max_abs"], bounds)),
-        "mean": moments(_float_list(nanmean(d["mean"])), gone),
-        "std": moments(_float_list(nanmean(d["std"])), gone),
-        "l2": moments(_float_list(nanmean(d["l2"])), gone),
-        **{k: _count_list(np.add.reduceat(col[k], bounds)) for k in counts},
-    }
-    # The first warning kind in each bucket names the bucket's warning.
-    warned = np.flatnonzero(kinds > 0)
-    first = np.searchsorted(warned, bounds)
-    bucket_kinds = []
-    for b, f in enumerate(first.tolist()):
-        if f < len(warned) and warned[f] < ends[b]:
-            bucket_kinds.append(analysis.WARNING_KINDS[int(kinds[warned[f]]) - 1])
-        else:
-            bucket_kinds.append(None)
-    return {
-        "steps": steps[bounds].tolist(),
-        "step_end": steps[ends - 1].tolist(),
-        "fields": fields,
-        "health": np.maximum.reduceat(codes, bounds).astype(int).tolist(),
-        "kinds": bucket_kinds,
-        "downsampled": True,
-    }
 
 
 class NumericsLoader(base_plugin.TBLoader):

@@ -534,15 +534,3 @@ def test_static_route_refuses_symlinks(tmp_path):
     with pytest.raises(plugin._BadRequest):
         p.static_impl("link.js")
 
-
-def test_chart_buckets_of_float32_records_sum_counts_exactly():
-    """Packed float32 records hold counts below 2**24 exactly; their bucket
-    sums go beyond, and must not be rounded to float32."""
-    n = 100
-    rec = numpy_stats(np.float32([1.0]))
-    rec[metadata.FIELD_INDEX["count"]] = 5_000_001
-    rec[metadata.FIELD_INDEX["zeros"]] = 3
-    values = np.asfortranarray(np.tile(rec, (n, 1)), np.float32)
-    got = plugin._series_points(np.arange(n), values, np.zeros(n, np.int8), np.zeros(n, np.int8), max_points=10)
-    assert got["downsampled"] and got["fields"]["count"] == [50_000_010] * 10
-    assert got["fields"]["zeros"] == [30] * 10
