@@ -6,6 +6,8 @@ import pytest
 from tb_numerics import analysis, metadata, records
 from tb_numerics.records import numpy_stats
 
+pytestmark = pytest.mark.unit
+
 RNG = np.random.default_rng(0)
 
 
