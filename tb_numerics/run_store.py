@@ -294,7 +294,6 @@ class _ProviderReader:
                 data.update(self._read(ctx, experiment, run, [tag]))
             except (ValueError, TypeError) as e:
                 unreadable[tag] = "%s: TensorBoard cannot decode its records (%s); the tensor was skipped" % (tag, e)
-                logger.warning("numerics: run %r: %s", run, unreadable[tag])
         return data, unreadable
 
     def _read(self, ctx, experiment: str, run: str, tags: list[str]) -> dict:
@@ -341,6 +340,7 @@ def _decode_tags(
         version, info, prev = to_read[tag]
         if tag in unreadable:
             out[tag] = _TagData(version, None, [unreadable[tag]])
+            _log_new_problems(run, prev, out[tag].problems)
             continue
         problems: list[str] = []
         points = data.pop(tag, [])
@@ -429,12 +429,10 @@ class _BackgroundWork:
     """A refresh the refresher claimed: of the whole run, or (``blocks``) of
     the packed blocks of a run TensorBoard is still loading."""
 
-    done: threading.Event
-    listing: Mapping[str, Any]
-    old: Snapshot | None
-    known: list[Mapping[str, _TagData]]
-    blocks: Mapping[str, Any] | None
-    recent: list[analysis.SafeRange]
+    done: threading.Event  # the claim, released when the work ends
+    known: list[Mapping[str, _TagData]]  # the tags held when claimed
+    blocks: Mapping[str, Any] | None  # the blocks to read ahead; None: refresh the run
+    recent: list[analysis.SafeRange]  # the safe range asked for last, analysed after a refresh
 
 
 # ------------------------------------------------------------------ the store
@@ -710,8 +708,8 @@ class RunStore:
         refreshed less than a reload ago)."""
         with cache.lock:
             changed = not asked and self._note_listing(cache, listing)
-            old = cache.snapshot
-            if cache.refreshing is not None or (old is not None and old.matches(listing)):
+            snapshot = cache.snapshot
+            if cache.refreshing is not None or (snapshot is not None and snapshot.matches(listing)):
                 return None
             if not asked and self._clock() < cache.next_background:
                 return None
@@ -727,7 +725,7 @@ class RunStore:
                 blocks = {tag: ts for tag, ts in listing.items() if packed.is_block_tag(tag)}
                 if not blocks:
                     return None
-            return _BackgroundWork(cache.claim(), listing, old, known, blocks, list(cache.recent)[-1:])
+            return _BackgroundWork(cache.claim(), known, blocks, list(cache.recent)[-1:])
 
     def _note_listing(self, cache: _RunCache, listing: Mapping[str, Any]) -> bool:
         """Whether a run's listing changed since the refresher's last round

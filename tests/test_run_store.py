@@ -10,17 +10,20 @@ clock it moves by hand where time matters.
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 
 import numpy as np
 import pytest
 from tensorboard import program
 from tensorboard.backend.event_processing import data_ingester
+from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, types_pb2
 from tensorboard.context import RequestContext
 from tensorboard.plugins.core import core_plugin
+from tensorboard.summary.writer.event_file_writer import EventFileWriter
 
 from tb_numerics import analysis, metadata, packed, plugin, run_store
-from tb_numerics.record_writer import NumericsRecordWriter
+from tb_numerics.record_writer import NumericsRecordWriter, stats_tensor_proto
 from tb_numerics.records import numpy_stats
 
 pytestmark = pytest.mark.unit
@@ -227,3 +230,32 @@ def test_a_user_sampling_limit_is_reported_with_every_run(tmp_path):
     assert any("--samples_per_plugin numerics=10" in p for p in limited.answer(CTX, "", "a", SR).analysis.problems)
     unlimited = run_store.RunStore(logs.provider, background=False)
     assert unlimited.answer(CTX, "", "a", SR).analysis.problems == []
+
+
+def test_a_tag_tensorboard_cannot_decode_is_reported_and_logged_once_however_often_read(tmp_path, caplog):
+    w = EventFileWriter(str(tmp_path / "run"))  # one file, so that TensorBoard's loader sees it grow
+
+    def add(tag: str, step: int, tensor: tensor_pb2.TensorProto, first: bool = False) -> None:
+        value = summary_pb2.Summary.Value(tag=tag, tensor=tensor)
+        if first:
+            value.metadata.CopyFrom(metadata.create_summary_metadata(metadata.TensorInfo()))
+        w.add_event(event_pb2.Event(step=step, summary=summary_pb2.Summary(value=[value])))
+        w.flush()
+
+    for step in range(5):
+        add("t", step, stats_tensor_proto(numpy_stats(np.float32([1.0, math.nan if step == 3 else 2.0]))), step == 0)
+    add("u", 1, stats_tensor_proto(numpy_stats(np.float32([1.0]))), first=True)
+    undecodable = tensor_pb2.TensorProto(dtype=types_pb2.DT_DOUBLE, tensor_content=b"\x00" * 13)  # 13 bytes of float64
+    add("u", 2, undecodable)
+    logs = Logdir(str(tmp_path))
+    store = run_store.RunStore(logs.provider, reload_interval=0, background=False)
+    with caplog.at_level(logging.WARNING, logger="tb_numerics.run_store"):
+        first = store.answer(CTX, "", "run", SR)
+        add("u", 5, undecodable)  # the tag grows: read again, still undecodable
+        logs.reload()
+        again = store.answer(CTX, "", "run", SR)
+    assert (first.latest_step, again.latest_step) == (4, 5)
+    assert analysis.first_anomaly(again.analysis)["step"] == 3  # the other tensor is all there
+    for answer in (first, again):
+        assert sum("u: TensorBoard cannot decode" in p for p in answer.analysis.problems) == 1
+    assert sum("u: TensorBoard cannot decode" in r.getMessage() for r in caplog.records) == 1
