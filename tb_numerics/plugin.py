@@ -170,14 +170,16 @@ class NumericsPlugin(base_plugin.TBPlugin):
     plugin_name = metadata.PLUGIN_NAME
 
     def __init__(self, context: base_plugin.TBContext, *, frontend: str | None = None):
-        """Args:
+        """Builds the plugin and its run store, whose refresher starts reading at once.
+
+        Args:
           context: TensorBoard's; only its data provider, flags and sampling hints are used.
           frontend: the folder of the dashboard's files (default: ``frontend_dir()``).
         """
         self._data_provider = context.data_provider
         # Set by the user despite NumericsLoader.fix_flags: records may be lost.
         sample_limit = (context.sampling_hints or {}).get(self.plugin_name)
-        # Its refresher starts now so that runs are read by the time the tab is opened.
+        # Started now so that runs are read by the time the tab is opened.
         self._store = run_store.RunStore(
             context.data_provider,
             reload_interval=getattr(context.flags, "reload_interval", 5.0),
