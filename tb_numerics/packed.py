@@ -328,3 +328,54 @@ def merge_all(parts: Iterable[records.TensorSeries]) -> list[records.TensorSerie
     for p in parts:
         by_tag.setdefault(p.tag, []).append(p)
     return [merge(ps)[0] for ps in by_tag.values()]
+
+
+def decode_tag(
+    tag: str,
+    info: metadata.TensorInfo | metadata.BlockTable,
+    steps: Sequence[int] | np.ndarray,
+    arrays: Sequence[np.ndarray],
+    problems: list[str],
+) -> list[records.TensorSeries]:
+    """The series that one tag's events hold, whichever kind of tag it is.
+
+    The one decoding step shared by the readers of event files and of
+    TensorBoard's data provider. A per-tensor tag (``info`` a
+    ``TensorInfo``) gives one series, its records checked as in
+    ``records.make_series``; a packed block (``info`` its table) gives its
+    parts, one per tensor (see ``unpack_block``), for ``merge`` to join
+    with the same tensors' parts in other blocks.
+
+    Args:
+      tag: the tag, named in ``problems``.
+      info: the tag's parsed metadata (``metadata.parse_content``).
+      steps: each event's step.
+      arrays: each event's tensor, in its own dtype.
+      problems: where what was skipped as malformed is described.
+
+    Returns:
+      The per-tensor tag's series (one, maybe empty), or the block's parts.
+    """
+    steps = np.asarray(steps, dtype=np.int64).reshape(-1)
+    if not isinstance(info, metadata.TensorInfo):
+        return unpack_block(tag, info, steps, [np.asarray(a) for a in arrays], problems)
+    return [records.make_series(tag, info, steps, _record_rows(arrays), problems)]
+
+
+def _record_rows(arrays: Sequence[np.ndarray]) -> np.ndarray | list[np.ndarray]:
+    """Per-tensor records as one ``[n, NUM_FIELDS]`` float64 array when every
+    one has that shape (the usual case: no per-record work), else as a list
+    of float64 arrays for ``make_series`` to check one by one."""
+    try:
+        values = np.stack(arrays) if len(arrays) else np.zeros((0, metadata.NUM_FIELDS))
+        if values.ndim == 2 and values.shape[1] == metadata.NUM_FIELDS:
+            return values.astype(np.float64, copy=False)
+    except (ValueError, TypeError):
+        pass
+    rows = []
+    for a in arrays:
+        try:
+            rows.append(np.asarray(a, dtype=np.float64))
+        except (ValueError, TypeError):
+            rows.append(np.full(0, np.nan))  # dropped as malformed by make_series
+    return rows

@@ -1,9 +1,11 @@
 """The Numerics dashboard's backend: HTTP routes over TensorBoard's data.
 
-Reads only through ``context.data_provider`` (so it works with the Rust data
-server, ``--load_fast=true``, and the Python loader alike) and leaves every
-health decision to ``tb_numerics.analysis``, so the dashboard, the HTTP API
-and ``tb-numerics report`` agree. Routes are documented in ``http_api.md``.
+The routes, their parameters, JSON, the frontend's files and the loader.
+Records are read, cached and kept current by ``run_store.RunStore``, only
+through ``context.data_provider`` (so the Rust data server,
+``--load_fast=true``, and the Python loader alike); every health decision is
+``tb_numerics.analysis``'s, so the dashboard, the HTTP API and
+``tb-numerics report`` agree. Routes are documented in ``http_api.md``.
 
 Import-light on purpose: TensorBoard imports this module at start-up and
 does not guard the import, so it imports no TensorFlow and nothing that can
@@ -12,19 +14,12 @@ fail on a healthy TensorBoard install.
 
 from __future__ import annotations
 
-import collections
-import concurrent.futures
-import ctypes
-import dataclasses
 import functools
 import json
 import logging
 import math
 import os
 import re
-import threading
-import time
-import weakref
 from typing import Any, Callable, Mapping
 
 import numpy as np
@@ -33,10 +28,11 @@ from werkzeug import wrappers
 from tensorboard import context as tb_context
 from tensorboard import errors, plugin_util
 from tensorboard.backend import http_util
-from tensorboard.data import provider
 from tensorboard.plugins import base_plugin
 
-from tb_numerics import analysis, metadata, packed, records
+from tb_numerics import analysis, metadata, run_store
+
+__all__ = ["NumericsLoader", "NumericsPlugin", "frontend_dir"]
 
 logger = logging.getLogger(__name__)
 
@@ -46,23 +42,6 @@ MAX_POINTS = 100000
 DEFAULT_MAX_POINTS = 2000
 # Steps are int64 in event files.
 _MAX_STEP = 2**63 - 1
-
-# `read_tensors` must return every record, never a sample: ask for far more
-# points than a series can hold (the providers return min(len, downsample)).
-_READ_ALL = 2**31 - 1
-# The Rust data server answers over gRPC, whose messages are capped at
-# 256 MiB; read a run's tags in batches of about this many records.
-_RECORDS_PER_READ = 200_000
-# Analyses kept per run (one per distinct set of safe-range parameters).
-_ANALYSES_PER_RUN = 8
-# A request reads a grown run itself when that means at most this many
-# records (about 0.1-0.5 s); beyond, it answers from the previous records
-# ("stale") and leaves the read to the background refresher.
-_INLINE_READ_RECORDS = 20_000
-# A run whose background refresh failed is tried again after this long.
-_RETRY_AFTER_FAILURE_S = 30.0
-# The refresher's period while TensorBoard is loading a run that changed.
-_SETTLING_PERIOD_S = 0.5
 
 _STATIC_TYPES = {
     ".js": "text/javascript",
@@ -92,21 +71,6 @@ def _not_found(message: str) -> _BadRequest:
 
 
 # ------------------------------------------------------------------ JSON
-
-
-def _float_list(a: np.ndarray) -> list:
-    """A float array as a JSON list, NaN/±Inf spelled as strings."""
-    a = np.asarray(a, dtype=np.float64)
-    out = a.tolist()
-    for i in np.flatnonzero(~np.isfinite(a)).tolist():
-        x = out[i]
-        out[i] = "NaN" if x != x else ("Infinity" if x > 0 else "-Infinity")
-    return out
-
-
-def _count_list(a: np.ndarray) -> list:
-    """Counts (stored as float64) as JSON integers."""
-    return np.asarray(a).astype(np.int64).tolist()
 
 
 def _jsonable(obj: Any) -> Any:
@@ -172,257 +136,6 @@ def _step_range(args: Mapping[str, str]) -> tuple[int | None, int | None]:
     return start, end
 
 
-# ------------------------------------------------------------------ cache
-
-
-@dataclasses.dataclass
-class _TagData:
-    """One tag's records as last read, and the listing entry they match.
-
-    A tensor's tag holds its ``series``; a packed block's holds ``parts``,
-    the series of each tensor in the block (see ``_merge``). Neither: the
-    tag cannot be read.
-    """
-
-    version: tuple  # (max_step, max_wall_time, plugin_content)
-    series: records.TensorSeries | None
-    problems: list[str]
-    parts: dict[str, records.TensorSeries] | None = None
-
-
-def _version(ts: Any) -> tuple:
-    """What identifies a tag's records in TensorBoard's listing."""
-    return (ts.max_step, ts.max_wall_time, ts.plugin_content)
-
-
-class _Snapshot:
-    """A run's decoded records as of one listing, and analyses of them by safe range.
-
-    Never changed once built (a refresh builds a new one and shares the tags
-    that did not change), so requests use it without holding the run's lock.
-    """
-
-    def __init__(self, tags: dict[str, _TagData]):
-        self.tags = tags
-        self.series = _merge(tags)
-        # The last step actually read: TensorBoard may have loaded more records
-        # between its listing and the read.
-        self.as_of_step = max(
-            [int(s.steps[-1]) for s in self.series if s.steps.size]
-            + [int(t.version[0]) for t in tags.values() if t.series is None and t.parts is None],
-            default=None,
-        )
-        self.records = sum(len(s.steps) for s in self.series)
-        self._lock = threading.Lock()  # one analysis computed at a time
-        self._analyses: collections.OrderedDict[analysis.SafeRange, analysis.RunAnalysis] = (
-            collections.OrderedDict()
-        )
-
-    def matches(self, listing: Mapping[str, Any]) -> bool:
-        """Whether these are the records TensorBoard lists now."""
-        return len(listing) == len(self.tags) and all(
-            (t := self.tags.get(tag)) is not None and t.version == _version(ts) for tag, ts in listing.items()
-        )
-
-    def analysis(self, run: str, sr: analysis.SafeRange, extra_problems: list[str]) -> analysis.RunAnalysis:
-        """The analysis under ``sr``, computed once and kept (the last few)."""
-        with self._lock:
-            hit = self._analyses.get(sr)
-            if hit is not None:
-                self._analyses.move_to_end(sr)
-                return hit
-            problems = [p for t in self.tags.values() for p in t.problems] + extra_problems
-            ra = analysis.analyze_run(run, self.series, sr, problems)
-            if self.records > _INLINE_READ_RECORDS:
-                _return_freed_memory()  # the analysis' float64 copies of float32 records
-            self._analyses[sr] = ra
-            while len(self._analyses) > _ANALYSES_PER_RUN:
-                self._analyses.popitem(last=False)
-            return ra
-
-
-@dataclasses.dataclass
-class _RunCache:
-    """A run's current snapshot and its refresh state, guarded by ``lock``.
-
-    At most one refresh of a run is in flight (``refreshing`` is set when it
-    ends); the lock is only held to read or swap these fields.
-    """
-
-    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
-    snapshot: _Snapshot | None = None
-    refreshing: threading.Event | None = None
-    next_background: float = 0.0  # monotonic time before which the refresher leaves it
-    listed: tuple | None = None  # the run's listing at the refresher's last round
-    # Packed blocks read while TensorBoard was still loading the run (see
-    # ``_prefetch_blocks``), for the next refresh to take instead of reading.
-    prefetched: dict[str, _TagData] = dataclasses.field(default_factory=dict)
-    # Safe ranges asked for lately, most recent last: computed after a refresh.
-    recent: collections.OrderedDict[analysis.SafeRange, None] = dataclasses.field(
-        default_factory=collections.OrderedDict
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class _Answer:
-    """An analysis and how current it is."""
-
-    analysis: analysis.RunAnalysis
-    stale: bool  # TensorBoard holds newer records; a refresh is under way
-    as_of_step: int | None  # last step of the records analysed
-    latest_step: int | None  # last step TensorBoard holds
-
-    def freshness(self) -> dict[str, Any]:
-        return {"stale": self.stale, "as_of_step": self.as_of_step, "latest_step": self.latest_step}
-
-
-class _Refresher:
-    """The plugin's background refresher: one daemon thread, woken by requests.
-
-    Holds only a weak reference to the plugin, so the thread ends when the
-    plugin is gone (and, being a daemon, with the process).
-    """
-
-    def __init__(self, plugin: "NumericsPlugin"):
-        self._plugin = weakref.ref(plugin)
-        self._wake = threading.Event()
-        self._lock = threading.Lock()
-        self._jobs: dict[tuple[str, str], Any] = {}  # (experiment, run) -> request context
-        self._thread = threading.Thread(target=self._loop, name="numerics-refresher", daemon=True)
-        self._thread.start()
-
-    def request(self, ctx, experiment: str, run: str) -> None:
-        """Asks for ``run`` to be refreshed soon (at most once per run)."""
-        with self._lock:
-            self._jobs[(experiment, run)] = ctx
-        self._wake.set()
-
-    def _take_jobs(self) -> dict[tuple[str, str], Any]:
-        with self._lock:
-            jobs, self._jobs = self._jobs, {}
-        return jobs
-
-    def _loop(self) -> None:
-        while True:
-            plugin = self._plugin()
-            if plugin is None:
-                return
-            self._wake.clear()
-            try:
-                plugin._background_round(self._take_jobs())
-            except Exception:  # noqa: BLE001 - the refresher must outlive any failure
-                logger.exception("numerics: background refresh failed")
-            period = plugin._refresh_period()
-            del plugin
-            self._wake.wait(period)
-
-
-def _merge(tags: Mapping[str, _TagData]) -> list[records.TensorSeries]:
-    """Every tensor's series: its own tag's, and its parts in packed blocks.
-
-    Blocks are taken oldest first (by their last write), so a step written
-    twice keeps the later record. Where a tensor's parts do not overlap in
-    steps (the usual case, whichever writers wrote them), each block's part
-    (a view of the block's events, maybe float32) is replaced by a slice of
-    the merged series: the snapshot then holds each record once, and
-    the next refresh, which re-reads only the blocks that grew, still has them.
-    """
-    out = [t.series for t in tags.values() if t.series is not None]
-    blocks = sorted((t.version[1], tag) for tag, t in tags.items() if t.parts)
-    by_tensor: dict[str, list[tuple[str, records.TensorSeries]]] = {}
-    for _, tag in blocks:
-        for name, part in tags[tag].parts.items():
-            by_tensor.setdefault(name, []).append((tag, part))
-    own = {s.tag: i for i, s in enumerate(out)}
-    # Tensors logged at the same steps share one step array, merged and in
-    # their parts (keys are ids of arrays all alive until the end).
-    shared_steps: dict[tuple[int, ...], np.ndarray] = {}
-    step_slices: dict[tuple[int, int, int], np.ndarray] = {}
-    for name, placed in by_tensor.items():
-        merged, offsets = packed.merge([p for _, p in placed], shared_steps)
-        if offsets is not None:
-            for (tag, part), at in zip(placed, offsets):
-                n = len(part.steps)
-                steps = step_slices.setdefault((id(merged.steps), at, n), merged.steps[at : at + n])
-                tags[tag].parts[name] = records.TensorSeries(name, part.info, steps, merged.values[at : at + n])
-        if name in own:  # also logged per tensor in the same run
-            out[own[name]] = packed.merge([out[own[name]], merged])[0]
-        else:
-            out.append(merged)
-    return out
-
-
-def _return_freed_memory() -> None:
-    """Hands memory freed after a big read or analysis back to the operating system.
-
-    A read decodes each event into its own small array, and an analysis
-    makes float64 copies of float32 records; once they are freed, glibc
-    keeps them in its heap (hundreds of MB after a long run) for as long as
-    TensorBoard runs. Where there is no ``malloc_trim`` (not glibc), nothing
-    is done.
-    """
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-def _decode(data: list) -> tuple[np.ndarray, np.ndarray | list]:
-    """Steps and values of a list of ``provider.TensorDatum``.
-
-    Values come back as one ``[n, NUM_FIELDS]`` array when every record has
-    the right shape (the fast, usual case), else as a list of arrays for
-    ``records.make_series`` to check one by one.
-    """
-    steps = np.fromiter((d.step for d in data), dtype=np.int64, count=len(data))
-    arrays = [d.numpy for d in data]
-    try:
-        values = np.stack(arrays)
-        if values.ndim == 2 and values.shape[1] == metadata.NUM_FIELDS:
-            return steps, values.astype(np.float64, copy=False)
-    except (ValueError, TypeError):
-        pass
-    rows = []
-    for a in arrays:
-        try:
-            rows.append(np.asarray(a, dtype=np.float64))
-        except (ValueError, TypeError):
-            rows.append(np.full(0, np.nan))  # dropped as malformed by make_series
-    return steps, rows
-
-
-def _decode_tags(
-    run: str, batch: list[str], data: dict, unreadable: Mapping[str, str],
-    to_read: Mapping[str, tuple[tuple, Any, _TagData | None]],
-) -> dict[str, _TagData]:
-    """The ``_TagData`` of each tag of a read ``batch``: a per-tensor tag's
-    series, or a packed block's parts, with the problems found."""
-    out: dict[str, _TagData] = {}
-    for tag in batch:
-        version, info, prev = to_read[tag]
-        if tag in unreadable:
-            out[tag] = _TagData(version, None, [unreadable[tag]])
-            continue
-        problems: list[str] = []
-        points = data.pop(tag, [])
-        if isinstance(info, metadata.TensorInfo):
-            steps, values = _decode(points)
-            out[tag] = _TagData(version, records.make_series(tag, info, steps, values, problems), problems)
-        else:
-            steps = np.fromiter((d.step for d in points), dtype=np.int64, count=len(points))
-            parts = packed.unpack_block(tag, info, steps, [np.asarray(d.numpy) for d in points], problems)
-            out[tag] = _TagData(version, None, problems, {p.tag: p for p in parts})
-        _log_new_problems(run, prev, problems)
-    return out
-
-
-def _log_new_problems(run: str, prev: "_TagData | None", problems: list[str]) -> None:
-    """Logs a tag's problems to the server log once: those its previous read had not."""
-    for p in problems:
-        if prev is None or p not in prev.problems:
-            logger.warning("numerics: run %r: %s", run, p)
-
-
 def _route(impl: Callable) -> Callable:
     """Wraps a handler: JSON errors for bad requests, never a traceback."""
 
@@ -435,6 +148,8 @@ def _route(impl: Callable) -> Callable:
             return _respond_json(request, impl(self, request))
         except _BadRequest as e:
             return _respond_json(request, {"error": str(e)}, e.code)
+        except run_store.RunNotFound as e:
+            return _respond_json(request, {"error": str(e)}, 404)
         except errors.PublicError as e:
             return _respond_json(request, {"error": str(e)}, e.http_code)
         except Exception:  # noqa: BLE001 - never a traceback to the client
@@ -454,26 +169,23 @@ class NumericsPlugin(base_plugin.TBPlugin):
 
     plugin_name = metadata.PLUGIN_NAME
 
-    def __init__(self, context: base_plugin.TBContext):
+    def __init__(self, context: base_plugin.TBContext, *, frontend: str | None = None):
+        """Builds the plugin and its run store, whose refresher starts reading at once.
+
+        Args:
+          context: TensorBoard's; only its data provider, flags and sampling hints are used.
+          frontend: the folder of the dashboard's files (default: ``frontend_dir()``).
+        """
         self._data_provider = context.data_provider
-        hint = (context.sampling_hints or {}).get(self.plugin_name)
         # Set by the user despite NumericsLoader.fix_flags: records may be lost.
-        self._sample_limit = hint if hint else None
-        self._caches: dict[tuple[str, str], _RunCache] = {}
-        self._listings: dict[tuple, tuple[float, dict]] = {}
-        reload_interval = max(0.0, float(getattr(context.flags, "reload_interval", 5.0) or 0))
-        # Half TensorBoard's reload interval, at most 1 s (0: always re-list).
-        self._listing_ttl = min(1.0, reload_interval / 2)
-        # The refresher looks for new records once per reload, at most once a second.
-        self._reload_interval = max(1.0, reload_interval)
-        self._listing_seconds = 0.0  # how long listing every run took last time
-        # A run changed between the refresher's last two rounds. TensorBoard
-        # has just started and is loading every run: look often from the start.
-        self._settling = True
-        self._caches_lock = threading.Lock()
-        self._frontend_dir = _frontend_dir()
-        # Started now so that caches are warm by the time the tab is opened.
-        self._refresher = _Refresher(self) if self._data_provider is not None else None
+        sample_limit = (context.sampling_hints or {}).get(self.plugin_name)
+        # Started now so that runs are read by the time the tab is opened.
+        self._store = run_store.RunStore(
+            context.data_provider,
+            reload_interval=getattr(context.flags, "reload_interval", 5.0),
+            sample_limit=sample_limit,
+        )
+        self._frontend_dir = frontend if frontend is not None else frontend_dir()
 
     # ---------------------------------------------------------- TBPlugin
 
@@ -505,278 +217,6 @@ class NumericsPlugin(base_plugin.TBPlugin):
     def frontend_metadata(self) -> base_plugin.FrontendMetadata:
         return base_plugin.FrontendMetadata(es_module_path="/index.js", tab_name="Numerics")
 
-    # ---------------------------------------------------------- data
-
-    def _listing(self, ctx, experiment: str, runs: list[str] | None) -> dict:
-        """TensorBoard's index of numerics series, re-asked at most every ``_listing_ttl`` s.
-
-        Listing is not free (the Rust data server scans every record for the
-        last step: 0.7 s for 5M records), and TensorBoard's data only changes
-        on its reload, so the routes a dashboard fires together share one.
-        A new listing drops those asked before it: once a route has seen
-        records, no later route answers from an older view without them.
-        """
-        if self._data_provider is None:
-            return {}
-        key = (experiment, None if runs is None else tuple(runs))
-        now = time.monotonic()
-        with self._caches_lock:
-            hit = self._listings.get(key)
-        if hit is not None and now - hit[0] < self._listing_ttl:
-            return hit[1]
-        listing = self._data_provider.list_tensors(
-            ctx,
-            experiment_id=experiment,
-            plugin_name=metadata.PLUGIN_NAME,
-            run_tag_filter=provider.RunTagFilter(runs=runs),
-        )
-        with self._caches_lock:
-            if runs is None:
-                self._listing_seconds = time.monotonic() - now
-            self._listings = {k: v for k, v in self._listings.items() if v[0] >= now}
-            self._listings[key] = (now, listing)
-        return listing
-
-    def _cache(self, experiment: str, run: str) -> _RunCache:
-        with self._caches_lock:
-            return self._caches.setdefault((experiment, run), _RunCache())
-
-    def _forget_missing(self, experiment: str, listing: Mapping[str, Any]) -> None:
-        """Drops the caches of runs that left the logdir."""
-        with self._caches_lock:
-            for key in [k for k in self._caches if k[0] == experiment and k[1] not in listing]:
-                del self._caches[key]
-
-    def _refresh_period(self) -> float:
-        """Seconds between the refresher's rounds: TensorBoard's reload
-        interval (at most ``_SETTLING_PERIOD_S`` while a run is loading, to
-        read its blocks as they come), and at least 4x the cost of listing
-        (so that watching a huge logdir takes at most a fifth of a core)."""
-        period = min(self._reload_interval, _SETTLING_PERIOD_S) if self._settling else self._reload_interval
-        return max(period, 4 * self._listing_seconds)
-
-    def _extra_problems(self) -> list[str]:
-        if not self._sample_limit:
-            return []
-        return [
-            "TensorBoard keeps only %d records per tensor (--samples_per_plugin "
-            "numerics=%d): the first anomaly may be missing; restart TensorBoard "
-            "without that setting to keep every record" % (self._sample_limit, self._sample_limit)
-        ]
-
-    def _run_refresh(
-        self, ctx, experiment: str, run: str, cache: _RunCache, old: _Snapshot | None,
-        listing: Mapping[str, Any], done: threading.Event,
-    ) -> _Snapshot:
-        """Reads what changed since ``old`` and makes it the run's snapshot.
-
-        The caller has claimed the refresh (``cache.refreshing is done``);
-        it is released here whatever happens.
-        """
-        try:
-            with cache.lock:
-                prefetched = cache.prefetched
-            known = [old.tags if old is not None else {}, prefetched]
-            big = _read_cost(listing, *known) > _INLINE_READ_RECORDS
-            snap = _Snapshot(self._read_tags_data(ctx, experiment, run, listing, known))
-            if big:
-                _return_freed_memory()
-            with cache.lock:
-                cache.snapshot = snap
-                cache.prefetched = {}
-                cache.next_background = time.monotonic() + self._reload_interval
-            return snap
-        except Exception:
-            with cache.lock:
-                cache.next_background = time.monotonic() + _RETRY_AFTER_FAILURE_S
-            raise
-        finally:
-            with cache.lock:
-                cache.refreshing = None
-            done.set()
-
-    def _read_tags_data(
-        self, ctx, experiment: str, run: str, listing: Mapping[str, Any],
-        known: list[Mapping[str, _TagData]],
-    ) -> dict[str, _TagData]:
-        """The records of ``listing``'s tags: those ``known`` as of the listed
-        version are shared, the others read again (whole: the data provider
-        has no "steps after N")."""
-        tags: dict[str, _TagData] = {}
-        to_read: dict[str, tuple[tuple, metadata.TensorInfo | metadata.BlockTable, _TagData | None]] = {}
-        for tag, ts in listing.items():
-            version = _version(ts)
-            seen = [k[tag] for k in known if tag in k]
-            prev = next((t for t in seen if t.version == version), seen[0] if seen else None)
-            if prev is not None and prev.version == version:
-                tags[tag] = prev
-                continue
-            try:
-                info = metadata.parse_content(ts.plugin_content, ts.description or "")
-            except metadata.FormatError as e:
-                tags[tag] = _TagData(version, None, ["%s: %s" % (tag, e)])
-                _log_new_problems(run, prev, tags[tag].problems)
-                continue
-            to_read[tag] = (version, info, prev)
-        # One read ahead: the data server prepares the next batch while this
-        # thread decodes the last (a fifth less time on a long run).
-        batches = _batches(to_read, listing)
-        with concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="numerics-read") as pool:
-            reads = [pool.submit(self._read_tags, ctx, experiment, run, b) for b in batches[:2]]
-            for i, batch in enumerate(batches):
-                data, unreadable = reads[i].result()
-                if i + 2 < len(batches):
-                    reads.append(pool.submit(self._read_tags, ctx, experiment, run, batches[i + 2]))
-                tags.update(_decode_tags(run, batch, data, unreadable, to_read))
-        return tags
-
-    def _read_tags(self, ctx, experiment: str, run: str, tags: list[str]) -> tuple[dict, dict[str, str]]:
-        """Every record of ``tags``, and a problem for each tag that cannot be read.
-
-        TensorBoard's providers fail a whole read on one record they cannot
-        decode (a tensor whose bytes do not fit its shape): read such a
-        batch tag by tag so that only the damaged tag is lost.
-        """
-
-        def read(batch: list[str]) -> dict:
-            return self._data_provider.read_tensors(
-                ctx,
-                experiment_id=experiment,
-                plugin_name=metadata.PLUGIN_NAME,
-                downsample=_READ_ALL,
-                run_tag_filter=provider.RunTagFilter(runs=[run], tags=batch),
-            ).get(run, {})
-
-        try:
-            return read(tags), {}
-        except (ValueError, TypeError):
-            pass
-        data, unreadable = {}, {}
-        for tag in tags:
-            try:
-                data.update(read([tag]))
-            except (ValueError, TypeError) as e:
-                unreadable[tag] = "%s: TensorBoard cannot decode its records (%s); the tensor was skipped" % (tag, e)
-                logger.warning("numerics: run %r: %s", run, unreadable[tag])
-        return data, unreadable
-
-    def _answer(
-        self, ctx, experiment: str, run: str, sr: analysis.SafeRange, listing: Mapping | None = None
-    ) -> _Answer:
-        """The run's analysis under ``sr``: current, or the previous one while a long refresh runs.
-
-        - The snapshot matches TensorBoard's listing: its (cached) analysis.
-        - It is out of date and refreshing would be quick, or there is none
-          yet: this request reads (or waits for the refresh under way).
-        - It is out of date and a refresh is under way or would be long: the
-          previous analysis at once, marked stale; the refresher catches up.
-        """
-        if listing is None:
-            listing = self._listing(ctx, experiment, [run]).get(run)
-            if not listing:
-                raise _not_found("no numerics data for run %r" % run)
-        latest = max(int(ts.max_step) for ts in listing.values())
-        cache = self._cache(experiment, run)
-        while True:
-            with cache.lock:
-                cache.recent[sr] = None
-                cache.recent.move_to_end(sr)
-                while len(cache.recent) > _ANALYSES_PER_RUN:
-                    cache.recent.popitem(last=False)
-                snap, in_flight, claim = cache.snapshot, cache.refreshing, None
-                fresh = snap is not None and snap.matches(listing)
-                if not fresh and in_flight is None and (
-                    snap is None or _read_cost(listing, snap.tags, cache.prefetched) <= _INLINE_READ_RECORDS
-                ):
-                    claim = cache.refreshing = threading.Event()
-            if claim is not None:
-                snap = self._run_refresh(ctx, experiment, run, cache, snap, listing, claim)
-                fresh = True
-            elif not fresh and snap is None:
-                in_flight.wait()  # no records yet: the refresh under way reads them
-                continue
-            elif not fresh and in_flight is None:
-                self._refresher.request(ctx, experiment, run)
-            ra = snap.analysis(run, sr, self._extra_problems())
-            return _Answer(ra, not fresh, snap.as_of_step, latest)
-
-    def _background_round(self, jobs: Mapping[tuple[str, str], Any]) -> None:
-        """One round of the refresher: the runs requests asked for, then every
-        run of TensorBoard's experiment whose records changed."""
-        for (experiment, run), ctx in jobs.items():
-            listing = self._listing(ctx, experiment, [run]).get(run)
-            if listing:
-                self._refresh_in_background(ctx, experiment, run, listing, asked=True)
-        ctx = tb_context.RequestContext()
-        listing = self._listing(ctx, "", None)
-        self._forget_missing("", listing)
-        self._settling = False
-        for run, tags in sorted(listing.items()):
-            if tags:
-                self._refresh_in_background(ctx, "", run, tags, asked=False)
-
-    def _refresh_in_background(
-        self, ctx, experiment: str, run: str, listing: Mapping[str, Any], asked: bool
-    ) -> None:
-        """Refreshes a run that changed, unless a refresh of it is under way or
-        (when no request asked) it was refreshed less than a reload ago; then
-        computes the analyses asked for lately so that the next request is instant.
-        A failure is logged and retried later."""
-        cache = self._cache(experiment, run)
-        blocks = None
-        with cache.lock:
-            old = cache.snapshot
-            if not asked:
-                listed = tuple(sorted((tag, _version(ts)) for tag, ts in listing.items()))
-                settling, cache.listed = listed != cache.listed, listed
-                self._settling |= settling
-            if cache.refreshing is not None or (old is not None and old.matches(listing)):
-                return
-            if not asked and time.monotonic() < cache.next_background:
-                return
-            known = [old.tags if old is not None else {}, cache.prefetched]
-            if not asked and settling and _read_cost(listing, *known) > _INLINE_READ_RECORDS:
-                # A big run TensorBoard is still loading: read it once its
-                # listing holds still for a round (or when a request asks),
-                # not now and again in full when loading ends. Its packed
-                # blocks, though, are read as they load (a block is read
-                # again only while it grows), so that little is left to read
-                # when loading ends.
-                blocks = {tag: ts for tag, ts in listing.items() if packed.is_block_tag(tag)}
-                if not blocks:
-                    return
-            done = cache.refreshing = threading.Event()
-            recent = list(cache.recent)[-1:]
-        if blocks is not None:
-            self._prefetch_blocks(ctx, experiment, run, cache, blocks, known, done)
-            return
-        try:
-            snap = self._run_refresh(ctx, experiment, run, cache, old, listing, done)
-            for sr in dict.fromkeys([analysis.SafeRange(), *recent]):
-                snap.analysis(run, sr, self._extra_problems())
-        except Exception:  # noqa: BLE001 - one bad run must not stop the others
-            logger.exception("numerics: background refresh of run %r failed", run)
-
-    def _prefetch_blocks(
-        self, ctx, experiment: str, run: str, cache: _RunCache, blocks: Mapping[str, Any],
-        known: list[Mapping[str, _TagData]], done: threading.Event,
-    ) -> None:
-        """Reads the packed blocks of a run being loaded into ``cache.prefetched``.
-
-        The caller has claimed the refresh; it is released here.
-        """
-        try:
-            got = self._read_tags_data(ctx, experiment, run, blocks, known)
-            with cache.lock:
-                cache.prefetched = got
-            _return_freed_memory()
-        except Exception:  # noqa: BLE001 - a later refresh reads them anyway
-            logger.exception("numerics: reading run %r ahead of its loading failed", run)
-        finally:
-            with cache.lock:
-                cache.refreshing = None
-            done.set()
-
     # ---------------------------------------------------------- impls
 
     def safe_range_impl(self) -> dict[str, Any]:
@@ -787,80 +227,63 @@ class NumericsPlugin(base_plugin.TBPlugin):
             "params": {name: help_text for name, (_, help_text) in analysis.SAFE_RANGE_PARAMS.items()},
         }
 
-    def runs_impl(self, ctx, experiment: str, sr: analysis.SafeRange) -> dict[str, Any]:
+    def runs_impl(self, ctx, experiment: str, safe_range: analysis.SafeRange) -> dict[str, Any]:
         """Every run with numerics records and its headline health."""
-        listing = self._listing(ctx, experiment, None)
-        self._forget_missing(experiment, listing)
+        listing = self._store.listing(ctx, experiment)
         runs = []
         for run in sorted(listing):
             if not listing[run]:
                 continue
-            answer = self._answer(ctx, experiment, run, sr, listing[run])
-            s = analysis.run_summary(answer.analysis)
+            answer = self._store.answer(ctx, experiment, run, safe_range, listing[run])
+            summary = analysis.run_summary(answer.analysis)
             runs.append(
                 {
                     "run": run,
-                    "tensors": s["tensors"],
-                    "records": s["records"],
-                    "first_step": s["first_step"],
-                    "last_step": s["last_step"],
-                    "first_anomaly_step": (s["first_anomaly"] or {}).get("step"),
-                    "first_warning_step": (s["first_warning"] or {}).get("step"),
-                    "problems": s["problems"],
+                    "tensors": summary["tensors"],
+                    "records": summary["records"],
+                    "first_step": summary["first_step"],
+                    "last_step": summary["last_step"],
+                    "first_anomaly_step": (summary["first_anomaly"] or {}).get("step"),
+                    "first_warning_step": (summary["first_warning"] or {}).get("step"),
+                    "problems": summary["problems"],
                     **answer.freshness(),
                 }
             )
         return {"runs": runs}
 
-    def summary_impl(self, ctx, experiment: str, run: str, sr: analysis.SafeRange) -> dict[str, Any]:
+    def summary_impl(self, ctx, experiment: str, run: str, safe_range: analysis.SafeRange) -> dict[str, Any]:
         """The run's first anomaly and first warning (as ``report --json``)."""
-        answer = self._answer(ctx, experiment, run, sr)
+        answer = self._store.answer(ctx, experiment, run, safe_range)
         summary = analysis.run_summary(answer.analysis)
-        summary["safe_range"] = analysis.safe_range_to_json(sr)
+        summary["safe_range"] = analysis.safe_range_to_json(safe_range)
         summary.update(answer.freshness())
         return summary
 
     def timeline_impl(
-        self,
-        ctx,
-        experiment: str,
-        run: str,
-        sr: analysis.SafeRange,
-        width: int,
-        start: int | None,
-        end: int | None,
+        self, ctx, experiment: str, run: str, safe_range: analysis.SafeRange,
+        width: int, start: int | None, end: int | None,
     ) -> dict[str, Any]:
         """Worst health per tensor and step bucket, rows in execution order."""
-        answer = self._answer(ctx, experiment, run, sr)
+        answer = self._store.answer(ctx, experiment, run, safe_range)
         out = analysis.timeline(answer.analysis, width, start, end)
         out["legend"] = {str(c): analysis.health_name(c) for c in (-1, 0, 1, 2)}
         out.update(answer.freshness())
         return out
 
     def series_impl(
-        self,
-        ctx,
-        experiment: str,
-        run: str,
-        tag: str,
-        sr: analysis.SafeRange,
-        start: int | None,
-        end: int | None,
-        max_points: int,
+        self, ctx, experiment: str, run: str, tag: str, safe_range: analysis.SafeRange,
+        start: int | None, end: int | None, max_points: int,
     ) -> dict[str, Any]:
         """One tensor's statistics over a step range, bucketed to ``max_points``."""
-        answer = self._answer(ctx, experiment, run, sr)
-        h = answer.analysis.find(tag)
-        if h is None:
+        answer = self._store.answer(ctx, experiment, run, safe_range)
+        health = answer.analysis.find(tag)
+        if health is None:
             raise _not_found("no numerics data for tensor %r in run %r" % (tag, run))
-        st = h.series.steps
-        lo = 0 if start is None else int(np.searchsorted(st, start, side="left"))
-        hi = len(st) if end is None else int(np.searchsorted(st, end, side="right"))
         return {
             "run": run,
             "tensor": tag,
-            "info": h.series.info.to_json(),
-            **_series_points(st[lo:hi], h.series.values[lo:hi], h.codes[lo:hi], h.kinds[lo:hi], max_points),
+            "info": health.series.info.to_json(),
+            **analysis.series_points(health, max_points, start, end),
             **answer.freshness(),
         }
 
@@ -883,20 +306,20 @@ class NumericsPlugin(base_plugin.TBPlugin):
     def _serve_timeline(self, request: wrappers.Request) -> dict:
         args = request.args
         run = _required(args, "run")
-        sr = _safe_range(args)
+        safe_range = _safe_range(args)
         width = _int_param(args, "width", DEFAULT_WIDTH, 1, MAX_WIDTH)
         start, end = _step_range(args)
-        return self.timeline_impl(*_ids(request), run, sr, width, start, end)
+        return self.timeline_impl(*_ids(request), run, safe_range, width, start, end)
 
     @_route
     def _serve_series(self, request: wrappers.Request) -> dict:
         args = request.args
         run = _required(args, "run")
         tag = _required(args, "tensor")
-        sr = _safe_range(args)
+        safe_range = _safe_range(args)
         start, end = _step_range(args)
         max_points = _int_param(args, "max_points", DEFAULT_MAX_POINTS, 1, MAX_POINTS)
-        return self.series_impl(*_ids(request), run, tag, sr, start, end, max_points)
+        return self.series_impl(*_ids(request), run, tag, safe_range, start, end, max_points)
 
     @wrappers.Request.application
     def _serve_static(self, request: wrappers.Request) -> wrappers.Response:
@@ -937,7 +360,7 @@ def _ids(request: wrappers.Request) -> tuple:
     return plugin_util.context(request.environ), plugin_util.experiment_id(request.environ)
 
 
-def _frontend_dir() -> str | None:
+def frontend_dir() -> str | None:
     """The folder of the dashboard's files.
 
     Installed, that is the package ``tb_numerics.frontend``. When
@@ -956,115 +379,6 @@ def _frontend_dir() -> str | None:
         return os.path.realpath(checkout)
     logger.warning("numerics: the dashboard's files are missing: only the HTTP routes are served")
     return None
-
-
-def _steps_held(tag: str, ts: Any) -> int:
-    """The steps a tag may hold, estimated from its last step (records are
-    usually one per step from 0; a packed block holds at most a block's, in
-    a fiftieth as many events)."""
-    n = max(1, int(ts.max_step) + 1)
-    return min(n, packed.STEPS_PER_BLOCK) if packed.is_block_tag(tag) else n
-
-
-def _batches(to_read: Mapping[str, Any], listing: Mapping[str, Any]) -> list[list[str]]:
-    """Tags grouped so that each read stays well under gRPC's message cap,
-    counting a packed block's step as one record per tensor of its table."""
-    batches: list[list[str]] = []
-    size = 0
-    for tag, (_, info, _) in to_read.items():
-        est = _steps_held(tag, listing[tag]) * (1 if isinstance(info, metadata.TensorInfo) else len(info))
-        if batches and size + est <= _RECORDS_PER_READ:
-            batches[-1].append(tag)
-            size += est
-        else:
-            batches.append([tag])
-            size = est
-    return batches
-
-
-def _read_cost(listing: Mapping[str, Any], *known: Mapping[str, _TagData]) -> int:
-    """Steps to read for ``listing`` beyond the tags ``known`` as listed, a
-    packed block's counted once: a rough measure of the read's cost."""
-    return sum(
-        _steps_held(tag, ts)
-        for tag, ts in listing.items()
-        if not any((t := k.get(tag)) is not None and t.version == _version(ts) for k in known)
-    )
-
-
-def _series_points(
-    steps: np.ndarray, values: np.ndarray, codes: np.ndarray, kinds: np.ndarray, max_points: int
-) -> dict[str, Any]:
-    """Chart points of records, bucketed by equal counts beyond ``max_points``."""
-    values = values.astype(np.float64, copy=False)  # bucket sums of float32 counts would round
-    n = len(steps)
-    d = records.derived(values) if n else {k: np.zeros(0) for k in ("mean", "std", "max_abs", "l2")}
-    col = {name: values[:, i] if n else np.zeros(0) for i, name in enumerate(metadata.FIELDS)}
-    counts = ("count", "nan", "posinf", "neginf", "zeros", "overflow", "underflow")
-    # Op-level records leave out the sums (see oplevel.py): their mean, std
-    # and L2 norm are not recorded (null), not NaN. A recorded sum of squares
-    # of finite values is never NaN.
-    unrecorded = np.isnan(col["sum_sq"]) & (d["finite"] > 0) if n else np.zeros(0, bool)
-
-    def moments(values: list, gone: np.ndarray) -> list:
-        return [None if g else v for v, g in zip(values, gone.tolist())] if gone.any() else values
-
-    downsampled = n > max_points
-    if not downsampled:
-        fields = {
-            "min": _float_list(col["min"]),
-            "max": _float_list(col["max"]),
-            "max_abs": _float_list(d["max_abs"]),
-            "mean": moments(_float_list(d["mean"]), unrecorded),
-            "std": moments(_float_list(d["std"]), unrecorded),
-            "l2": moments(_float_list(d["l2"]), unrecorded),
-            **{k: _count_list(col[k]) for k in counts},
-        }
-        return {
-            "steps": steps.tolist(),
-            "step_end": steps.tolist(),
-            "fields": fields,
-            "health": codes.astype(int).tolist(),
-            "kinds": [analysis.WARNING_KINDS[k - 1] if k else None for k in kinds.tolist()],
-            "downsampled": False,
-        }
-    bounds = np.unique((np.arange(max_points, dtype=np.int64) * n) // max_points)
-    ends = np.r_[bounds[1:], n]
-
-    def nanmean(x: np.ndarray) -> np.ndarray:
-        ok = np.isfinite(x)
-        total = np.add.reduceat(np.where(ok, x, 0.0), bounds)
-        num = np.add.reduceat(ok.astype(np.int64), bounds)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            return np.where(num > 0, total / np.maximum(num, 1), np.nan)
-
-    gone = np.logical_and.reduceat(unrecorded, bounds)  # buckets with no sums recorded
-    fields = {
-        "min": _float_list(np.fmin.reduceat(col["min"], bounds)),
-        "max": _float_list(np.fmax.reduceat(col["max"], bounds)),
-        "max_abs": _float_list(np.fmax.reduceat(d["max_abs"], bounds)),
-        "mean": moments(_float_list(nanmean(d["mean"])), gone),
-        "std": moments(_float_list(nanmean(d["std"])), gone),
-        "l2": moments(_float_list(nanmean(d["l2"])), gone),
-        **{k: _count_list(np.add.reduceat(col[k], bounds)) for k in counts},
-    }
-    # The first warning kind in each bucket names the bucket's warning.
-    warned = np.flatnonzero(kinds > 0)
-    first = np.searchsorted(warned, bounds)
-    bucket_kinds = []
-    for b, f in enumerate(first.tolist()):
-        if f < len(warned) and warned[f] < ends[b]:
-            bucket_kinds.append(analysis.WARNING_KINDS[int(kinds[warned[f]]) - 1])
-        else:
-            bucket_kinds.append(None)
-    return {
-        "steps": steps[bounds].tolist(),
-        "step_end": steps[ends - 1].tolist(),
-        "fields": fields,
-        "health": np.maximum.reduceat(codes, bounds).astype(int).tolist(),
-        "kinds": bucket_kinds,
-        "downsampled": True,
-    }
 
 
 class NumericsLoader(base_plugin.TBLoader):

@@ -8,6 +8,8 @@ import pytest
 from tb_numerics import analysis, metadata, records
 from tb_numerics.records import numpy_stats
 
+pytestmark = pytest.mark.unit
+
 RNG = np.random.default_rng(0)
 
 
@@ -450,3 +452,73 @@ def test_a_replay_that_did_not_reproduce_says_so_and_names_no_op():
     a = analysis.first_anomaly(ra)
     assert a["op"] is None and a["replay"] == {"reproduced": False, "why": "dropout drew other masks"}
     assert [h.series.tag for h in ra.health] == ["feature/output"]  # the verdict is not a tensor
+
+
+# ---------------------------------------------------------------- chart points
+
+
+def _health_of(tag, arrays_by_step, sr=None, **kw):
+    ra = analysis.analyze_run("r", [series(tag, arrays_by_step, **kw)], sr or analysis.SafeRange())
+    return ra.find(tag)
+
+
+def test_chart_buckets_of_float32_records_sum_counts_exactly():
+    """Packed float32 records hold counts below 2**24 exactly; their bucket
+    sums go beyond, and must not be rounded to float32."""
+    n = 100
+    rec = numpy_stats(np.float32([1.0]))
+    rec[records.F["count"]] = 5_000_001
+    rec[records.F["zeros"]] = 3
+    values = np.asfortranarray(np.tile(rec, (n, 1)), np.float32)
+    h = analysis.SeriesHealth(
+        records.TensorSeries("x", info(), np.arange(n), values), np.zeros(n, np.int8), np.zeros(n, np.int8)
+    )
+    got = analysis.series_points(h, max_points=10)
+    assert got["downsampled"] and got["fields"]["count"] == [50_000_010] * 10
+    assert got["fields"]["zeros"] == [30] * 10
+
+
+def test_series_points_one_per_record_up_to_max_points_and_within_the_step_range():
+    arrays = {s: np.float32([s, -1.0, np.nan if s == 7 else 0.5]) for s in range(10)}
+    h = _health_of("x", arrays, analysis.SafeRange(max_abs=8.5))
+    full = analysis.series_points(h, max_points=10)
+    assert full["downsampled"] is False and full["steps"] == full["step_end"] == list(range(10))
+    assert full["fields"]["max"] == [0.5] + [float(s) for s in range(1, 10)]
+    assert full["fields"]["nan"] == [0] * 7 + [1, 0, 0]
+    assert full["health"] == [0] * 7 + [analysis.NONFINITE, 0, analysis.WARNING]
+    assert full["kinds"] == [None] * 9 + ["overflow_risk"]
+    part = analysis.series_points(h, max_points=10, start=6, end=8)
+    assert part["steps"] == [6, 7, 8] and part["fields"]["min"] == [-1.0, -1.0, -1.0]
+    assert part["fields"]["mean"][1] == pytest.approx(3.0)  # of the finite values
+    with pytest.raises(ValueError, match="max_points"):
+        analysis.series_points(h, max_points=0)
+
+
+def test_series_points_buckets_keep_extremes_worst_health_and_first_warning():
+    arrays = {s: np.float32([1.0, 2.0]) for s in range(12)}
+    arrays[4] = np.float32([np.inf, 2.0])
+    arrays[9] = np.float32([1.0, 50.0])
+    arrays[10] = np.float32([1.0, 90.0])
+    h = _health_of("x", arrays, analysis.SafeRange(max_abs=40))
+    got = analysis.series_points(h, max_points=3)
+    assert got["downsampled"] is True
+    assert (got["steps"], got["step_end"]) == ([0, 4, 8], [3, 7, 11])
+    assert got["health"] == [analysis.HEALTHY, analysis.NONFINITE, analysis.WARNING]
+    assert got["kinds"] == [None, None, "overflow_risk"]
+    assert got["fields"]["max"] == [2.0, 2.0, 90.0]
+    assert got["fields"]["posinf"] == [0, 1, 0] and got["fields"]["count"] == [8, 8, 8]
+    # The mean of the bucket's finite means: the +Inf record's finite value counts.
+    assert got["fields"]["mean"][1] == pytest.approx((1.5 * 3 + 2.0) / 4)
+
+
+def test_series_points_moments_an_op_level_record_leaves_out_are_none_not_nan():
+    arrays = {s: np.float32([1.0, 2.0] if s != 4 else [np.nan, np.nan]) for s in range(6)}
+    s = series("ops/MatMul", arrays, op_type="MatMul")
+    s.values[2:, records.F["sum"]] = s.values[2:, records.F["sum_sq"]] = np.nan  # what op_stats writes
+    h = analysis.analyze_run("r", [s]).find("ops/MatMul")
+    full = analysis.series_points(h, max_points=100)
+    for field in ("mean", "std", "l2"):
+        assert full["fields"][field][2:4] == [None, None] and full["fields"][field][5] is None
+        assert np.isnan(full["fields"][field][4])  # no finite value: NaN, not "not recorded"
+    bucketed = analysis.series_points(h, max_points=3)
+    assert bucketed["fields"]["mean"][:2] == [1.5, None] and np.isnan(bucketed["fields"]["mean"][2])

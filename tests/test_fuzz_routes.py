@@ -28,12 +28,14 @@ from tb_numerics import analysis, metadata, plugin
 from tb_numerics.record_writer import NumericsRecordWriter
 from tb_numerics.records import numpy_stats
 
+pytestmark = pytest.mark.e2e
+
 P = "/data/plugin/numerics"
 API_ROUTES = ("runs", "summary", "timeline", "series", "safe_range")
 PARAMS = ("run", "tensor", "width", "start", "end", "max_points", *analysis.SAFE_RANGE_PARAMS)
 RUNS = ("healthy", "nan", "<img src=x onerror=alert(1)>", "ctl\x1b[31m\x07run")
 TAGS = ("dense/output", "loss", "<script>alert(1)</script>", "x" * 300)
-FRONTEND = plugin._frontend_dir()
+FRONTEND = plugin.frontend_dir()
 # Requests sent and statuses seen, printed at the end (pytest -s).
 SEEN: collections.Counter = collections.Counter()
 

@@ -4,6 +4,8 @@ The app is built as ``tensorboard`` builds it: ``program.TensorBoard`` parses
 the flags (running ``NumericsLoader.fix_flags``), TensorBoard's
 ``LocalDataIngester`` loads the event files into a real multiplexer, and
 ``TensorBoardWSGIApp`` routes requests to the plugin. Nothing is faked.
+The run store's caching and refreshing are tested on their own in
+``test_run_store.py``.
 """
 
 from __future__ import annotations
@@ -21,17 +23,19 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from tensorboard import program
-from tensorboard.context import RequestContext
 from tensorboard.backend import application
 from tensorboard.backend.event_processing import data_ingester
 from tensorboard.compat.proto import event_pb2, summary_pb2
+from tensorboard.plugins import base_plugin
 from tensorboard.plugins.core import core_plugin
 from tensorboard.summary.writer.event_file_writer import EventFileWriter
 from werkzeug import test as wtest
 
-from tb_numerics import analysis, cli, metadata, packed, plugin
+from tb_numerics import analysis, cli, metadata, plugin
 from tb_numerics.record_writer import NumericsRecordWriter
 from tb_numerics.records import numpy_stats
+
+pytestmark = pytest.mark.e2e
 
 P = "/data/plugin/numerics"
 STEPS = 200
@@ -80,7 +84,6 @@ class TB:
             self.ingester.deprecated_multiplexer,
         )
         self.client = wtest.Client(app)
-        self.plugin = next(p for p in app._plugins if p.plugin_name == "numerics")
         self.logdir = logdir
 
     def reload(self) -> None:
@@ -182,19 +185,6 @@ def test_runs(tb):
     assert runs["bad"]["first_anomaly_step"] == NAN_STEP
     assert runs["good"]["first_anomaly_step"] is None
     assert (runs["good"]["tensors"], runs["good"]["records"], runs["good"]["last_step"]) == (3, 150, 49)
-
-
-def test_a_route_never_answers_from_a_listing_older_than_one_already_seen(tmp_path):
-    """The routes a dashboard fires together share TensorBoard's listing for
-    a moment; a run one route has seen must not vanish from the next."""
-    write_run(str(tmp_path / "a"), range(20), None)
-    tb = TB(str(tmp_path))
-    tb.plugin._listing_ttl = 600.0  # as if TensorBoard reloaded rarely
-    assert [r["run"] for r in tb.ok(P + "/runs")["runs"]] == ["a"]
-    write_run(str(tmp_path / "b"), range(30), 25)
-    tb.reload()
-    assert tb.ok(P + "/summary", run="b")["first_anomaly"]["step"] == 25
-    assert [r["run"] for r in tb.ok(P + "/runs")["runs"]] == ["a", "b"]
 
 
 def test_summary_matches_the_cli_report(tb, logdir):
@@ -358,10 +348,6 @@ def test_run_growth_is_picked_up_on_reload(tmp_path):
     write_steps(w, range(20), None)
     live = TB(str(tmp_path))
     assert live.ok(P + "/summary", run="live")["first_anomaly"] is None
-    ctx = (RequestContext(), "")
-    plug = live.plugin
-    first = plug._answer(*ctx, "live", analysis.SafeRange()).analysis
-    assert plug._answer(*ctx, "live", analysis.SafeRange()).analysis is first  # cached: nothing re-read
 
     write_steps(w, range(20, 40), 33)
     w.close()
@@ -370,100 +356,6 @@ def test_run_growth_is_picked_up_on_reload(tmp_path):
     s = live.ok(P + "/summary", run="live")
     assert (s["last_step"], s["first_anomaly"]["step"]) == (39, 33)
     assert (s["stale"], s["as_of_step"], s["latest_step"]) == (False, 39, 39)
-    assert plug._answer(*ctx, "live", analysis.SafeRange()).analysis is not first
-
-
-class _NoRefresherThread:
-    """Stands in for the refresher's thread, so that a test runs its rounds itself."""
-
-    def __init__(self, plugin):
-        pass
-
-    def request(self, ctx, experiment, run):
-        pass
-
-
-def test_refresher_waits_for_a_big_run_to_stop_loading(tmp_path, monkeypatch):
-    # While TensorBoard loads a big run, its listing changes every round: reading
-    # it then would be thrown away and read again in full when loading ends.
-    monkeypatch.setattr(plugin, "_Refresher", _NoRefresherThread)
-    monkeypatch.setattr(plugin, "_INLINE_READ_RECORDS", 30)  # "big": more than 30 records to read
-    w = NumericsRecordWriter(str(tmp_path / "big"))
-    write_steps(w, range(20), None)  # 60 records
-    w.flush()
-    write_run(str(tmp_path / "small"), range(5), None)  # 15 records
-    live = TB(str(tmp_path))
-    plug = live.plugin
-    snapshot = lambda run: plug._cache("", run).snapshot  # noqa: E731
-
-    plug._background_round({})
-    assert snapshot("big") is None  # first seen: maybe still loading
-    assert snapshot("small").as_of_step == 4  # small: read at once
-
-    write_steps(w, range(20, 30), 25)
-    w.close()
-    live.reload()
-    plug._background_round({})
-    assert snapshot("big") is None  # it changed since the last round
-
-    plug._background_round({})  # it held still for a round: read now, whole
-    assert snapshot("big").as_of_step == 29
-    s = live.ok(P + "/summary", run="big")
-    assert (s["stale"], s["first_anomaly"]["step"]) == (False, 25)
-
-
-def test_packed_blocks_are_read_as_they_load_and_then_only_when_they_grow(tmp_path, monkeypatch):
-    monkeypatch.setattr(plugin, "_Refresher", _NoRefresherThread)
-    monkeypatch.setattr(plugin, "_INLINE_READ_RECORDS", 30)  # "big": more than 30 events to read
-    monkeypatch.setattr(packed, "STEPS_PER_BLOCK", 10)
-    w = NumericsRecordWriter(str(tmp_path / "big"))
-
-    def write_packed(steps: range, nan_step: int | None = None) -> None:
-        for step in steps:
-            x = [1.0, math.nan if step == nan_step else 2.0]
-            w.write_many(step, [("dense1/output", _stats(x), metadata.TensorInfo(role="activation")),
-                                ("loss", _stats([0.5]), metadata.TensorInfo(role="loss", order=1))])
-        w.flush()
-
-    write_packed(range(40))  # 4 blocks of 10 steps
-    live = TB(str(tmp_path))
-    plug = live.plugin
-    reads: list[list[str]] = []
-    read_tensors = plug._data_provider.read_tensors
-
-    def spy(ctx, **kwargs):
-        reads.append(sorted(kwargs["run_tag_filter"].tags))
-        return read_tensors(ctx, **kwargs)
-
-    monkeypatch.setattr(plug._data_provider, "read_tensors", spy)
-    cache = plug._cache("", "big")
-    block = lambda i: "%s%s/%06d" % (packed.TAG_PREFIX, w._packer._writer_id, i)  # noqa: E731
-
-    plug._background_round({})  # first seen, maybe still loading: too big to read whole now
-    assert cache.snapshot is None and sorted(cache.prefetched) == [block(i) for i in range(4)]
-    assert sorted(t for r in reads for t in r) == [block(i) for i in range(4)]
-    reads.clear()
-    s = live.ok(P + "/summary", run="big")
-    assert (s["stale"], s["records"], s["first_anomaly"]) == (False, 80, None)
-    assert reads == []  # the request took the blocks read ahead
-    assert cache.prefetched == {}
-    # Tensors logged at the same steps share one step array.
-    output, loss = sorted(cache.snapshot.series, key=lambda x: x.tag)
-    assert output.steps is loss.steps and output.steps.tolist() == list(range(40))
-
-    write_packed(range(40, 45))  # a new block, still being written
-    live.reload()
-    live.ok(P + "/summary", run="big")
-    write_packed(range(45, 55), nan_step=47)  # it fills up, and a next one starts
-    live.reload()
-    reads.clear()
-    s = live.ok(P + "/summary", run="big")
-    assert reads == [[block(4), block(5)]]  # only the blocks that grew
-    assert (s["stale"], s["records"], s["first_anomaly"]["step"]) == (False, 110, 47)
-    series = live.ok(P + "/series", run="big", tensor="loss")
-    assert series["steps"] == list(range(55))
-    output, loss = sorted(cache.snapshot.series, key=lambda x: x.tag)
-    assert output.steps is loss.steps  # also merged again from kept parts
 
 
 def _raw_numerics_event(tag: str, step: int, content: bytes, vec: np.ndarray) -> event_pb2.Event:
@@ -494,7 +386,7 @@ def test_unreadable_metadata_is_skipped_and_reported(tmp_path, caplog):
     # The server log says it too, once, however often the run is asked for.
     caplog.clear()
     tb = TB(str(tmp_path))
-    with caplog.at_level(logging.WARNING, logger="tb_numerics.plugin"):
+    with caplog.at_level(logging.WARNING, logger="tb_numerics.run_store"):
         for _ in range(3):
             tb.ok(P + "/summary", run="run")
     logged = [r.getMessage() for r in caplog.records if "from_the_future" in r.getMessage()]
@@ -505,7 +397,7 @@ def test_unreadable_metadata_is_skipped_and_reported(tmp_path, caplog):
 
 
 def test_serves_frontend_modules(tb):
-    frontend = plugin._frontend_dir()
+    frontend = plugin.frontend_dir()
     name = next(f for f in sorted(os.listdir(frontend)) if f.endswith(".js"))
     r = tb.client.get(P + "/" + name)
     assert r.status_code == 200
@@ -528,21 +420,10 @@ def test_static_route_refuses_anything_but_frontend_files(tb, path):
 def test_static_route_refuses_symlinks(tmp_path):
     (tmp_path / "real.js").write_text("export function render() {}")
     os.symlink("/etc/hostname", tmp_path / "link.js")
-    p = plugin.NumericsPlugin(plugin.base_plugin.TBContext())
-    p._frontend_dir = str(tmp_path)
-    assert p.static_impl("real.js")[1] == "text/javascript"
-    with pytest.raises(plugin._BadRequest):
-        p.static_impl("link.js")
+    p = plugin.NumericsPlugin(base_plugin.TBContext(), frontend=str(tmp_path))
+    static = wtest.Client(p.get_plugin_apps()["/*"])
+    real = static.get(P + "/real.js")
+    assert real.status_code == 200 and real.headers["Content-Type"].startswith("text/javascript")
+    link = static.get(P + "/link.js")
+    assert link.status_code == 404 and "link.js" in _strict_json(link.get_data())["error"]
 
-
-def test_chart_buckets_of_float32_records_sum_counts_exactly():
-    """Packed float32 records hold counts below 2**24 exactly; their bucket
-    sums go beyond, and must not be rounded to float32."""
-    n = 100
-    rec = numpy_stats(np.float32([1.0]))
-    rec[metadata.FIELD_INDEX["count"]] = 5_000_001
-    rec[metadata.FIELD_INDEX["zeros"]] = 3
-    values = np.asfortranarray(np.tile(rec, (n, 1)), np.float32)
-    got = plugin._series_points(np.arange(n), values, np.zeros(n, np.int8), np.zeros(n, np.int8), max_points=10)
-    assert got["downsampled"] and got["fields"]["count"] == [50_000_010] * 10
-    assert got["fields"]["zeros"] == [30] * 10
