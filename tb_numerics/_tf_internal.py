@@ -155,7 +155,7 @@ def backward_frames() -> frozenset[tuple[str, str]]:
     )
 
 
-def untracked_variable(initial_value: Any, name: str) -> tf.Variable:
+def untracked_variable(initial_value: Any, name: str, shape: Any = None) -> tf.Variable:
     """A variable that tf.function's creator scope does not see.
 
     ``tf.function`` refuses ``tf.Variable``s created on any trace but the
@@ -167,7 +167,48 @@ def untracked_variable(initial_value: Any, name: str) -> tf.Variable:
     from tensorflow.python.ops import resource_variable_ops
 
     with tf.init_scope():
-        return resource_variable_ops.ResourceVariable(initial_value, trainable=False, name=name)
+        return resource_variable_ops.ResourceVariable(initial_value, trainable=False, name=name, shape=shape)
+
+
+def traced_step_graph() -> Any:
+    """The graph of the ``tf.function`` being traced, where code called at
+    its top level (not in a ``tf.cond`` or loop body) runs; else None.
+
+    Such a graph runs callbacks when its trace ends (``at_trace_end``).
+    """
+    from tensorflow.python.framework import func_graph
+
+    graph = tf.compat.v1.get_default_graph()
+    return graph if type(graph) is func_graph.FuncGraph else None
+
+
+def wall_clock() -> tf.Tensor:
+    """Seconds since the epoch, float64: ``tf.timestamp``, which TensorFlow
+    refuses under ``enable_op_determinism``; there the host's clock."""
+    import time
+
+    import numpy as np
+    from tensorflow.python.framework import config
+
+    if config.is_op_determinism_enabled():
+        return tf.reshape(tf.numpy_function(lambda: np.float64(time.time()), [], tf.float64, stateful=True), [])
+    return tf.timestamp()
+
+
+def at_trace_end(graph: Any, fn: Callable[[], list]) -> None:
+    """Runs ``fn`` when the trace of ``graph`` ends (after the traced Python
+    function returned), and makes the ops it returns run with every call.
+
+    The ops are made after ``tf.function``'s automatic control dependencies
+    were worked out, so they are added to the graph's control outputs here
+    (else the runtime prunes them); they are ordered after what they read.
+    """
+    from tensorflow.python.framework import ops
+
+    def run() -> None:
+        graph.control_outputs.extend(fn())
+
+    ops.add_exit_callback_to_default_func_graph(run)
 
 
 # ------------------------------------------------------- tape gradient hook

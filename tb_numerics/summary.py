@@ -7,6 +7,15 @@ tensor inside ``tf.function``, as ``tf.summary.write`` does), honour an outer
 same records. As with every ``tf.summary`` op, a ``tf.function`` captures the
 default writer when it is traced: create the writer before the first call.
 
+Inside a ``tf.function``, calls at the function's top level (not in a
+``tf.cond`` or loop body, not under a ``tf.distribute`` replica context,
+without ``every_n_steps``) only note their tensor: when the trace ends, the
+step's records are computed together and written packed, many steps per
+event, by ``step_buffer`` (one write per step, a few kernels for all small
+tensors; a step with a NaN or an Inf is on disk at once). Such a call returns
+whether summaries are recorded. The other calls write their record at once,
+one event per record, as follows.
+
 Per writer and tag, small state lives in TensorFlow variables (created under
 ``tf.init_scope``, so a traced step can update them on every call):
 
@@ -52,7 +61,7 @@ from tensorboard.compat.proto import summary_pb2
 from tensorflow.python.framework import smart_cond
 from tensorflow.python.ops import summary_ops_v2
 
-from tb_numerics import _tf_internal, latch, metadata, packed, stats
+from tb_numerics import _tf_internal, latch, metadata, packed, stats, step_buffer
 
 __all__ = [
     "default_role",
@@ -123,6 +132,7 @@ class _WriterState:
         # Where log_gradients was last called (see _position): tags first
         # seen after it in the same step are in the update phase.
         self.gradients_at: tuple | None = None
+        self.buffer: step_buffer.StepBuffer | None = None
 
 
 _lock = threading.Lock()
@@ -151,6 +161,22 @@ def _tag_state(writer, tag: str, make_info: Callable[[int], metadata.TensorInfo]
         if st is None:
             st = ws.tags[tag] = _TagState(tag, make_info(len(ws.tags)), ws.writer_id)
         return st
+
+
+def _packing_graph(every_n: int | None):
+    """The traced step whose records ``step_buffer`` packs, where it takes
+    this call's (see its docstring); else None."""
+    if every_n is not None or stats.replica_context() is not None:
+        return None
+    return step_buffer.traced_step_graph()
+
+
+def _step_buffer(writer) -> step_buffer.StepBuffer:
+    ws = _writer_state(writer)
+    with _lock:
+        if ws.buffer is None:
+            ws.buffer = step_buffer.StepBuffer(writer, ws.writer_id)
+        return ws.buffer
 
 
 def _position(step: tf.Tensor) -> tuple:
@@ -387,7 +413,9 @@ def log_numerics(
         tag's metadata, so every reader applies it. A NaN or +Inf still counts.
 
     Returns:
-      Whether a record was written.
+      Whether a record was written; at the top level of a ``tf.function``
+      (packed with the step's others, see the module's docstring), whether
+      summaries are recorded.
 
     Raises:
       TypeError: ``tensor`` is not float16, bfloat16, float32 or float64.
@@ -405,6 +433,12 @@ def log_numerics(
         after_gradients = _writer_state(writer).gradients_at == _position(step)
         role = "update" if after_gradients else default_role(name)
     st = _tag_state(writer, name, _info_for(x, role, description, dtype, bool(allow_neginf)))
+    graph = _packing_graph(every_n)
+    if graph is not None:
+        buf = _step_buffer(writer)
+        record = tf.summary.should_record_summaries()
+        buf.add(graph, [step_buffer.Entry(buf.index_of(name, st.info), step, record, x=x, dtype=dtype)])
+        return record
 
     def compute_and_emit() -> tf.Tensor:
         return _emit([(st, _combine(stats.tensor_stats(x, name)))], step, every_n)
@@ -477,6 +511,20 @@ def log_gradients(grads: Sequence, variables: Sequence, step=None, *, every_n_st
 
     # Tags first logged after this call, in the same step, are the update's.
     _writer_state(writer).gradients_at = _position(step)
+    graph = _packing_graph(every_n)
+    if graph is not None:
+        buf = _step_buffer(writer)
+        record = tf.summary.should_record_summaries()
+        entries = [
+            step_buffer.Entry(buf.index_of(st.tag, st.info), step, record, x=g, dtype=dt)
+            for st, (_, g, dt) in zip(states, pairs)
+        ]
+        entries.append(step_buffer.Entry(
+            buf.index_of(norm_state.tag, norm_state.info), step, record, parts=tuple(range(len(pairs))),
+            combine=lambda vecs: global_norm_record(vecs, norm_dtype),
+        ))
+        buf.add(graph, entries)
+        return record
 
     def compute_and_emit() -> tf.Tensor:
         vecs = [_combine(stats.tensor_stats(g, tag)) for tag, g, _ in pairs]
