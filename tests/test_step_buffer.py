@@ -203,3 +203,24 @@ def test_many_stats_agrees_with_the_reference():
             exact = [F[f] for f in metadata.FIELDS if f not in ("sum", "sum_sq")]
             np.testing.assert_array_equal(row[exact], want[exact], err_msg=str(a))
             np.testing.assert_allclose(row, want, rtol=1e-6, atol=1e-30, err_msg=str(a))
+
+
+def test_events_after_a_damaged_first_event_are_still_read(tmp_path):
+    writer = tf.summary.create_file_writer(str(tmp_path))
+    step, counter = make_step(2), tf.Variable(0, dtype=tf.int64)
+    with writer.as_default(step=counter):
+        for s in range(6):
+            step(X, tf.constant(s == 4))
+            counter.assign_add(1)
+            writer.flush()  # an event per step
+    writer.close()
+    (path,) = [os.path.join(tmp_path, f) for f in os.listdir(tmp_path)]
+    data = bytearray(open(path, "rb").read())
+    offset = 16 + int.from_bytes(data[:8], "little")  # past the file-version event
+    data[offset + 40] ^= 0xFF  # the first packed event fails its checksum
+    open(path, "wb").write(bytes(data))
+    runs = event_reader.read_logdir(str(tmp_path))
+    series = {s.tag: s for s in runs[0].series}
+    assert series["loss"].steps.tolist() == [1, 2, 3, 4, 5]
+    assert series["loss"].info.role == "loss"
+    assert series["loss"].values[3, F["nan"]] == 1
