@@ -86,7 +86,10 @@ class StepBuffer:
         self._meta = _tf_internal.untracked_variable(b"", "tb_numerics_table")
         self._neginf_ok = np.zeros(0, bool)
         self._flushing = False
-        self._flush_fn = None
+        self._commit_fn = None
+        # Eager calls' rows of the step being logged, not yet in the buffer.
+        self._eager: list[np.ndarray] = []
+        self._eager_step: int | None = None
         _hook_flush(writer, self)
 
     def index_of(self, tag: str, info: metadata.TensorInfo) -> int:
@@ -186,25 +189,45 @@ class StepBuffer:
         with tf.control_dependencies(updates):
             return tf.identity(written)
 
+    def add_eager(self, index: int, step: int, record: np.ndarray) -> None:
+        """Adds an eager call's record: the step's records go to the buffer
+        together when the next step's first comes, at once (written) where
+        one holds a NaN or an Inf that is not intended."""
+        if self._eager and step != self._eager_step:
+            self._push(force=False)
+        self._eager_step = step
+        self._eager.append(np.concatenate([[index, step], record]))
+        if np.sum(record[[F["nan"], F["posinf"], F["neginf"]]] * _nonfinite_weights(self._neginf_ok[[index]])[0]) > 0:
+            self._push(force=True)
+
     def flush(self) -> None:
         """Writes the rows waiting in the buffer (eagerly, outside any step)."""
         writer = self._writer()
-        if writer is None or getattr(writer, "_closed", False) or self._flushing or not self._counts.numpy()[0]:
+        if writer is None or getattr(writer, "_closed", False) or self._flushing:
             return
-        if self._flush_fn is None:
-            # Traced: TensorFlow leaves writer.as_default() with a flush, so a
-            # loop that enters it every step flushes every step.
-            @tf.function(autograph=False)
-            def flush_fn():
-                with writer.as_default(), tf.summary.record_if(True):
-                    return self._commit(writer, tf.zeros([0, packed.COLUMNS], tf.float64), tf.constant(False), force=True)
+        if self._eager or self._counts.numpy()[0]:
+            self._push(force=True)
 
-            self._flush_fn = flush_fn
+    def _push(self, force: bool) -> None:
+        """Commits the eager rows (maybe none) to the buffer; ``force`` writes it."""
+        writer = self._writer()
+        if writer is None:
+            return
+        if self._commit_fn is None:
+            # Traced once: a commit is one call, not dozens of eager ops.
+            @tf.function(autograph=False)
+            def commit_fn(rows, force):
+                with writer.as_default(), tf.summary.record_if(True):
+                    return self._commit(writer, rows, force, force=False)
+
+            self._commit_fn = commit_fn
+        rows = np.array(self._eager, np.float64).reshape(-1, packed.COLUMNS)
+        self._eager = []
         # (Leaving writer.as_default() flushes the writer: that must not come back here.)
         self._flushing = True
         try:
             with tf.init_scope():
-                self._flush_fn()
+                self._commit_fn(tf.constant(rows), tf.constant(force))
         finally:
             self._flushing = False
 

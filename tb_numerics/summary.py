@@ -163,12 +163,40 @@ def _tag_state(writer, tag: str, make_info: Callable[[int], metadata.TensorInfo]
         return st
 
 
-def _packing_graph(every_n: int | None):
-    """The traced step whose records ``step_buffer`` packs, where it takes
-    this call's (see its docstring); else None."""
+def _packed(writer, step: tf.Tensor, every_n: int | None, items: list, norm=None) -> tf.Tensor | None:
+    """Hands a call's records to the writer's ``step_buffer`` where it takes
+    them: eagerly or at a traced step's top level, without ``every_n`` or a
+    replica context. Returns whether summaries are recorded; None where the
+    call must write its records itself.
+
+    ``items`` are (tag state, tensor, dtype); ``norm`` (tag state, dtype)
+    adds the global norm of their records.
+    """
     if every_n is not None or stats.replica_context() is not None:
         return None
-    return step_buffer.traced_step_graph()
+    graph = step_buffer.traced_step_graph()
+    if graph is None and not tf.executing_eagerly():
+        return None
+    record = tf.summary.should_record_summaries()
+    buf = _step_buffer(writer)
+    index = [buf.index_of(st.tag, st.info) for st, _, _ in items]
+    norm_index = None if norm is None else buf.index_of(norm[0].tag, norm[0].info)
+    if graph is not None:
+        entries = [step_buffer.Entry(i, step, record, x=x, dtype=dt) for i, (_, x, dt) in zip(index, items)]
+        if norm is not None:
+            combine = lambda vecs: global_norm_record(vecs, norm[1])  # noqa: E731
+            entries.append(step_buffer.Entry(norm_index, step, record, parts=tuple(range(len(items))), combine=combine))
+        buf.add(graph, entries)
+        return record
+    if not bool(record):
+        return record
+    vecs = [stats.tensor_stats(x, st.tag) for st, x, _ in items]
+    if norm is not None:
+        vecs.append(global_norm_record(tf.stack(vecs), norm[1]))
+        index.append(norm_index)
+    for i, v in zip(index, vecs):
+        buf.add_eager(i, int(step), v.numpy())
+    return record
 
 
 def _step_buffer(writer) -> step_buffer.StepBuffer:
@@ -433,11 +461,8 @@ def log_numerics(
         after_gradients = _writer_state(writer).gradients_at == _position(step)
         role = "update" if after_gradients else default_role(name)
     st = _tag_state(writer, name, _info_for(x, role, description, dtype, bool(allow_neginf)))
-    graph = _packing_graph(every_n)
-    if graph is not None:
-        buf = _step_buffer(writer)
-        record = tf.summary.should_record_summaries()
-        buf.add(graph, [step_buffer.Entry(buf.index_of(name, st.info), step, record, x=x, dtype=dtype)])
+    record = _packed(writer, step, every_n, [(st, x, dtype)])
+    if record is not None:
         return record
 
     def compute_and_emit() -> tf.Tensor:
@@ -511,19 +536,9 @@ def log_gradients(grads: Sequence, variables: Sequence, step=None, *, every_n_st
 
     # Tags first logged after this call, in the same step, are the update's.
     _writer_state(writer).gradients_at = _position(step)
-    graph = _packing_graph(every_n)
-    if graph is not None:
-        buf = _step_buffer(writer)
-        record = tf.summary.should_record_summaries()
-        entries = [
-            step_buffer.Entry(buf.index_of(st.tag, st.info), step, record, x=g, dtype=dt)
-            for st, (_, g, dt) in zip(states, pairs)
-        ]
-        entries.append(step_buffer.Entry(
-            buf.index_of(norm_state.tag, norm_state.info), step, record, parts=tuple(range(len(pairs))),
-            combine=lambda vecs: global_norm_record(vecs, norm_dtype),
-        ))
-        buf.add(graph, entries)
+    items = [(st, g, dt) for st, (_, g, dt) in zip(states, pairs)]
+    record = _packed(writer, step, every_n, items, (norm_state, norm_dtype))
+    if record is not None:
         return record
 
     def compute_and_emit() -> tf.Tensor:

@@ -224,3 +224,21 @@ def test_events_after_a_damaged_first_event_are_still_read(tmp_path):
     assert series["loss"].steps.tolist() == [1, 2, 3, 4, 5]
     assert series["loss"].info.role == "loss"
     assert series["loss"].values[3, F["nan"]] == 1
+
+
+def test_eager_steps_are_packed_and_a_nan_step_is_on_disk_at_once(tmp_path):
+    writer = tf.summary.create_file_writer(str(tmp_path))
+    counter = tf.Variable(0, dtype=tf.int64)
+    with writer.as_default(step=counter):
+        for s in range(5):
+            tbn.log_numerics("dense/output", X * float(s))
+            tbn.log_numerics("loss", tf.constant(np.nan if s == 2 else 0.5))
+            counter.assign_add(1)
+            if s == 2:
+                assert read(tmp_path)["loss"][0] == [0, 1, 2]
+    writer.close()
+    recs = read(tmp_path)
+    assert recs["dense/output"][0] == recs["loss"][0] == [0, 1, 2, 3, 4]
+    assert recs["loss"][1][2, F["nan"]] == 1
+    assert recs["dense/output"][1][4, F["max"]] == 4.0
+    assert len(events(tmp_path)) == 2  # steps 0-2 at the NaN, 3-4 on close

@@ -78,8 +78,7 @@ def test_eager_and_function_write_the_same_records_in_execution_order(tmp_path):
     eager, graph = results["eager"], results["function"]
     assert eager.keys() == graph.keys()
     for tag in eager:
-        # Eager calls write one event per record (version 1), a traced step packs them (version 3).
-        assert eager[tag][0] == dataclasses.replace(graph[tag][0], version=1), tag
+        assert eager[tag][0] == graph[tag][0], tag
         assert eager[tag][1] == graph[tag][1] == [3]
         # Counts, min and max exactly; sums to the accumulation precision.
         exact = [F[f] for f in metadata.FIELDS if f not in ("sum", "sum_sq")]
@@ -188,13 +187,13 @@ def test_without_writer_or_under_record_if_false_nothing_is_written(tmp_path):
 
 
 def test_full_metadata_in_first_event_compact_in_later_ones_and_bytes_per_record(tmp_path):
-    # Eager calls write a record per event (a traced step's are packed).
+    # every_n_steps writes a record per event (other calls are packed).
     writer = tf.summary.create_file_writer(str(tmp_path))
     x = tf.constant(np.random.default_rng(0).standard_normal((64, 64)).astype(np.float32))
     counter = tf.Variable(0, dtype=tf.int64)
     with writer.as_default(step=counter):
         for s in range(20):
-            tbn.log_numerics("dense3/output", x, allow_neginf=True)
+            tbn.log_numerics("dense3/output", x, allow_neginf=True, every_n_steps=1)
             counter.assign_add(1)
     writer.close()
     events = [event_pb2.Event.FromString(r) for r in raw_events(tmp_path)]
@@ -219,9 +218,9 @@ def test_records_after_a_damaged_first_event_are_still_read(tmp_path):
     writer = tf.summary.create_file_writer(str(tmp_path))
     counter = tf.Variable(0, dtype=tf.int64)
     with writer.as_default(step=counter):
-        for s in range(10):
-            tbn.log_numerics("dense/output", tf.constant([1.0, np.nan if s == 7 else 2.0]))
-            tbn.log_numerics("model/loss", tf.constant(0.5))
+        for s in range(10):  # every_n_steps: a record per event
+            tbn.log_numerics("dense/output", tf.constant([1.0, np.nan if s == 7 else 2.0]), every_n_steps=1)
+            tbn.log_numerics("model/loss", tf.constant(0.5), every_n_steps=1)
             counter.assign_add(1)
     writer.close()
     (path,) = [os.path.join(tmp_path, f) for f in os.listdir(tmp_path)]
