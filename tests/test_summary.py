@@ -418,8 +418,9 @@ def test_every_record_of_a_tag_logged_twice_in_a_step_reaches_the_report(tmp_pat
     assert (runs[0]["first_anomaly"]["step"], runs[0]["first_anomaly"]["neginf"]) == (4, 1)
 
 
+@pytest.mark.parametrize("every_n", [None, 1], ids=["packed", "per-record"])
 @pytest.mark.parametrize("load_fast", [True, False], ids=["rust", "python"])
-def test_repeated_records_of_a_step_survive_in_real_tensorboard(tmp_path, load_fast):
+def test_repeated_records_of_a_step_survive_in_real_tensorboard(tmp_path, load_fast, every_n):
     from tb_process import tensorboard, wait_for
 
     logdir = tmp_path / "logs"
@@ -427,8 +428,8 @@ def test_repeated_records_of_a_step_survive_in_real_tensorboard(tmp_path, load_f
 
     @tf.function
     def step(a, b):
-        tbn.log_numerics("accum/grad", a)
-        tbn.log_numerics("accum/grad", b)
+        tbn.log_numerics("accum/grad", a, every_n_steps=every_n)
+        tbn.log_numerics("accum/grad", b, every_n_steps=every_n)
 
     counter = tf.Variable(0, dtype=tf.int64)
     with writer.as_default(step=counter):
