@@ -1,6 +1,5 @@
 """log_numerics / log_gradients / write_stats write what a user reads back."""
 
-import dataclasses
 import json
 import os
 import subprocess
