@@ -152,24 +152,28 @@ def bytes_per_record(logdir: str) -> tuple[float, float, int]:
     """Bytes on disk per numerics record in ``logdir``: (whole files / records,
     mean size of a record after its tag's first, record count).
 
-    A tag's first record carries the whole metadata, later ones a compact
-    copy: they are the steady state. Sizes include the 16 bytes of TFRecord framing.
+    A tag's first event carries the whole metadata, later ones a compact
+    copy (or, packed, the block's table again): they are the steady state. Sizes include the 16 bytes of TFRecord framing.
     """
     runs = event_reader.read_logdir(logdir)
     records = sum(len(s.steps) for rr in runs for s in rr.series)
     paths = [os.path.join(d, f) for d, _, fs in os.walk(logdir) for f in fs]
-    later, seen = [], set()
+    later_bytes = later_records = 0
+    seen = set()
     for path in paths:
         for raw in tf.data.TFRecordDataset(path):
             event = event_pb2.Event.FromString(raw.numpy())
             if event.summary.value:
-                tag = event.summary.value[0].tag
-                if tag in seen:
-                    later.append(len(raw.numpy()) + 16)
-                seen.add(tag)
+                value = event.summary.value[0]
+                if value.tag in seen:
+                    later_bytes += len(raw.numpy()) + 16
+                    # A packed event holds a row per record.
+                    dims = value.tensor.tensor_shape.dim
+                    later_records += dims[0].size if len(dims) == 2 else 1
+                seen.add(value.tag)
     size = sum(os.path.getsize(p) for p in paths)
     whole = size / records if records else float("nan")
-    return whole, (statistics.mean(later) if later else float("nan")), records
+    return whole, (later_bytes / later_records if later_records else float("nan")), records
 
 
 def main(argv=None) -> int:

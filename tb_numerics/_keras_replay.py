@@ -125,7 +125,7 @@ def _buffer(t: tf.Tensor) -> tf.Variable:
     dtype = t.dtype.as_numpy_dtype
     if t.shape.is_fully_defined():
         return _tf_internal.untracked_variable(np.zeros(t.shape.as_list(), dtype), "tb_numerics_batch")
-    return _tf_internal.untracked_variable(np.zeros([0], dtype), "tb_numerics_batch", any_shape=True)
+    return _tf_internal.untracked_variable(np.zeros([0], dtype), "tb_numerics_batch", shape=tf.TensorShape(None))
 
 
 def _num(x: Any) -> Any:

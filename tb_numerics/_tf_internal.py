@@ -244,21 +244,61 @@ def backward_frames() -> frozenset[tuple[str, str]]:
     )
 
 
-def untracked_variable(initial_value: Any, name: str, any_shape: bool = False) -> tf.Variable:
+def untracked_variable(initial_value: Any, name: str, shape: Any = None) -> tf.Variable:
     """A variable that tf.function's creator scope does not see.
 
     ``tf.function`` refuses ``tf.Variable``s created on any trace but the
     first; a ring buffer is sized by the ops of its own trace, so each trace
     makes one, under ``tf.init_scope``. Constructing the concrete class
     directly bypasses the creator scopes; the graph captures it like any
-    variable created outside. ``any_shape``: values of any shape may be
-    assigned to it later (a batch, whose last one may be smaller).
+    variable created outside. ``shape``: the shapes it may hold later, where
+    they differ from the initial value's (``tf.TensorShape(None)``: any).
     """
     from tensorflow.python.ops import resource_variable_ops
 
-    shape = tf.TensorShape(None) if any_shape else None
     with tf.init_scope():
         return resource_variable_ops.ResourceVariable(initial_value, trainable=False, name=name, shape=shape)
+
+
+def traced_step_graph() -> Any:
+    """The graph of the ``tf.function`` being traced, where code called at
+    its top level (not in a ``tf.cond`` or loop body) runs; else None.
+
+    Such a graph runs callbacks when its trace ends (``at_trace_end``).
+    """
+    from tensorflow.python.framework import func_graph
+
+    graph = tf.compat.v1.get_default_graph()
+    return graph if type(graph) is func_graph.FuncGraph else None
+
+
+def wall_clock() -> tf.Tensor:
+    """Seconds since the epoch, float64: ``tf.timestamp``, which TensorFlow
+    refuses under ``enable_op_determinism``; there the host's clock."""
+    import time
+
+    import numpy as np
+    from tensorflow.python.framework import config
+
+    if config.is_op_determinism_enabled():
+        return tf.reshape(tf.numpy_function(lambda: np.float64(time.time()), [], tf.float64, stateful=True), [])
+    return tf.timestamp()
+
+
+def at_trace_end(graph: Any, fn: Callable[[], list]) -> None:
+    """Runs ``fn`` when the trace of ``graph`` ends (after the traced Python
+    function returned), and makes the ops it returns run with every call.
+
+    The ops are made after ``tf.function``'s automatic control dependencies
+    were worked out, so they are added to the graph's control outputs here
+    (else the runtime prunes them); they are ordered after what they read.
+    """
+    from tensorflow.python.framework import ops
+
+    def run() -> None:
+        graph.control_outputs.extend(fn())
+
+    ops.add_exit_callback_to_default_func_graph(run)
 
 
 # ------------------------------------------------------- tape gradient hook

@@ -7,6 +7,15 @@ tensor inside ``tf.function``, as ``tf.summary.write`` does), honour an outer
 same records. As with every ``tf.summary`` op, a ``tf.function`` captures the
 default writer when it is traced: create the writer before the first call.
 
+Inside a ``tf.function``, calls at the function's top level (not in a
+``tf.cond`` or loop body, not under a ``tf.distribute`` replica context,
+without ``every_n_steps``) only note their tensor: when the trace ends, the
+step's records are computed together and written packed, many steps per
+event, by ``step_buffer`` (one write per step, a few kernels for all small
+tensors; a step with a NaN or an Inf is on disk at once). Such a call returns
+whether summaries are recorded. The other calls write their record at once,
+one event per record, as follows.
+
 Per writer and tag, small state lives in TensorFlow variables (created under
 ``tf.init_scope``, so a traced step can update them on every call):
 
@@ -52,7 +61,7 @@ from tensorboard.compat.proto import summary_pb2
 from tensorflow.python.framework import smart_cond
 from tensorflow.python.ops import summary_ops_v2
 
-from tb_numerics import _tf_internal, latch, metadata, packed, stats
+from tb_numerics import _tf_internal, latch, metadata, packed, stats, step_buffer
 
 __all__ = [
     "default_role",
@@ -123,6 +132,7 @@ class _WriterState:
         # Where log_gradients was last called (see _position): tags first
         # seen after it in the same step are in the update phase.
         self.gradients_at: tuple | None = None
+        self.buffer: step_buffer.StepBuffer | None = None
 
 
 _lock = threading.Lock()
@@ -151,6 +161,50 @@ def _tag_state(writer, tag: str, make_info: Callable[[int], metadata.TensorInfo]
         if st is None:
             st = ws.tags[tag] = _TagState(tag, make_info(len(ws.tags)), ws.writer_id)
         return st
+
+
+def _packed(writer, step: tf.Tensor, every_n: int | None, items: list, norm=None) -> tf.Tensor | None:
+    """Hands a call's records to the writer's ``step_buffer`` where it takes
+    them: eagerly or at a traced step's top level, without ``every_n`` or a
+    replica context. Returns whether summaries are recorded; None where the
+    call must write its records itself.
+
+    ``items`` are (tag state, tensor, dtype); ``norm`` (tag state, dtype)
+    adds the global norm of their records.
+    """
+    if every_n is not None or stats.replica_context() is not None:
+        return None
+    graph = step_buffer.traced_step_graph()
+    if graph is None and not tf.executing_eagerly():
+        return None
+    record = tf.summary.should_record_summaries()
+    buf = _step_buffer(writer)
+    index = [buf.index_of(st.tag, st.info) for st, _, _ in items]
+    norm_index = None if norm is None else buf.index_of(norm[0].tag, norm[0].info)
+    if graph is not None:
+        entries = [step_buffer.Entry(i, step, record, x=x, dtype=dt) for i, (_, x, dt) in zip(index, items)]
+        if norm is not None:
+            combine = lambda vecs: global_norm_record(vecs, norm[1])  # noqa: E731
+            entries.append(step_buffer.Entry(norm_index, step, record, parts=tuple(range(len(items))), combine=combine))
+        buf.add(graph, entries)
+        return record
+    if not bool(record):
+        return record
+    vecs = [stats.tensor_stats(x, st.tag) for st, x, _ in items]
+    if norm is not None:
+        vecs.append(global_norm_record(tf.stack(vecs), norm[1]))
+        index.append(norm_index)
+    for i, v in zip(index, vecs):
+        buf.add_eager(i, int(step), v.numpy())
+    return record
+
+
+def _step_buffer(writer) -> step_buffer.StepBuffer:
+    ws = _writer_state(writer)
+    with _lock:
+        if ws.buffer is None:
+            ws.buffer = step_buffer.StepBuffer(writer, ws.writer_id)
+        return ws.buffer
 
 
 def _position(step: tf.Tensor) -> tuple:
@@ -387,7 +441,9 @@ def log_numerics(
         tag's metadata, so every reader applies it. A NaN or +Inf still counts.
 
     Returns:
-      Whether a record was written.
+      Whether a record was written; at the top level of a ``tf.function``
+      (packed with the step's others, see the module's docstring), whether
+      summaries are recorded.
 
     Raises:
       TypeError: ``tensor`` is not float16, bfloat16, float32 or float64.
@@ -405,6 +461,9 @@ def log_numerics(
         after_gradients = _writer_state(writer).gradients_at == _position(step)
         role = "update" if after_gradients else default_role(name)
     st = _tag_state(writer, name, _info_for(x, role, description, dtype, bool(allow_neginf)))
+    record = _packed(writer, step, every_n, [(st, x, dtype)])
+    if record is not None:
+        return record
 
     def compute_and_emit() -> tf.Tensor:
         return _emit([(st, _combine(stats.tensor_stats(x, name)))], step, every_n)
@@ -477,6 +536,10 @@ def log_gradients(grads: Sequence, variables: Sequence, step=None, *, every_n_st
 
     # Tags first logged after this call, in the same step, are the update's.
     _writer_state(writer).gradients_at = _position(step)
+    items = [(st, g, dt) for st, (_, g, dt) in zip(states, pairs)]
+    record = _packed(writer, step, every_n, items, (norm_state, norm_dtype))
+    if record is not None:
+        return record
 
     def compute_and_emit() -> tf.Tensor:
         vecs = [_combine(stats.tensor_stats(g, tag)) for tag, g, _ in pairs]

@@ -1,0 +1,282 @@
+"""One packed write for the ``log_numerics`` records of a traced step.
+
+Inside a ``tf.function``, each ``log_numerics`` / ``log_gradients`` call
+made at the function's top level only notes its tensor. When the trace
+ends, the noted tensors get one computation and one write path, run with
+every call of the function:
+
+* the small tensors' records in one segment reduction
+  (``stats.many_stats``), the large ones' by ``stats.tensor_stats`` each;
+* the step's rows (table index, step, record: ``packed``'s format 3)
+  appended to a buffer in a variable;
+* one conditional write of the buffer as one event under the writer's
+  block tag ``__numerics_block__/<writer id>/<sequence>``, when it holds
+  ``packed.STEPS_PER_EVENT`` steps, when its oldest step has waited
+  ``packed.MAX_DELAY_S`` (checked at each step), or at once, flushed to
+  disk, when a record holds a NaN or an Inf that is not intended. Every
+  write is flushed, so that at most the steps of the last 2 s wait in
+  memory; ``writer.flush()``, ``writer.close()`` and interpreter exit write
+  them too.
+
+The table (tag and ``TensorInfo`` of each row index) only grows: a tag's
+index never changes, so rows buffered before a new tag came are valid
+under the larger table. A new tag, or ``packed.STEPS_PER_BLOCK`` steps,
+starts a new block; every event carries its block's table, so that each
+event can be read on its own (a damaged first event loses only itself).
+An event's step is its last row's step, or one more than the block's
+previous event's where that is larger: TensorBoard's Rust data server keeps
+one event per tag and step, and the rows hold the true steps.
+
+Not taken here (the caller writes those per call): calls inside a
+``tf.cond`` or loop body, under a ``tf.distribute`` replica context, with
+``every_n_steps``, and eager calls.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import threading
+import weakref
+from typing import Callable
+
+import numpy as np
+import tensorflow as tf
+
+from tb_numerics import _tf_internal, metadata, packed, stats
+
+__all__ = ["Entry", "StepBuffer", "traced_step_graph"]
+
+F = metadata.FIELD_INDEX
+_NONFINITE = [2 + F["nan"], 2 + F["posinf"], 2 + F["neginf"]]
+traced_step_graph = _tf_internal.traced_step_graph
+
+
+@dataclasses.dataclass
+class Entry:
+    """One call's record to compute at the end of the trace: of tensor
+    ``x``, or ``combine`` of the records of the entries ``parts`` (a global
+    norm from its gradients' records)."""
+
+    index: int
+    step: tf.Tensor
+    record: tf.Tensor  # whether summaries were recorded at the call
+    x: tf.Tensor | None = None
+    dtype: str = ""
+    parts: tuple[int, ...] = ()
+    combine: Callable[[tf.Tensor], tf.Tensor] | None = None
+
+
+class StepBuffer:
+    """One writer's packed records: its table, its buffered rows, its blocks."""
+
+    def __init__(self, writer, writer_id: str):
+        self._writer = weakref.ref(writer)
+        self._prefix = "%s%s/" % (packed.TAG_PREFIX, writer_id)
+        self._lock = threading.Lock()
+        self.table: list[tuple[str, metadata.TensorInfo]] = []
+        self._index: dict[str, int] = {}
+        self._open: dict[int, list[Entry]] = {}
+        self._rows = _tf_internal.untracked_variable(
+            np.zeros([0, packed.COLUMNS]), "tb_numerics_rows", shape=tf.TensorShape([None, packed.COLUMNS])
+        )
+        # steps buffered, step of the last event, block sequence, steps in the block
+        self._counts = _tf_internal.untracked_variable(np.array([0, -1, -1, 0], np.int64), "tb_numerics_counts")
+        self._since = _tf_internal.untracked_variable(np.float64(0), "tb_numerics_since")
+        self._meta = _tf_internal.untracked_variable(b"", "tb_numerics_table")
+        self._neginf_ok = np.zeros(0, bool)
+        self._flushing = False
+        self._commit_fn = None
+        # Eager calls' rows of the step being logged, not yet in the buffer.
+        self._eager: list[np.ndarray] = []
+        self._eager_step: int | None = None
+        _hook_flush(writer, self)
+
+    def index_of(self, tag: str, info: metadata.TensorInfo) -> int:
+        """The row index of ``tag``; a new tag starts a new block whose table has it."""
+        with self._lock:
+            i = self._index.get(tag)
+            if i is None:
+                i = self._index[tag] = len(self.table)
+                self.table.append((tag, info))
+                self._neginf_ok = np.array([inf.neginf_ok for _, inf in self.table])
+                table = metadata.create_block_metadata(self.table).SerializeToString()
+                with tf.init_scope():
+                    self._meta.assign(table)
+                    c = self._counts.numpy()
+                    self._counts.assign([c[0], c[1], c[2] + 1, 0])
+            return i
+
+    def add(self, graph, entries: list[Entry]) -> None:
+        """Notes ``entries`` of a call in ``graph``, to compute at its trace's end."""
+        key = id(graph)
+        with self._lock:
+            first = key not in self._open
+            noted = self._open.setdefault(key, [])
+            # ``parts`` count from the call's first entry; now from the trace's.
+            at = len(noted)
+            noted.extend([dataclasses.replace(e, parts=tuple(p + at for p in e.parts)) for e in entries])
+        if first:
+            _tf_internal.at_trace_end(graph, lambda: self._finish(key))
+
+    @tf.autograph.experimental.do_not_convert
+    def _finish(self, key: int) -> list:
+        """The ops of one trace's records: computed, buffered, written when due."""
+        with self._lock:
+            entries = self._open.pop(key)
+        writer = self._writer()
+        if writer is None or not entries:
+            return []
+        # Rows are kept where summaries were recorded at their call; once
+        # kept, they are written whatever record_if says at the end.
+        with writer.as_default(), tf.summary.record_if(True):
+            vecs = _records(entries)
+            index = np.array([e.index for e in entries])
+            steps = tf.cast(tf.stack([e.step for e in entries]), tf.float64)
+            rows = tf.concat([tf.constant(index, tf.float64)[:, None], steps[:, None], vecs], axis=1)
+            bad = tf.reduce_sum(tf.gather(rows, _NONFINITE, axis=1) * _nonfinite_weights(self._neginf_ok[index]), 1) > 0
+            keep = tf.stack([e.record for e in entries])
+            rows = tf.boolean_mask(rows, keep)
+            written = self._commit(writer, rows, tf.reduce_any(bad & keep), force=False)
+        return [written.op]
+
+    def _commit(self, writer, rows: tf.Tensor, bad: tf.Tensor, force: bool) -> tf.Tensor:
+        """Adds ``rows`` (one step's, maybe none) to the buffer; writes it when due."""
+        old, c, since = self._rows.read_value(), self._counts.read_value(), self._since.read_value()
+        rows_all = tf.concat([old, rows], 0)
+        adds = c[0] + tf.cast(tf.shape(rows)[0] > 0, tf.int64)
+        now = _tf_internal.wall_clock()
+        since = tf.where(c[0] > 0, since, now)
+        due = tf.shape(rows_all)[0] > 0
+        if not force:
+            due &= bad | (adds >= packed.STEPS_PER_EVENT) | (now - since >= packed.MAX_DELAY_S)
+        return tf.cond(
+            due,
+            lambda: self._write(writer, rows_all, c, adds),
+            lambda: self._keep(rows_all, c, adds, since),
+        )
+
+    def _keep(self, rows_all: tf.Tensor, c: tf.Tensor, adds: tf.Tensor, since: tf.Tensor) -> tf.Tensor:
+        with tf.control_dependencies(
+            [self._rows.assign(rows_all), self._counts.assign(tf.tensor_scatter_nd_update(c, [[0]], [adds])),
+             self._since.assign(since)]
+        ):
+            return tf.constant(False)
+
+    def _write(self, writer, rows_all: tf.Tensor, c: tf.Tensor, adds: tf.Tensor) -> tf.Tensor:
+        """Writes the buffered rows as one event of the current block, flushed."""
+        full = c[3] >= packed.STEPS_PER_BLOCK
+        seq = c[2] + tf.cast(full, tf.int64)
+        in_block = tf.where(full, tf.constant(0, tf.int64), c[3]) + adds
+        tag = tf.strings.join([self._prefix, tf.strings.as_string(seq, width=6, fill="0")])
+        step = tf.maximum(c[1] + 1, tf.cast(rows_all[-1, 1], tf.int64))
+        meta = self._meta.read_value()
+        as32 = tf.cast(rows_all, tf.float32)
+        exact = tf.reduce_all(tf.equal(tf.cast(as32, tf.float64), rows_all) | tf.math.is_nan(rows_all))
+        # float32 where every value is exactly one (as NumericsRecordWriter writes).
+        written = tf.cond(
+            exact,
+            lambda: tf.summary.write(tag, as32, step=step, metadata=meta),
+            lambda: tf.summary.write(tag, rows_all, step=step, metadata=meta),
+        )
+        with tf.control_dependencies([written]):
+            flushed = type(writer).flush(writer)  # the writer's own flush, not _hook_flush's
+        with tf.control_dependencies([] if flushed is None else [flushed]):
+            updates = [
+                self._rows.assign(tf.zeros([0, packed.COLUMNS], tf.float64)),
+                self._counts.assign(tf.stack([tf.constant(0, tf.int64), step, seq, in_block])),
+            ]
+        with tf.control_dependencies(updates):
+            return tf.identity(written)
+
+    def add_eager(self, index: int, step: int, record: np.ndarray) -> None:
+        """Adds an eager call's record: the step's records go to the buffer
+        together when the next step's first comes, at once (written) where
+        one holds a NaN or an Inf that is not intended."""
+        if self._eager and step != self._eager_step:
+            self._push(force=False)
+        self._eager_step = step
+        self._eager.append(np.concatenate([[index, step], record]))
+        if np.sum(record[[F["nan"], F["posinf"], F["neginf"]]] * _nonfinite_weights(self._neginf_ok[[index]])[0]) > 0:
+            self._push(force=True)
+
+    def flush(self) -> None:
+        """Writes the rows waiting in the buffer (eagerly, outside any step)."""
+        writer = self._writer()
+        if writer is None or getattr(writer, "_closed", False) or self._flushing:
+            return
+        if self._eager or self._counts.numpy()[0]:
+            self._push(force=True)
+
+    def _push(self, force: bool) -> None:
+        """Commits the eager rows (maybe none) to the buffer; ``force`` writes it."""
+        writer = self._writer()
+        if writer is None:
+            return
+        if self._commit_fn is None:
+            # Traced once: a commit is one call, not dozens of eager ops.
+            @tf.function(autograph=False)
+            def commit_fn(rows, force):
+                with writer.as_default(), tf.summary.record_if(True):
+                    return self._commit(writer, rows, force, force=False)
+
+            self._commit_fn = commit_fn
+        rows = np.array(self._eager, np.float64).reshape(-1, packed.COLUMNS)
+        self._eager = []
+        # (Leaving writer.as_default() flushes the writer: that must not come back here.)
+        self._flushing = True
+        try:
+            with tf.init_scope():
+                self._commit_fn(tf.constant(rows), tf.constant(force))
+        finally:
+            self._flushing = False
+
+
+def _nonfinite_weights(neginf_ok: np.ndarray) -> np.ndarray:
+    """[k, 3] weights of the NaN, +Inf and -Inf counts: -Inf not counted where intended."""
+    w = np.ones((len(neginf_ok), 3))
+    w[neginf_ok, 2] = 0
+    return w
+
+
+def _records(entries: list[Entry]) -> tf.Tensor:
+    """The records ``[k, NUM_FIELDS]`` of a trace's entries."""
+    vecs: list[tf.Tensor | None] = [None] * len(entries)
+    small = [i for i, e in enumerate(entries) if e.x is not None and stats.is_small(e.x)]
+    if small:
+        many = stats.many_stats([entries[i].x for i in small], [entries[i].dtype for i in small])
+        for j, i in enumerate(small):
+            vecs[i] = many[j]
+    for i, e in enumerate(entries):
+        if vecs[i] is None and e.x is not None:
+            vecs[i] = stats.tensor_stats(e.x, "")
+    for i, e in enumerate(entries):
+        if e.combine is not None:
+            vecs[i] = e.combine(tf.stack([vecs[j] for j in e.parts]))
+    return tf.stack(vecs)
+
+
+_buffers: "weakref.WeakSet[StepBuffer]" = weakref.WeakSet()
+
+
+def _hook_flush(writer, buffer: StepBuffer) -> None:
+    """Makes ``writer.flush()`` and ``writer.close()`` (which calls flush)
+    write the buffered rows first, and interpreter exit too."""
+    original = writer.flush
+
+    def flush():
+        if tf.executing_eagerly():  # not while tracing a step that flushes
+            buffer.flush()
+        return original()
+
+    writer.flush = flush
+    _buffers.add(buffer)
+
+
+@atexit.register
+def _flush_all() -> None:
+    for buffer in list(_buffers):
+        try:
+            buffer.flush()
+        except Exception:  # noqa: BLE001 - exiting: write what can be written
+            pass
