@@ -83,8 +83,8 @@ class _Short(Exception):
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 
 
-def _scheme(path: str) -> str | None:
-    m = _SCHEME.match(path)
+def _scheme(path: str | os.PathLike) -> str | None:
+    m = _SCHEME.match(os.fspath(path))
     return m.group(1) if m else None
 
 
@@ -615,10 +615,8 @@ class _RunReader:
             info = self.infos[tag]
             if tag in self.inferred:
                 parts.append(self._inferred_series(tag, info, steps, rows))
-            elif isinstance(info, metadata.TensorInfo):
-                parts.append(records.make_series(tag, info, steps, rows, self.problems))
             else:
-                parts.extend(packed.unpack_block(tag, info, np.asarray(steps, np.int64), rows, self.problems))
+                parts.extend(packed.decode_tag(tag, info, steps, rows, self.problems))
         return packed.merge_all(parts)
 
     def _inferred_series(self, tag: str, info: metadata.TensorInfo, steps, rows) -> records.TensorSeries:

@@ -3,11 +3,13 @@
 Part of the numpy-only analysis core. A hint is chosen by the first rule
 whose evidence is in the records:
 
-1. the op: its type, the layer's activation function, or a token of the
-   tag (sqrt, log, division, exp, pow) says how a NaN or an Inf is made;
-2. the loss: a loss that takes a log (cross-entropies, KL divergence,
+1. the loss: a loss that takes a log (cross-entropies, KL divergence,
    Poisson) whose input, the tensor logged just before it, holds exact
-   zeros or negative values at the anomaly's step;
+   zeros or negative values at the anomaly's step (the fix is at the
+   model's output, even where a replay names an op inside the loss);
+2. the op: its type (from op-level records or a replay), the layer's
+   activation function, or a token of the tag (sqrt, log, division, exp,
+   pow) says how a NaN or an Inf is made;
 3. the trend: warnings in the steps before (growth, a jump, a gradient
    spike, values beyond the safe range) point at divergence;
 4. otherwise no hint, and the text says what was checked: a wrong hint
@@ -117,7 +119,10 @@ def op_family(tag: str, op_type: str, activation: str = "") -> str | None:
 
 def choose(ev: Evidence) -> str:
     """The hint for a first anomaly: the first rule whose evidence holds."""
-    for rule in (_by_op, _by_loss_input, _by_trend):
+    # A loss's input evidence first: a NaN inside a library loss function
+    # (Keras's cross-entropy normalising an all-zero row) is fixed at the
+    # model's output, not inside the loss.
+    for rule in (_by_loss_input, _by_op, _by_trend):
         text = rule(ev)
         if text:
             return text

@@ -39,6 +39,7 @@ F = metadata.FIELD_INDEX
 _NONFINITE = slice(F["nan"], F["neginf"] + 1)
 _MAX_PENDING_WRITES = 8  # batches whose records may wait for the writer thread
 _NUM_AUX = 4  # call index, step, loss scale, whether weights were computed
+NUM_FIELDS = metadata.NUM_FIELDS
 
 
 @dataclasses.dataclass
@@ -268,57 +269,8 @@ class NumericsCallback(keras.callbacks.Callback):
             opt.build(model.trainable_variables)
         self._lso = isinstance(opt, keras.optimizers.LossScaleOptimizer)
         layers = list(model.layers)
-        owner = _layer_of_variables(model)
-        trainable = list(model.trainable_variables)
-        self._layer_names = [l.name for l in layers]
-        # Rows computed in the step, in execution order: forward, backward, update.
-        self._rows: list[_Row] = []
-        self._act_rows = {}
-        if self.activations:
-            for i, layer in enumerate(layers):
-                self._act_rows[i] = len(self._rows)
-                self._rows.append(_Row("%s/output" % layer.name, "activation", op_type=type(layer).__name__,
-                                       activation=_function_name(getattr(layer, "activation", None)),
-                                       compute_dtype=_compute_dtype(layer)))
-        self._loss_row = len(self._rows)
-        self._rows.append(_Row("loss", "loss", activation=_function_name(getattr(model, "loss", None))))
-        # Trainable variables in layer order; those of no top-level layer last.
-        self._vars = sorted(trainable, key=lambda v: owner.get(id(v), len(layers)))
-        self._var_layer = [owner.get(id(v), -1) for v in self._vars]
-        # Gradients in backward order (the last layer's first), as
-        # backpropagation computes them and as log_gradients records them: the
-        # first non-finite gradient of a step is then the one where it was born.
-        self._grad_rows: dict[int, int] = {}
-        if self.gradients:
-            for j in reversed(range(len(self._vars))):
-                v = self._vars[j]
-                self._grad_rows[j] = len(self._rows)
-                tag = summary.gradient_tag(v)
-                # A float32 master weight's gradient is computed in its layer's dtype.
-                owner = layers[self._var_layer[j]] if self._var_layer[j] >= 0 else None
-                self._rows.append(_Row(tag, "gradient", str(v.dtype), tuple(v.shape), present=True,
-                                       compute_dtype=_compute_dtype(owner)))
-        self._weight_row0 = len(self._rows)
-        if self.weights:
-            for v in self._vars:
-                self._rows.append(_Row(v.path, "weight", str(v.dtype), tuple(v.shape), present=True))
-        k = len(self._rows)
-        nv = len(self._vars)
-        self._slots = max(1, int(getattr(model, "steps_per_execution", 1) or 1))
-        s = self._slots
-        self._stats_var = tf.Variable(tf.zeros([s, k, metadata.NUM_FIELDS], tf.float64), trainable=False)
-        # Per slot: _NUM_AUX numbers, then (with update ratios) ||dw||^2 and
-        # ||w_old||^2 of each variable.
-        aux0 = np.zeros([s, _NUM_AUX + (2 * nv if self.update_ratios else 0)])
-        aux0[:, 0] = -1
-        self._aux_var = tf.Variable(aux0, dtype=tf.float64, trainable=False)
-        self._calls = tf.Variable(0, dtype=tf.int64, trainable=False)
-        self._skipped = tf.Variable(0, dtype=tf.int64, trainable=False)
-        self._snapshots = (
-            [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False) for v in self._vars]
-            if self.update_ratios
-            else []
-        )
+        self._plan_rows(model, layers)
+        self._make_step_state(model)
         self._last_call = -1
         self._prev: tuple[int, list] | None = None  # the last step computed but not written
         self._latched = False
@@ -341,6 +293,60 @@ class NumericsCallback(keras.callbacks.Callback):
         old_function = model.train_function
         self._restore.append(lambda: setattr(model, "train_function", old_function))
         model.make_train_function(force=True)
+
+    def _plan_rows(self, model: keras.Model, layers: list) -> None:
+        """The rows the step computes, in execution order: forward, backward, update."""
+        owner = _layer_of_variables(model)
+        self._layer_names = [layer.name for layer in layers]
+        self._rows: list[_Row] = []
+        self._act_rows = {}
+        if self.activations:
+            for i, layer in enumerate(layers):
+                self._act_rows[i] = len(self._rows)
+                self._rows.append(_Row("%s/output" % layer.name, "activation", op_type=type(layer).__name__,
+                                       activation=_function_name(getattr(layer, "activation", None)),
+                                       compute_dtype=_compute_dtype(layer)))
+        self._loss_row = len(self._rows)
+        self._rows.append(_Row("loss", "loss", activation=_function_name(getattr(model, "loss", None))))
+        # Trainable variables in layer order; those of no top-level layer last.
+        self._vars = sorted(model.trainable_variables, key=lambda v: owner.get(id(v), len(layers)))
+        self._var_layer = [owner.get(id(v), -1) for v in self._vars]
+        # Gradients in backward order (the last layer's first), as
+        # backpropagation computes them and as log_gradients records them: the
+        # first non-finite gradient of a step is then the one where it was born.
+        self._grad_rows: dict[int, int] = {}
+        if self.gradients:
+            for j in reversed(range(len(self._vars))):
+                v = self._vars[j]
+                self._grad_rows[j] = len(self._rows)
+                # A float32 master weight's gradient is computed in its layer's dtype.
+                layer = layers[self._var_layer[j]] if self._var_layer[j] >= 0 else None
+                self._rows.append(_Row(summary.gradient_tag(v), "gradient", str(v.dtype), tuple(v.shape),
+                                       present=True, compute_dtype=_compute_dtype(layer)))
+        self._weight_row0 = len(self._rows)
+        if self.weights:
+            for v in self._vars:
+                self._rows.append(_Row(v.path, "weight", str(v.dtype), tuple(v.shape), present=True))
+
+    def _make_step_state(self, model: keras.Model) -> None:
+        """The variables the step stores its records in, one slot per step of
+        a ``steps_per_execution`` call, and the copies for the update ratios."""
+        nv = len(self._vars)
+        self._slots = max(1, int(getattr(model, "steps_per_execution", 1) or 1))
+        slots = self._slots
+        self._stats_var = tf.Variable(tf.zeros([slots, len(self._rows), NUM_FIELDS], tf.float64), trainable=False)
+        # Per slot: _NUM_AUX numbers, then (with update ratios) ||dw||^2 and
+        # ||w_old||^2 of each variable.
+        aux0 = np.zeros([slots, _NUM_AUX + (2 * nv if self.update_ratios else 0)])
+        aux0[:, 0] = -1
+        self._aux_var = tf.Variable(aux0, dtype=tf.float64, trainable=False)
+        self._calls = tf.Variable(0, dtype=tf.int64, trainable=False)
+        self._skipped = tf.Variable(0, dtype=tf.int64, trainable=False)
+        self._snapshots = (
+            [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False) for v in self._vars]
+            if self.update_ratios
+            else []
+        )
 
     def _patch(self, obj: Any, name: str, value: Any) -> None:
         """Sets an instance attribute and remembers how to put it back."""
@@ -414,10 +420,46 @@ class NumericsCallback(keras.callbacks.Callback):
     def _recorded_apply(self, apply, trace: _Trace, grads: list, variables: list):
         """The optimizer's update, with the step's statistics stored around it."""
         opt = self.model.optimizer
-        grad_of = {id(v): g for g, v in zip(grads, variables)}
         its_before = tf.cast(tf.convert_to_tensor(opt.iterations), tf.int64)
         scale = tf.cast(tf.convert_to_tensor(opt.dynamic_scale), tf.float32) if self._lso else tf.constant(1.0)
-        rows: list[tf.Tensor | None] = [None] * self._weight_row0  # computed before the weights
+        rows = self._forward_and_gradient_rows(trace, grads, variables, scale)
+        zero = tf.zeros([NUM_FIELDS], tf.float64)
+        head = tf.stack([zero if r is None else r for r in rows])
+        ctx = stats.replica_context()
+        if ctx is not None:
+            # Several replicas: each record becomes that of all replicas' values
+            # together (the weights are the same on every replica).
+            head = stats.all_reduce_many_stats(head, ctx)
+        step = its_before + self._skipped.read_value()
+        due = self._weights_due(step, rows[self._loss_row], ctx)
+        weight_rows = tf.cond(due, self._weights_before, lambda: tf.zeros([self._num_weight_rows, NUM_FIELDS], tf.float64))
+        # No explicit control dependency: tf.function's automatic ones already
+        # run the weights' reads (and the copy) before the update writes them,
+        # and an explicit one made the update wait for the whole tf.cond
+        # (measured: 1.11-1.12x plain fit with it, 1.08x without).
+        result = self._gated_apply(apply, grads, variables, trace.loss, ctx)
+        if isinstance(result, tf.Tensor) and result.dtype == tf.bool:  # the gate says whether it applied
+            skipped = tf.cast(tf.logical_not(result), tf.int64)
+        else:  # a LossScaleOptimizer's own skip leaves the iterations where they were
+            its_after = tf.cast(tf.convert_to_tensor(opt.iterations), tf.int64)
+            skipped = tf.cast(tf.equal(its_after, its_before), tf.int64)
+        norms = self._update_norms(due, weight_rows)
+        numbers = [self._calls.read_value(), step, scale, due]
+        aux = tf.concat([tf.stack([tf.cast(x, tf.float64) for x in numbers]), norms], 0)
+        stacked = tf.concat([head, weight_rows], 0)
+        if ctx is None:
+            self._store(stacked, aux, skipped)
+        else:  # once, not once per replica: all replicas hold the same values
+            ctx.merge_call(
+                lambda strategy, *values: self._store(*(strategy.experimental_local_results(v)[0] for v in values)),
+                args=(stacked, aux, skipped),
+            )
+        return result
+
+    def _forward_and_gradient_rows(self, trace: _Trace, grads: list, variables: list, scale: tf.Tensor) -> list:
+        """The records computed before the weights': each layer's outputs, the
+        loss and each gradient (None where absent), in row order."""
+        rows: list[tf.Tensor | None] = [None] * self._weight_row0
         for i, tensors in trace.outputs.items():
             if tensors:
                 r = self._act_rows[i]
@@ -429,97 +471,62 @@ class NumericsCallback(keras.callbacks.Callback):
             row = self._rows[self._loss_row]
             row.dtype, row.shape, row.present = trace.loss.dtype.base_dtype.name, tuple(trace.loss.shape), True
             rows[self._loss_row] = stats.tensor_stats(tf.stop_gradient(trace.loss), "loss")
-        if self.gradients:
-            for j, v in enumerate(self._vars):
-                r = self._grad_rows[j]
-                g = grad_of.get(id(v))
-                if isinstance(g, tf.IndexedSlices):
-                    g = g.values  # the rows it touches, as log_gradients does
-                self._rows[r].present = g is not None
-                if g is not None:
-                    if self._lso:  # the gradients the update uses (no pass over them otherwise)
-                        g = g / tf.cast(scale, g.dtype)
-                    rows[r] = stats.tensor_stats(g, self._rows[r].tag)
-        zero = tf.zeros([metadata.NUM_FIELDS], tf.float64)
-        head = tf.stack([zero if r is None else r for r in rows[: self._weight_row0]])
-        ctx = stats.replica_context()
-        if ctx is not None:
-            # Several replicas: each record becomes that of all replicas' values
-            # together (the weights are the same on every replica).
-            head = stats.all_reduce_many_stats(head, ctx)
-        step = its_before + self._skipped.read_value()
-        nv = len(self._vars)
-        nw = nv if self.weights else 0
-        # Weights (and the copy for the update ratios) only when due: every
-        # weights_every_n_steps-th step, and any step whose loss is not finite.
-        # The update waits for this decision, so it rests on the loss, known
-        # early, not on the layers' or gradients' statistics (measured: a
-        # step waiting for those costs 3-6 ms more).
-        loss_row = rows[self._loss_row]
+        if not self.gradients:
+            return rows
+        grad_of = {id(v): g for g, v in zip(grads, variables)}
+        for j, v in enumerate(self._vars):
+            r = self._grad_rows[j]
+            g = grad_of.get(id(v))
+            if isinstance(g, tf.IndexedSlices):
+                g = g.values  # the rows it touches, as log_gradients does
+            self._rows[r].present = g is not None
+            if g is not None:
+                if self._lso:  # the gradients the update uses (no pass over them otherwise)
+                    g = g / tf.cast(scale, g.dtype)
+                rows[r] = stats.tensor_stats(g, self._rows[r].tag)
+        return rows
+
+    def _weights_due(self, step: tf.Tensor, loss_row: tf.Tensor | None, ctx) -> tf.Tensor:
+        """Whether the weights (and the copy for the update ratios) are
+        recorded: every weights_every_n_steps-th step, and any step whose
+        loss is not finite. The update waits for this decision, so it rests
+        on the loss, known early, not on the layers' or gradients' statistics
+        (measured: a step waiting for those costs 3-6 ms more)."""
+        if not ((self.weights or self.update_ratios) and self._vars):
+            return tf.constant(False)
         loss_bad = tf.reduce_any(loss_row[_NONFINITE] > 0) if loss_row is not None else tf.constant(False)
         if ctx is not None:  # every replica must take the same branch
             loss_bad = ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.cast(loss_bad, tf.float32)) > 0
-        due = tf.logical_or(
-            tf.equal(tf.math.floormod(step, self.weights_every_n_steps), 0), loss_bad
-        ) if (self.weights or self.update_ratios) and nv else tf.constant(False)
+        return tf.logical_or(tf.equal(tf.math.floormod(step, self.weights_every_n_steps), 0), loss_bad)
 
-        def weights_before():
-            snaps = [s.assign(tf.convert_to_tensor(v)) for s, v in zip(self._snapshots, self._vars)]
-            with tf.control_dependencies(snaps):
-                if not nw:
-                    return tf.zeros([0, metadata.NUM_FIELDS], tf.float64)
-                return tf.stack([stats.tensor_stats(tf.convert_to_tensor(v), v.path) for v in self._vars])
+    @property
+    def _num_weight_rows(self) -> int:
+        return len(self._vars) if self.weights else 0
 
-        weight_rows = tf.cond(due, weights_before, lambda: tf.zeros([nw, metadata.NUM_FIELDS], tf.float64))
-        stacked = tf.concat([head, weight_rows], 0)
-        # No explicit control dependency: tf.function's automatic ones already
-        # run the weights' reads (and the copy) before the update writes them,
-        # and an explicit one made the update wait for the whole tf.cond
-        # (measured: 1.11-1.12x plain fit with it, 1.08x without).
-        result = self._gated_apply(apply, grads, variables, trace.loss, ctx)
-        if isinstance(result, tf.Tensor) and result.dtype == tf.bool:  # the gate says whether it applied
-            skipped = tf.cast(tf.logical_not(result), tf.int64)
-        else:  # a LossScaleOptimizer's own skip leaves the iterations where they were
-            its_after = tf.cast(tf.convert_to_tensor(opt.iterations), tf.int64)
-            skipped = tf.cast(tf.equal(its_after, its_before), tf.int64)
+    def _weights_before(self) -> tf.Tensor:
+        """The weights' records before the update, after copying them for the update ratios."""
+        snaps = [s.assign(tf.convert_to_tensor(v)) for s, v in zip(self._snapshots, self._vars)]
+        with tf.control_dependencies(snaps):
+            if not self._num_weight_rows:
+                return tf.zeros([0, NUM_FIELDS], tf.float64)
+            return tf.stack([stats.tensor_stats(tf.convert_to_tensor(v), v.path) for v in self._vars])
 
-        def update_norms():
-            norms = []
+    def _update_norms(self, due: tf.Tensor, weight_rows: tf.Tensor) -> tf.Tensor:
+        """||w_new - w_old||^2 and ||w_old||^2 of each variable, on due steps."""
+        nv = len(self._vars)
+        if not (self.update_ratios and nv):
+            return tf.zeros([0], tf.float64)
+
+        def norms() -> tf.Tensor:
+            out = []
             for j, (s, v) in enumerate(zip(self._snapshots, self._vars)):
                 old = s.read_value()
                 # ||w_old||^2 is the weights record's sum of squares when there is one.
-                w2 = weight_rows[j, F["sum_sq"]] if nw else _sq_norm(old)
-                norms += [_sq_norm(tf.convert_to_tensor(v) - old), w2]
-            return tf.stack(norms)
+                w2 = weight_rows[j, F["sum_sq"]] if self._num_weight_rows else _sq_norm(old)
+                out += [_sq_norm(tf.convert_to_tensor(v) - old), w2]
+            return tf.stack(out)
 
-        norms = (
-            tf.cond(due, update_norms, lambda: tf.zeros([2 * nv], tf.float64))
-            if self.update_ratios and nv
-            else tf.zeros([0], tf.float64)
-        )
-        call = self._calls.read_value()
-        aux = tf.concat(
-            [
-                tf.stack(
-                    [
-                        tf.cast(call, tf.float64),
-                        tf.cast(step, tf.float64),
-                        tf.cast(scale, tf.float64),
-                        tf.cast(due, tf.float64),
-                    ]
-                ),
-                norms,
-            ],
-            0,
-        )
-        if ctx is None:
-            self._store(stacked, aux, skipped)
-        else:  # once, not once per replica: all replicas hold the same values
-            ctx.merge_call(
-                lambda strategy, *values: self._store(*(strategy.experimental_local_results(v)[0] for v in values)),
-                args=(stacked, aux, skipped),
-            )
-        return result
+        return tf.cond(due, norms, lambda: tf.zeros([2 * nv], tf.float64))
 
     def _gated_apply(self, apply, grads: list, variables: list, loss: tf.Tensor | None, ctx) -> Any:
         """The optimizer's update, not applied where the loss or a gradient is

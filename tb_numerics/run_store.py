@@ -321,7 +321,14 @@ def _unchanged_and_to_read(
             tags[tag] = prev
             continue
         try:
-            info = metadata.parse_content(ts.plugin_content, ts.description or "")
+            if not ts.plugin_content:
+                # The tag's first event (its full metadata) was lost: TensorBoard
+                # read a later one, which names only the plugin.
+                info = metadata.info_from_tag(tag)
+                _log_new_problems(run, prev, ["%s: its metadata was lost with its first record; read as a %s "
+                                              "(inferred from the tag name)" % (tag, info.role)])
+            else:
+                info = metadata.parse_content(ts.plugin_content, ts.description or "")
         except metadata.FormatError as e:
             tags[tag] = _TagData(version, None, ["%s: %s" % (tag, e)])
             _log_new_problems(run, prev, tags[tag].problems)

@@ -13,6 +13,8 @@ from tb_numerics import metadata
 from tb_numerics.record_writer import NumericsRecordWriter
 from tb_numerics.records import numpy_stats
 
+pytestmark = pytest.mark.e2e
+
 RNG = np.random.default_rng(1)
 ACT = metadata.TensorInfo(dtype="float32", role="activation", order=0)
 GRAD = metadata.TensorInfo(dtype="float32", role="gradient", order=1, op_type="Sqrt")

@@ -30,6 +30,8 @@ from tb_numerics.records import numpy_stats
 
 from tb_process import tensorboard, wait_for
 
+pytestmark = pytest.mark.e2e
+
 INFO = metadata.TensorInfo(dtype="float32", role="activation", order=0)
 STEPS = 10
 NAN_STEP = 7

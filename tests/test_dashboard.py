@@ -23,6 +23,8 @@ import chromium  # noqa: E402
 import dashboard_logdir as data  # noqa: E402
 import tb_process  # noqa: E402
 
+pytestmark = pytest.mark.browser
+
 # Assertions on the page retry until they hold (or this many ms pass): the
 # dashboard updates asynchronously, and CI machines are slow.
 expect = playwright_api.expect

@@ -13,6 +13,8 @@ from demo import healthy_keras
 from tb_numerics import analysis, cli, metadata, records
 from tb_numerics.keras import NumericsCallback
 
+pytestmark = pytest.mark.e2e
+
 
 def _fit(logdir, name, layers, x, y, lr, epochs=2, loss="mse"):
     model = keras.Sequential([keras.Input(x.shape[1:])] + layers)

@@ -11,6 +11,8 @@ import pytest
 from demo import buggy_keras, hint_suite
 from tb_numerics import analysis, cli
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):

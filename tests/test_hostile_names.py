@@ -26,6 +26,8 @@ from tb_numerics.records import numpy_stats
 import chromium
 from tb_process import tensorboard, wait_for
 
+pytestmark = pytest.mark.e2e
+
 XSS_IMG = "<img src=x onerror=alert(1)>"
 XSS_SCRIPT = "<script>alert(2)</script>"
 LONG_TAG = ("<b onmouseover=alert(4)>" + "long/" * 2000)[:10_000]
@@ -163,6 +165,7 @@ INJECTED = """() => {
 }"""
 
 
+@pytest.mark.browser
 def test_dashboard_shows_hostile_names_as_inert_text(served) -> None:
     from playwright.sync_api import sync_playwright
 

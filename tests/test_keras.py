@@ -13,6 +13,8 @@ from tb_numerics.keras import NumericsCallback
 
 import two_replicas
 
+pytestmark = pytest.mark.e2e
+
 
 def _analysis(logdir, **params):
     (run,) = event_reader.read_logdir(str(logdir))

@@ -14,6 +14,8 @@ import tensorflow as tf
 from tb_numerics import cli
 from tb_numerics.keras import NumericsCallback
 
+pytestmark = pytest.mark.e2e
+
 
 def _line(marker: str) -> int:
     with open(__file__) as f:

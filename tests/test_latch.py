@@ -6,6 +6,8 @@ import tensorflow as tf
 
 from tb_numerics import latch
 
+pytestmark = pytest.mark.unit
+
 
 def run_host(steps, bad, every_n):
     """The decisions of a sequence of records, on the host."""

@@ -17,6 +17,8 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "bench"))
 import load  # noqa: E402 - bench/load.py
 
+pytestmark = pytest.mark.e2e
+
 SECONDS = float(os.environ.get("TBN_LOAD_SECONDS", 8))
 
 

@@ -9,6 +9,8 @@ from tensorboard.compat.proto import summary_pb2
 from tb_numerics import metadata
 from tb_numerics.records import numpy_stats
 
+pytestmark = pytest.mark.unit
+
 
 def test_metadata_marks_tensor_data_class_and_round_trips():
     info = metadata.TensorInfo(dtype="bfloat16", shape=(4, None), role="gradient", order=7, op_type="Sqrt")

@@ -7,6 +7,8 @@ import pytest
 from tb_numerics import analysis, event_reader
 from tb_numerics.keras import NumericsCallback
 
+pytestmark = pytest.mark.e2e
+
 
 @pytest.fixture
 def mixed_float16():

@@ -17,6 +17,8 @@ import tb_numerics as tbn
 from op_records import line_of
 from tb_numerics import analysis, cli, event_reader, records
 
+pytestmark = pytest.mark.e2e
+
 MODES = ["eager", "function"]
 
 

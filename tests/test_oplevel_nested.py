@@ -20,6 +20,8 @@ import tb_numerics as tbn
 from op_records import line_of, marks
 from tb_numerics import cli, event_reader, records
 
+pytestmark = pytest.mark.e2e
+
 HEALTHY = [1.0, 2.0, 3.0]
 BAD = [1.0, 0.0, 3.0]  # log(0) = -Inf in the second element
 

@@ -8,6 +8,8 @@ import sysconfig
 
 import pytest
 
+pytestmark = pytest.mark.e2e
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -62,7 +64,7 @@ def test_a_source_checkout_that_shadows_the_wheel_still_serves_the_dashboard(whe
     check = r"""
 import os, tb_numerics.plugin as p
 assert p.__file__.startswith(os.getcwd()), p.__file__
-d = p._frontend_dir()
+d = p.frontend_dir()
 assert d and os.path.isfile(os.path.join(d, "index.js")), d
 print("ok")
 """

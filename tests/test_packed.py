@@ -16,6 +16,8 @@ from tb_numerics import analysis, event_reader, metadata, packed, records
 from tb_numerics.record_writer import NumericsRecordWriter
 from tb_numerics.records import numpy_stats
 
+pytestmark = pytest.mark.unit
+
 ACT = metadata.TensorInfo(role="activation", order=0, shape=(3,), description="model.py:3")
 LOSS = metadata.TensorInfo(role="loss", order=1, shape=())
 WEIGHT = metadata.TensorInfo(role="weight", order=2, shape=(2,))

@@ -57,7 +57,7 @@ def write_steps(w: NumericsRecordWriter, steps: range, nan_step: int | None) -> 
             x[1] = math.nan
             x[2] = math.inf
         w.write("dense1/output", step, _stats(x), act)
-        w.write("loss", step, _stats([0.5]), loss)
+        w.write("loss", step, _stats([0.5 / (1 + step)]), loss)  # a loss that learns
         w.write("global_norm", step, _stats([1.0]), norm)
     w.flush()
 

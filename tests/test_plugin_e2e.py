@@ -23,6 +23,8 @@ from tb_numerics.record_writer import NumericsRecordWriter
 from tb_numerics.records import numpy_stats
 from tb_process import tensorboard, wait_for
 
+pytestmark = pytest.mark.e2e
+
 P = "/data/plugin/numerics"
 STEPS = 10_000
 NAN_STEP = 7_777

@@ -27,11 +27,15 @@ from tb_numerics.record_writer import NumericsRecordWriter
 from tb_numerics.records import numpy_stats
 from tb_numerics import metadata
 
+pytestmark = pytest.mark.e2e
+
 NAN_STEP = 7
 
 
 def _train(run_dir: str, nan: bool) -> None:
-    """Ten steps of an activation and a loss, logged with ``log_numerics``."""
+    """Ten steps of an activation and a loss, logged with ``log_numerics``,
+    one event per record (``every_n_steps`` keeps that layout), so that the
+    damage below hits one record."""
     writer = tf.summary.create_file_writer(run_dir)
     with writer.as_default():
         for step in range(10):
@@ -39,8 +43,8 @@ def _train(run_dir: str, nan: bool) -> None:
             if nan and step == NAN_STEP:
                 values[:2] = np.nan
             h = tf.constant(values)
-            tbn.log_numerics("dense/output", h, step=step)
-            tbn.log_numerics("loss", tf.reduce_mean(h * h), step=step)
+            tbn.log_numerics("dense/output", h, step=step, every_n_steps=1)
+            tbn.log_numerics("loss", tf.reduce_mean(h * h), step=step, every_n_steps=1)
     writer.close()
 
 

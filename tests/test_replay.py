@@ -17,6 +17,8 @@ import tensorflow as tf
 from op_records import line_of, marks
 from tb_numerics import cli, oplevel, records
 
+pytestmark = pytest.mark.e2e
+
 
 
 

@@ -9,11 +9,14 @@ response times.
 
 from __future__ import annotations
 
+import pytest
 import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "bench"))
 import load  # noqa: E402 - bench/load.py
+
+pytestmark = pytest.mark.e2e
 
 # Generous bounds for a shared 2-core CI machine; bench/load.py states the figures.
 COLD_S = 60.0

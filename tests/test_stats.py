@@ -7,6 +7,8 @@ import tensorflow as tf
 from tb_numerics import metadata, stats
 from tb_numerics.records import numpy_stats
 
+pytestmark = pytest.mark.e2e
+
 F = metadata.FIELD_INDEX
 COUNTS = ["count", "nan", "posinf", "neginf", "zeros", "overflow", "underflow"]
 # Relative tolerance of the sums by accumulation precision.

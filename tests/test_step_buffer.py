@@ -15,6 +15,8 @@ import tb_numerics as tbn
 from tb_numerics import event_reader, metadata, packed, stats
 from tb_numerics.records import numpy_stats
 
+pytestmark = pytest.mark.e2e
+
 F = metadata.FIELD_INDEX
 TAGS = ["layer_%d/output" % i for i in range(5)]
 

@@ -16,6 +16,8 @@ from tb_numerics.records import numpy_stats
 
 import two_replicas
 
+pytestmark = pytest.mark.e2e
+
 F = metadata.FIELD_INDEX
 
 

@@ -1,5 +1,6 @@
 """jit_compile=True: statistics computed inside the compiled step, written outside, same records."""
 
+import pytest
 import keras
 import numpy as np
 import tensorflow as tf
@@ -7,6 +8,8 @@ import tensorflow as tf
 import tb_numerics as tbn
 from tb_numerics import event_reader, xla
 from tb_numerics.keras import NumericsCallback
+
+pytestmark = pytest.mark.e2e
 
 
 def _series(logdir):
