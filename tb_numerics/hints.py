@@ -187,8 +187,9 @@ def _by_loss_input(ev: Evidence) -> str:
 
 def _by_trend(ev: Evidence) -> str:
     w = ev.warnings_before
-    if "growth" in w or "fast_growth" in w:
-        c = w.get("fast_growth") or w["growth"]
+    grew = [k for k in ("fast_growth", "growth", "headroom") if k in w]
+    if grew:
+        c = w[grew[0]]
         return (
             "Values grew before the first non-finite value (%s, step %d: %s): something keeps scaling them "
             "up, most often a too-large learning rate, also a loss that rewards growth or a layer that does "

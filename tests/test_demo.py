@@ -34,18 +34,20 @@ ANOMALIES = {
     # The head's output grows ~1.6x a step (0.11 at step 0, 1.3e3 at 14,
     # 5.3e4 at 22) and passes the float16 maximum 65504 at step 23.
     "repeated_bn_fp16": dict(step=23, tensor="head/output", phase="forward",
-                             nan=0, posinf=7, neginf=0, size=32, last_healthy_step=22),
+                             nan=0, posinf=7, neginf=0, size=32, last_healthy_step=8),
     # tower_a's smallest norm shrinks 0.039, 0.024, 0.012, 0.0016, then 0
     # at step 23: one cosine is 0/0.
     "cosine_zero_tower": dict(step=23, tensor="cosine/similarity", phase="forward",
                               nan=1, posinf=0, neginf=0, size=64, last_healthy_step=22),
     # The overshoot blows up: the last ReLU layer passes the float32 max.
+    # last_healthy_step: the last step with neither anomaly nor warning in
+    # that tensor (its max |x| jumped 1e3x at step 4).
     "exploding_lr": dict(step=5, tensor="dense_4/output", phase="forward",
-                         nan=0, neginf=0, last_healthy_step=4),
+                         nan=0, neginf=0, last_healthy_step=3),
     # model.fit + NumericsCallback at lr 0.1: the gradient norm spikes 178x
     # at step 5, 1e14x at 7, and the last hidden layer overflows at step 8.
     "keras_fit": dict(step=8, tensor="dense_3/output", op_type="Dense", phase="forward",
-                      nan=0, posinf=192, neginf=0, size=4096, last_healthy_step=7),
+                      nan=0, posinf=192, neginf=0, size=4096, last_healthy_step=6),
     # The record holding 1e38 is read at step 20; its squared error is +Inf.
     "bad_input": dict(step=20, tensor="loss", phase="forward",
                       nan=0, posinf=1, neginf=0, size=1, last_healthy_step=19),
@@ -55,7 +57,7 @@ HINT_WORDS = {
     "gru_sqrt_loss": "gradient of sqrt is infinite at 0",
     "softmax_log": "softmax_cross_entropy_with_logits",
     "cosine_zero_tower": "inside the norm",
-    "bad_input": "likely cause",
+    "bad_input": "(input, step 20",
 }
 
 
@@ -111,14 +113,19 @@ def test_exploding_lr_warns_before_the_anomaly(demo):
     _, _, runs = demo
     warning = runs["exploding_lr"]["first_warning"]
     assert warning["step"] == 3 < runs["exploding_lr"]["first_anomaly"]["step"]
-    assert (warning["tensor"], warning["kind"]) == ("gradients/global_norm", "gradient_spike")
+    # The last layer's gradient jumps first (backward order), the global norm spikes with it.
+    assert (warning["tensor"], warning["kind"]) == ("gradients/dense_3/kernel", "fast_growth")
+    kinds = {(w["tensor"], w["kind"], w["first_step"]) for w in runs["exploding_lr"]["warnings"]}
+    assert ("gradients/global_norm", "gradient_spike", 3) in kinds
 
 
 def test_keras_fit_warns_before_the_anomaly_and_hints_at_the_learning_rate(demo):
     _, _, runs = demo
     run = runs["keras_fit"]
     assert run["first_warning"]["step"] == 5 < run["first_anomaly"]["step"]
-    assert (run["first_warning"]["tensor"], run["first_warning"]["kind"]) == ("gradients/global_norm", "gradient_spike")
+    assert (run["first_warning"]["tensor"], run["first_warning"]["kind"]) == ("gradients/mlp/head/kernel", "fast_growth")
+    kinds = {(w["tensor"], w["kind"], w["first_step"]) for w in run["warnings"]}
+    assert ("gradients/global_norm", "gradient_spike", 5) in kinds
     assert "learning rate" in run["first_anomaly"]["hint"]
 
 
@@ -132,23 +139,31 @@ def test_repeated_bn_fp16_warns_long_before_the_overflow(demo):
     warning = run["first_warning"]
     assert (warning["step"], warning["tensor"], warning["kind"]) == (
         7, "gradients/global_norm", "gradient_spike")
+    # Issue 18: the first warning on this float16 story comes >= 10 steps before the NaN.
+    assert run["first_anomaly"]["step"] - warning["step"] >= 10
     cause = run["first_anomaly"]["likely_cause"]
-    assert (cause["step"], cause["tensor"], cause["kind"]) == (23, "block/pass_6", "overflow_risk")
-    assert "float16 margin" in cause["detail"]
-    assert "grew steadily" in run["first_anomaly"]["hint"]
+    assert (cause["step"], cause["tensor"], cause["kind"]) == (23, "block/pass_4", "headroom")
+    assert "float16 overflow in about" in cause["detail"]
+    assert "Values grew before the first non-finite value" in run["first_anomaly"]["hint"]
+    # The headroom forecast warned on the head's output long before it overflowed.
+    head = [w for w in run["warnings"] if w["tensor"] == "head/output"]
+    assert head and head[0]["first_step"] <= 13
 
 
 def test_bad_input_points_at_the_input(demo):
     _, _, runs = demo
     cause = runs["bad_input"]["first_anomaly"]["likely_cause"]
     assert (cause["step"], cause["tensor"], cause["kind"]) == (20, "input", "overflow_risk")
-    assert "max |x| = 1e+38" in cause["detail"]
+    assert "max |x| = 1e38" in cause["detail"]
 
 
 def test_stories_without_a_trend_have_no_warning_before_the_anomaly(demo):
     _, _, runs = demo
-    for run in ("gru_sqrt_loss", "softmax_log", "cosine_zero_tower"):
+    for run in ("gru_sqrt_loss", "cosine_zero_tower"):
         assert runs[run]["first_warning"] is None, run
+    # The too-high learning rate kills most of the hidden ReLU units first.
+    w = runs["softmax_log"]["first_warning"]
+    assert (w["step"], w["tensor"], w["kind"]) == (12, "hidden/output", "dead_units")
 
 
 def test_runner_prints_each_diagnosis_and_the_total_time(demo):
