@@ -476,10 +476,19 @@ def fit_callback_lean(b: Bench):
     return _fit_loop(b, [NumericsCallback(b.logdir("fit_callback_lean"), weights=False, update_ratios=False)])
 
 
+@mode("fit_callback_no_replay")
+def fit_callback_no_replay(b: Bench):
+    """NumericsCallback(replay=False): the defaults without the replay's batch
+    copy and gated update, to separate what keeping a step replayable costs."""
+    from tb_numerics.keras import NumericsCallback
+
+    return _fit_loop(b, [NumericsCallback(b.logdir("fit_callback_no_replay"), replay=False)])
+
+
 def _report_fit(med: dict[str, float], steps: dict[str, Callable]) -> None:
     if "fit" not in med:
         return
-    for name in ("fit_callback", "fit_callback_w1", "fit_callback_n100", "fit_callback_lean"):
+    for name in ("fit_callback", "fit_callback_no_replay", "fit_callback_w1", "fit_callback_n100", "fit_callback_lean"):
         if name in med:
             ratio = med[name] / med["fit"]
             if name == "fit_callback":  # the target is on the callback's defaults
