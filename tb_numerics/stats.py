@@ -39,6 +39,7 @@ __all__ = [
     "op_stats",
     "replica_context",
     "tensor_stats",
+    "tensor_stats_and_sum",
 ]
 
 _ACC_DTYPE = {
@@ -102,6 +103,13 @@ def tensor_stats(x: tf.Tensor, name: str) -> tf.Tensor:
     Raises:
       TypeError: ``x`` is not a float16, bfloat16, float32 or float64 tensor.
     """
+    return tensor_stats_and_sum(x, name)[0]
+
+
+def tensor_stats_and_sum(x: tf.Tensor, name: str) -> tuple[tf.Tensor, tf.Tensor]:
+    """``tensor_stats(x)`` and the plain sum of ``x`` it computes first: finite
+    exactly when no element is NaN or Inf (unless the sum itself overflows),
+    so a caller can decide on it without waiting for the record."""
     with tf.name_scope("tensor_stats"):
         bits = _Bits.of(x, name)
         flat = bits.flat
@@ -109,11 +117,12 @@ def tensor_stats(x: tf.Tensor, name: str) -> tf.Tensor:
         total = tf.reduce_sum(flat)
         row = tf.expand_dims(flat, 0)
         total_sq = tf.reshape(tf.matmul(row, row, transpose_b=True), [])
-        return tf.cond(
+        record = tf.cond(
             tf.math.is_finite(total_sq),
             lambda: _healthy_record(bits, n, total, total_sq),
             lambda: _unhealthy_record(bits, n),
         )
+        return record, total
 
 
 @dataclasses.dataclass(frozen=True)
