@@ -235,7 +235,9 @@ def _rolling_median_before(x: np.ndarray, window: int) -> np.ndarray:
     return out
 
 
-def _growth_flags(max_abs: np.ndarray, sr: SafeRange) -> np.ndarray:
+def growth_flags(max_abs: np.ndarray, sr: SafeRange) -> np.ndarray:
+    """Which records end ``growth_window`` records of steady growth: max |x|
+    rising at each, by ``growth_factor`` in all, above ``growth_floor``."""
     w = sr.growth_window
     n = len(max_abs)
     flags = np.zeros(n, dtype=bool)
@@ -296,7 +298,7 @@ def _warning_masks(series: TensorSeries, v: np.ndarray, d: dict[str, np.ndarray]
         yield "gradient_spike", (med > 0) & (norm > sr.spike_factor * med)
     yield "fast_growth", _jump_flags(max_abs, sr)
     yield "headroom", detectors.headroom(series, d, sr.growth_window, sr.headroom_steps, sr.growth_floor)
-    yield "growth", _growth_flags(max_abs, sr)
+    yield "growth", growth_flags(max_abs, sr)
     if is_norm:
         yield "vanishing_gradient", norm < sr.vanishing_floor
     nonzero = d["finite"] - v[:, F["zeros"]]

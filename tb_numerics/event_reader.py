@@ -62,7 +62,7 @@ _FOOTER = 4
 # How many offsets of skipped records one problem line names.
 _MAX_OFFSETS_SHOWN = 5
 # How much of a file is read at a time.
-_CHUNK = 4 << 20
+CHUNK_BYTES = 4 << 20
 # How many tensors of a damaged packed block one problem line names.
 _MAX_TAGS_SHOWN = 5
 
@@ -237,7 +237,7 @@ def find_runs(logdir: str) -> dict[str, list[str]]:
 
 
 class _Window:
-    """A forward-only window on a file read in chunks of ``_CHUNK`` bytes:
+    """A forward-only window on a file read in chunks of ``CHUNK_BYTES`` bytes:
     at most a chunk and the record being read are in memory, and each byte
     is read from the file once."""
 
@@ -259,7 +259,7 @@ class _Window:
             if offset > hi:  # past a record no reader looked into
                 self._drop(offset - hi)
                 keep, hi = b"", offset
-            self._buf = keep + self._read(min(max(offset + n - hi, _CHUNK), self.size - hi))
+            self._buf = keep + self._read(min(max(offset + n - hi, CHUNK_BYTES), self.size - hi))
             self._lo = offset
         i = offset - self._lo
         out = self._buf[i : i + n]
@@ -275,7 +275,7 @@ class _Window:
     def _read(self, n: int) -> bytes:
         parts = []
         while n > 0:
-            part = self._f.read(min(n, _CHUNK))
+            part = self._f.read(min(n, CHUNK_BYTES))
             if not part:
                 break
             parts.append(part)
@@ -284,7 +284,7 @@ class _Window:
 
     def _drop(self, n: int) -> None:
         while n > 0:
-            part = self._f.read(min(n, _CHUNK))
+            part = self._f.read(min(n, CHUNK_BYTES))
             if not part:
                 raise _Short()
             n -= len(part)
@@ -396,7 +396,7 @@ class Record(NamedTuple):
     intact: bool
 
 
-def _records(
+def read_records(
     path: str,
     problems: list[str],
     make_reader: Callable[[str, _Window], RecordReader] = _default_reader,
@@ -513,7 +513,7 @@ class _RunReader:
 
     def add_file(self, path: str) -> None:
         undecodable = 0
-        for data, intact in _records(path, self.problems):
+        for data, intact in read_records(path, self.problems):
             if not intact:
                 self._add_damaged(data)
                 continue

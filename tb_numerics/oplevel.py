@@ -84,7 +84,7 @@ import tensorflow as tf
 from tb_numerics import _tf_internal, metadata, stats, summary
 from tb_numerics._op_flight import EagerFlight, GraphFlight, Record
 from tb_numerics._op_nested import NestedRecords
-from tb_numerics._op_record import GRADIENT_OF, MARK_TAG, OpRecord, mark_metadata, op_record
+from tb_numerics._op_record import GRADIENT_OF, MARK_PLUGIN_NAME, MARK_TAG, OpRecord, mark_metadata, op_record, parse_mark
 from tb_numerics._op_record import first_bad as first_bad_of
 from tb_numerics._op_source import ForwardIndex, ForwardOp, SourceLocator
 from tb_numerics._op_tags import TAG_PREFIX, OpTags, eager_site, graph_site
@@ -93,10 +93,13 @@ from tb_numerics.records import nonfinite_count
 
 __all__ = [
     "DEFAULT_SKIP_OP_TYPES",
+    "MARK_PLUGIN_NAME",
+    "MARK_TAG",
     "OpNumerics",
     "OpRecord",
     "TAG_PREFIX",
     "op_numerics",
+    "parse_mark",
     "replay_step",
 ]
 

@@ -321,7 +321,7 @@ def test_growth_flags_match_their_definition(seed):
     for i in range(w, len(x)):
         rising = all(x[j] > x[j - 1] for j in range(i - w + 1, i + 1))
         want[i] = rising and x[i] >= sr.growth_floor and x[i - w] > 0 and x[i] >= sr.growth_factor * x[i - w]
-    np.testing.assert_array_equal(analysis._growth_flags(x, sr), want)
+    np.testing.assert_array_equal(analysis.growth_flags(x, sr), want)
     assert want.any()
 
 

@@ -321,8 +321,8 @@ def test_both_record_readers_skip_and_report_the_same(logdir: str) -> None:
     for path in files:
         tf_problems: list[str] = []
         py_problems: list[str] = []
-        tf_records = list(event_reader._records(path, tf_problems, event_reader.tf_record_reader))
-        py_records = list(event_reader._records(path, py_problems, event_reader.py_record_reader))
+        tf_records = list(event_reader.read_records(path, tf_problems, event_reader.tf_record_reader))
+        py_records = list(event_reader.read_records(path, py_problems, event_reader.py_record_reader))
         assert tf_records == py_records, path
         assert tf_problems == py_problems, path
 
