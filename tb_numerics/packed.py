@@ -206,7 +206,12 @@ def unpack_block(
     fast = _split_regular(table, rows)
     if fast is not None:
         return fast
-    rows = rows.astype(np.float64, copy=False)
+    return _split_by_tensor(table, _checked_rows(block, table, rows.astype(np.float64, copy=False), problems))
+
+
+def _checked_rows(block: str, table: metadata.BlockTable, rows: np.ndarray, problems: list[str]) -> np.ndarray:
+    """The rows whose index is in ``table``, whose step is a step and whose
+    record is possible; what was skipped is described in ``problems``."""
     index, row_steps = rows[:, 0], rows[:, 1]
     with np.errstate(invalid="ignore"):
         ok = (index >= 0) & (index < len(table)) & (index == np.floor(index))
@@ -219,8 +224,11 @@ def unpack_block(
     valid = records.valid_records(rows[:, 2:]) & ok
     if not (valid | ~ok).all():
         problems.append("%s: %d malformed record(s) skipped" % (block, int((ok & ~valid).sum())))
-    if not valid.all():
-        rows = rows[valid]
+    return rows if valid.all() else rows[valid]
+
+
+def _split_by_tensor(table: metadata.BlockTable, rows: np.ndarray) -> list[records.TensorSeries]:
+    """One part per tensor of checked rows, in the order written."""
     ids = rows[:, 0].astype(np.int64)
     order = np.argsort(ids, kind="stable")
     rows, ids = rows[order], ids[order]
@@ -228,7 +236,8 @@ def unpack_block(
     firsts = np.flatnonzero(np.r_[True, ids[1:] != ids[:-1]]) if len(ids) else np.zeros(0, np.int64)
     ends = np.r_[firsts[1:], len(ids)]
     # Written by one writer, a tensor's steps rise through the block: its
-    # rows are a series as they stand. Otherwise make_series sorts them out.
+    # rows are a series as they stand. Otherwise (a step logged twice, rows
+    # out of order) make_series sorts them out, keeping each step's records.
     same = ids[1:] == ids[:-1]
     in_order = bool(np.all(row_steps[1:][same] > row_steps[:-1][same]))
     out = []
