@@ -250,6 +250,12 @@ class NumericsCallback(keras.callbacks.Callback):
             raise RuntimeError("NumericsCallback needs the TensorFlow backend of Keras")
         model = self.model
         opt = model.optimizer
+        if not model.trainable_variables:
+            raise ValueError(
+                "NumericsCallback: the model %r has no variables yet (a subclassed model is built by its "
+                "first call): build it before fit, by calling it on a batch"
+                % model.name
+            )
         if not opt.built:
             opt.build(model.trainable_variables)
         self._lso = isinstance(opt, keras.optimizers.LossScaleOptimizer)
@@ -445,7 +451,11 @@ class NumericsCallback(keras.callbacks.Callback):
         """The records computed before the weights': each layer's outputs, the
         loss and each gradient (None where absent), in row order."""
         rows: list[tf.Tensor | None] = [None] * self._weight_row0
+        graph = tf.compat.v1.get_default_graph()
         for i, tensors in trace.outputs.items():
+            # Outputs of this step's graph only: a subclassed model's first call
+            # also runs its layers in a scratch graph of Keras' own.
+            tensors = [t for t in tensors if not hasattr(t, "graph") or t.graph is graph]
             if tensors:
                 r = self._act_rows[i]
                 self._rows[r].dtype = tensors[0].dtype.base_dtype.name

@@ -144,3 +144,56 @@ def test_a_failure_the_replay_cannot_reproduce_says_so(tmp_path):
     a = _report(tmp_path)["first_anomaly"]
     assert a["tensor"] == "noisy/output" and a["op"] is None
     assert a["replay"]["reproduced"] is False and "dropout" in a["replay"]["why"]
+
+
+class SubclassedLogNet(keras.Model):
+    def __init__(self):
+        super().__init__(name="subclassed")
+        self.pre = keras.layers.Dense(4, name="pre")
+        self.log_relu = LogRelu(name="log_relu")
+        self.head = keras.layers.Dense(1, name="head")
+
+    def call(self, x):
+        return self.head(self.log_relu(self.pre(x)))
+
+
+class CustomStepNet(SubclassedLogNet):
+    """A custom train_step that calls the loss and the tape the usual way."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            y_pred = self(x, training=True)
+            loss = self.compute_loss(x=x, y=y, y_pred=y_pred)
+        grads = tape.gradient(loss, self.trainable_variables)
+        self.optimizer.apply(grads, self.trainable_variables)
+        return {"loss": loss}
+
+
+def _functional_log_net():
+    inp = keras.Input((4,))
+    return keras.Model(inp, keras.layers.Dense(1, name="head")(LogRelu(name="log_relu")(
+        keras.layers.Dense(4, name="pre")(inp))))
+
+
+def test_an_unbuilt_subclassed_model_gets_a_clear_error(tmp_path):
+    model = SubclassedLogNet()
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    x, y = _data("log")
+    with pytest.raises(ValueError, match="build it before fit"):
+        model.fit(x, y, batch_size=16, verbose=0, callbacks=[NumericsCallback(str(tmp_path))])
+
+
+@pytest.mark.parametrize("build", [_functional_log_net, SubclassedLogNet, CustomStepNet],
+                         ids=["functional", "subclassed", "custom_train_step"])
+def test_the_replay_works_for_every_kind_of_model(tmp_path, build):
+    keras.utils.set_random_seed(0)
+    model = build()
+    x, y = _data("log")
+    model(x[:1])  # a subclassed model's variables exist once it is called
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    cb = NumericsCallback(str(tmp_path), stop_on_anomaly=True)
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[cb])
+    a = _report(tmp_path)["first_anomaly"]
+    assert a["replay"] == {"reproduced": True} and a["op"]["type"] == "Log", a
+    assert a["op"]["source"].endswith("test_keras_replay.py:%d (call)" % _line("LOG_OF_RELU"))
