@@ -150,7 +150,8 @@ def _inputs_evidence(op: dict[str, Any] | None) -> str:
     for k, i in enumerate(op["inputs"], 1):
         if isinstance(i, dict) and i.get("zeros"):
             parts.append("input %d held %s exact zeros of %s (min %s, max %s)" % (
-                k, format(int(i["zeros"]), ","), format(int(i.get("count", 0)), ","), i.get("min"), i.get("max")))
+                k, format(int(i["zeros"]), ","), format(int(i.get("count", 0)), ","), _num(i.get("min")),
+                _num(i.get("max"))))
     return (" At that step its " + "; ".join(parts) + ".") if parts else ""
 
 
@@ -266,6 +267,10 @@ _WARNING_HINTS = {
 def warning_hint(kind: str) -> str:
     """The usual fixes for a kind of warning."""
     return _WARNING_HINTS.get(kind, "")
+
+
+def _num(x: Any) -> str:
+    return "%.4g" % x if isinstance(x, (int, float)) else "unknown"
 
 
 def _share(x: float) -> str:

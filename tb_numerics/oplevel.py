@@ -175,7 +175,7 @@ class OpNumerics:
 
     Use it as a context manager around one eager step (``with recorder:``),
     or as a decorator of a step function under ``@tf.function`` (each call
-    is one step). ``op_numerics`` documents the arguments.
+    is one step). ``op_numerics(...)`` is the same as ``OpNumerics(...)``.
 
     It composes small pieces: the op callback here picks the outputs to
     record and where each record goes (an eager op's record is kept for the
@@ -190,6 +190,28 @@ class OpNumerics:
 
     One step at a time per recorder: its blocks cannot nest, and the state
     that records of nested graphs share is the recorder's.
+
+    Args:
+      flight_recorder: None records every op at every step (to the default
+        summary writer). An int K keeps each op's statistics of the last K
+        steps in memory (on the device for a traced step) and writes them only
+        at the first step where any op output is non-finite: the failing step
+        and the K-1 steps before it, and nothing else, so the mode can be left on.
+      op_types: only these op types (e.g. {"Sqrt", "SqrtGrad"}); None for all.
+      skip_op_types: op types never recorded; the default skips ops that only
+        move, copy or reshape values, and ReLU, its gradient, Neg and Abs,
+        whose outputs are finite and no larger wherever their inputs are
+        (see DEFAULT_SKIP_OP_TYPES).
+      name_regex: only ops whose name (graph op name, or eager scope + type)
+        matches this regular expression (``re.search``).
+      dtypes: only outputs of these dtypes (names, e.g. "float32").
+      step: the step to record at; None uses tf.summary's default step
+        (an eager block reads its value when it is entered).
+
+    Raises:
+      ValueError: ``flight_recorder`` is not a whole number >= 1, or a dtype
+        is not supported.
+      UnsupportedTensorFlowError: this TensorFlow lacks a hook it needs.
 
     Attributes:
       flight_recorder: the window K, or None for the full mode.
@@ -503,51 +525,8 @@ def _xla_error() -> ValueError:
     )
 
 
-def op_numerics(
-    *,
-    flight_recorder: int | None = None,
-    op_types: Collection[str] | None = None,
-    skip_op_types: Collection[str] = DEFAULT_SKIP_OP_TYPES,
-    name_regex: str | None = None,
-    dtypes: Collection[str] = metadata.SUPPORTED_DTYPES,
-    step: Any = None,
-) -> OpNumerics:
-    """Records the numerics of every floating-point op output of a training step.
-
-    Args:
-      flight_recorder: None records every op at every step (to the default
-        summary writer). An int K keeps each op's statistics of the last K
-        steps in memory (on the device for a traced step) and writes them only
-        at the first step where any op output is non-finite: the failing step
-        and the K-1 steps before it, and nothing else, so the mode can be left on.
-      op_types: only these op types (e.g. {"Sqrt", "SqrtGrad"}); None for all.
-      skip_op_types: op types never recorded; the default skips ops that only
-        move, copy or reshape values, and ReLU, its gradient, Neg and Abs,
-        whose outputs are finite and no larger wherever their inputs are
-        (see DEFAULT_SKIP_OP_TYPES).
-      name_regex: only ops whose name (graph op name, or eager scope + type)
-        matches this regular expression (``re.search``).
-      dtypes: only outputs of these dtypes (names, e.g. "float32").
-      step: the step to record at; None uses tf.summary's default step
-        (an eager block reads its value when it is entered).
-
-    Returns:
-      An OpNumerics: a context manager around one eager step, or a decorator
-      of the step function. Inside tf.function apply it under @tf.function.
-
-    Raises:
-      ValueError: ``flight_recorder`` is not a whole number >= 1, or a dtype
-        is not supported.
-      UnsupportedTensorFlowError: this TensorFlow lacks a hook it needs.
-    """
-    return OpNumerics(
-        flight_recorder=flight_recorder,
-        op_types=op_types,
-        skip_op_types=skip_op_types,
-        name_regex=name_regex,
-        dtypes=dtypes,
-        step=step,
-    )
+# The documented spelling, ``tbn.op_numerics(flight_recorder=8)``: the class itself.
+op_numerics = OpNumerics
 
 
 def replay_step(
