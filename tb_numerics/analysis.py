@@ -118,8 +118,8 @@ class SafeRange:
 # The parameters a user may set from the CLI (--max-abs) and the HTTP API
 # (?max_abs=): name -> (kind, help).
 SAFE_RANGE_PARAMS: dict[str, tuple[str, str]] = {
-    "max_abs": ("positive", "warn when max |x| of any tensor exceeds this"),
-    "grad_norm_limit": ("positive", "warn when the global gradient norm exceeds this"),
+    "max_abs": ("limit", "warn when max |x| of any tensor exceeds this"),
+    "grad_norm_limit": ("limit", "warn when the global gradient norm exceeds this"),
     "spike_factor": ("above_one", "warn when the global gradient norm exceeds this times its recent median"),
     "spike_window": ("count", "how many previous records the spike median looks at"),
     "vanishing_floor": ("nonnegative", "warn when the global gradient norm falls below this"),
@@ -145,7 +145,7 @@ def _parse_param(name: str, kind: str, raw: Any) -> Any:
     if isinstance(raw, str):
         raw = raw.strip()
         if raw.lower() in ("", "none", "off"):
-            if kind in ("positive",):
+            if kind == "limit":  # a limit that may be switched off
                 return None
             raise SafeRangeError("%s needs a value" % name)
     try:
@@ -154,7 +154,7 @@ def _parse_param(name: str, kind: str, raw: Any) -> Any:
         raise SafeRangeError("%s must be a number, got %r" % (name, raw)) from None
     if not math.isfinite(value):
         raise SafeRangeError("%s must be finite, got %r" % (name, raw))
-    if kind == "positive" and value <= 0:
+    if kind in ("limit", "positive") and value <= 0:
         raise SafeRangeError("%s must be greater than 0, got %r" % (name, raw))
     if kind == "above_one" and value <= 1:
         raise SafeRangeError("%s must be greater than 1, got %r" % (name, raw))

@@ -522,3 +522,10 @@ def test_series_points_moments_an_op_level_record_leaves_out_are_none_not_nan():
         assert np.isnan(full["fields"][field][4])  # no finite value: NaN, not "not recorded"
     bucketed = analysis.series_points(h, max_points=3)
     assert bucketed["fields"]["mean"][:2] == [1.5, None] and np.isnan(bucketed["fields"]["mean"][2])
+
+
+@pytest.mark.parametrize("name", ["headroom_steps", "update_ratio_max", "dead_share"])
+def test_a_parameter_that_cannot_be_off_needs_a_value(name):
+    """Found by the route fuzzer: ``?headroom_steps=`` answered 500."""
+    with pytest.raises(analysis.SafeRangeError, match="%s needs a value" % name):
+        analysis.parse_safe_range({name: ""})
