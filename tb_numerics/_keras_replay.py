@@ -26,7 +26,6 @@ description holds the JSON the report shows as ``first_anomaly.replay``.
 from __future__ import annotations
 
 import json
-import os
 from typing import Any, Callable
 
 import numpy as np
@@ -145,8 +144,3 @@ def _state(model: Any) -> list[tuple[tf.Variable, np.ndarray]]:
             seen.add(id(v))
             out.append((v, v.numpy()))
     return out
-
-
-def log_dir_files(log_dir: str) -> list[str]:
-    """The event files of a run directory (the callback's, the replay's)."""
-    return sorted(os.path.join(log_dir, f) for f in os.listdir(log_dir) if "tfevents" in f)

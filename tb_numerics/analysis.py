@@ -26,6 +26,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import numpy as np
 
 from tb_numerics import detectors, hints, metadata
+from tb_numerics.hints import number, percent
 from tb_numerics import records
 from tb_numerics.records import F, TensorSeries, derived
 
@@ -524,15 +525,6 @@ def _first_cell(ra: RunAnalysis, code: int, before: tuple[int, int] | None = Non
     return step, row, i
 
 
-def number(x: float) -> str:
-    """A number as people read it: 3 significant digits, "4.2e15" not "4.2e+15"."""
-    x = float(x)
-    if x != x or x in (np.inf, -np.inf):
-        return str(x)
-    text = "%.4g" % x if x == 0 or 1e-3 <= abs(x) < 1e4 else "%.3g" % x
-    return text.replace("e+", "e").replace("e-0", "e-").replace("e0", "e")
-
-
 def _spike_detail(h: SeriesHealth, i: int, sr: SafeRange) -> str:
     norms = h.series.values[: i + 1, F["max"]].astype(np.float64)
     med = _rolling_median_before(norms, sr.spike_window)[-1]
@@ -550,7 +542,7 @@ def _early_detail(kind: str, h: SeriesHealth, i: int, ra: "RunAnalysis") -> str:
     first = int(s.steps[max(0, i - sr.sustain + 1)])
     if kind == "dead_units":
         return "%s of the values exactly 0 for %d records (steps %d to %d)" % (
-            _percent(v[i, F["zeros"]] / max(d["finite"][i], 1)), sr.sustain, first, int(s.steps[i]))
+            percent(v[i, F["zeros"]] / max(d["finite"][i], 1)), sr.sustain, first, int(s.steps[i]))
     if kind == "saturation":
         fn = s.info.activation or s.info.op_type
         return "%s output pinned at its bounds for %d records (steps %d to %d): mean %s, max %s, %s exact zeros" % (
@@ -586,10 +578,6 @@ def _depth_detail(h: SeriesHealth, i: int, ra: "RunAnalysis") -> str:
     return "first layer's gradient norm %s is %s× the last layer's (%s, %s) at step %d" % (
         number(depth["first_norm"][0]), number(depth["ratio"][0]), depth["last"].tag,
         number(depth["last_norm"][0]), int(step[0]))
-
-
-def _percent(x: float) -> str:
-    return "%.3g%%" % (100 * x)
 
 
 def warning_detail(h: SeriesHealth, i: int, ra: "RunAnalysis") -> str:

@@ -19,12 +19,13 @@ whose evidence is in the records:
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from typing import Any
 
 from tb_numerics import metadata
 
-__all__ = ["Evidence", "LossInput", "choose", "op_family", "warning_hint", "NO_HINT_PREFIX"]
+__all__ = ["Evidence", "LossInput", "choose", "number", "op_family", "percent", "warning_hint", "NO_HINT_PREFIX"]
 
 NO_HINT_PREFIX = "no hint: "
 
@@ -169,13 +170,13 @@ def _by_loss_input(ev: Evidence) -> str:
         share = li.zeros / max(li.count, 1)
         trend = ""
         if li.first_step < ev.step:
-            trend = " (%s at step %d)" % (_share(li.first_zero_share), li.first_step)
+            trend = " (%s at step %d)" % (percent(li.first_zero_share), li.first_step)
         return (
             "%s the log of its input: %s held exact zeros at step %d: %s of %s values, %s%s. "
             "log(0) is -Inf, and a cross-entropy that normalises an all-zero row divides 0 by 0. "
             "An output that can be exactly 0 (ReLU, linear) does not fit a log loss: use a softmax or "
             "sigmoid output, or from_logits=True on the loss."
-            % (what, li.tag, ev.step, format(li.zeros, ","), format(li.count, ","), _share(share), trend)
+            % (what, li.tag, ev.step, format(li.zeros, ","), format(li.count, ","), percent(share), trend)
         )
     if li.negatives and loss_fn:
         return (
@@ -269,9 +270,20 @@ def warning_hint(kind: str) -> str:
     return _WARNING_HINTS.get(kind, "")
 
 
+def number(x: float) -> str:
+    """A number as people read it: 3 significant digits, "4.2e15" not "4.2e+15"."""
+    x = float(x)
+    if not math.isfinite(x):
+        return str(x)
+    text = "%.4g" % x if x == 0 or 1e-3 <= abs(x) < 1e4 else "%.3g" % x
+    return text.replace("e+", "e").replace("e-0", "e-").replace("e0", "e")
+
+
+def percent(share: float) -> str:
+    """A share as a percentage, 3 significant digits: "77.3%"."""
+    return "%.3g%%" % (100 * share)
+
+
 def _num(x: Any) -> str:
-    return "%.4g" % x if isinstance(x, (int, float)) else "unknown"
-
-
-def _share(x: float) -> str:
-    return "%.3g%%" % (100 * x)
+    """A number from untrusted JSON, or "unknown"."""
+    return number(x) if isinstance(x, (int, float)) else "unknown"

@@ -695,7 +695,8 @@ class NumericsCallback(keras.callbacks.Callback):
     def _stop(self) -> None:
         """Stops training and prints the diagnosis, in the analysis' words."""
         self._writer.flush()
-        rr = event_reader.read_run(".", _keras_replay.log_dir_files(self.log_dir))
+        # The run's event files: the callback's, and the replay's beside it.
+        rr = event_reader.read_run(".", event_reader.find_runs(self.log_dir).get(".", []))
         ra = analysis.analyze_run(self.log_dir, rr.series, self.safe_range, rr.problems)
         self.anomaly = analysis.first_anomaly(ra)
         self.model.stop_training = True
