@@ -5,9 +5,9 @@ whose records hold a NaN or an Inf it runs that step again, eagerly and
 without XLA, under ``oplevel.replay_step``, so the report names the exact
 op and source line (issue 14). What a replay needs, and how it is kept:
 
-* the step's batch: each step's batch is copied into shape-less variables
-  inside the training step (one copy of the batch a step, the healthy
-  path's only cost);
+* the step's batch: a step whose layer outputs, loss or gradients hold a
+  NaN or an Inf copies its batch into variables inside the training step,
+  in a branch nothing else waits for (a healthy step copies nothing);
 * the model's variables as they were before the step's update: the update
   of a step whose loss or gradients are not finite is not applied, as a
   ``LossScaleOptimizer`` does (a NaN update would only poison the weights),
@@ -55,11 +55,13 @@ class StepReplay:
         self._sets: dict[tuple, tuple[Any, list[tf.Variable]]] = {}
         self._order: list[tuple] = []
         self._last: tf.Variable | None = None
+        self._step: tf.Variable | None = None  # the step whose batch is kept
         self.why_not: str | None = None  # set where a replay cannot run
         self.active = False  # True while the replay runs the step
 
-    def keep(self, data: Any) -> None:
-        """Copies the step's batch into buffers (inside the traced step)."""
+    def keep_if(self, bad: tf.Tensor, data: Any, step: tf.Tensor) -> None:
+        """Copies the step's batch into buffers where ``bad`` (inside the traced
+        step): a healthy step copies nothing."""
         leaves = [tf.convert_to_tensor(t) for t in tf.nest.flatten(data)]
         key = tuple((t.dtype.name, tuple(t.shape.as_list()) if t.shape.rank is not None else None) for t in leaves)
         if key not in self._sets:
@@ -67,9 +69,17 @@ class StepReplay:
             self._order.append(key)
         if self._last is None:
             self._last = _tf_internal.untracked_variable(np.int32(-1), "tb_numerics_batch_set")
-        for buf, leaf in zip(self._sets[key][1], leaves):
-            buf.assign(leaf)
-        self._last.assign(self._order.index(key))
+            self._step = _tf_internal.untracked_variable(np.int64(-1), "tb_numerics_batch_step")
+        buffers, index = self._sets[key][1], self._order.index(key)
+
+        def copy() -> tf.Tensor:
+            for buf, leaf in zip(buffers, leaves):
+                buf.assign(leaf)
+            self._last.assign(index)
+            self._step.assign(tf.cast(step, tf.int64))
+            return tf.constant(True)
+
+        tf.cond(bad, copy, lambda: tf.constant(False))
 
     def batch(self) -> Any:
         """The last step's batch, as the step received it."""
@@ -82,8 +92,9 @@ class StepReplay:
         from tb_numerics import oplevel
 
         verdict: dict[str, Any] = {"step": int(step)}
-        if self.why_not or self._last is None or int(self._last.numpy()) < 0:
-            verdict.update(reproduced=False, why=self.why_not or "no batch was kept for this step")
+        if self.why_not or self._last is None or int(self._step.numpy()) != int(step):
+            verdict.update(reproduced=False, why=self.why_not or "no batch was kept for this step: its layer "
+                           "outputs, loss and gradients were finite (it went bad in the update)")
             return self._write(verdict)
         saved = _state(self._model)
         for m in getattr(self._model, "metrics", []):

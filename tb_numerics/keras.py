@@ -65,6 +65,7 @@ class _Trace:
         self.loss: tf.Tensor | None = None
         # Each gradient's plain sum, as its statistics computed it (by variable index).
         self.grad_sums: dict[int, tf.Tensor] = {}
+        self.data: Any = None  # the step's batch, kept for a replay if the step goes bad
 
 
 def _float_tensors(structure: Any) -> list[tf.Tensor]:
@@ -365,9 +366,8 @@ class NumericsCallback(keras.callbacks.Callback):
         def wrapped(data):
             if self._replay is not None and self._replay.active:
                 return train_step(data)  # replayed at op level: nothing recorded
-            if self._replay is not None:
-                self._replay.keep(data)
             self._trace = _Trace()
+            self._trace.data = data
             try:
                 return train_step(data)
             finally:
@@ -422,6 +422,8 @@ class NumericsCallback(keras.callbacks.Callback):
             # together (the weights are the same on every replica).
             head = stats.all_reduce_many_stats(head, ctx)
         step = its_before + self._skipped.read_value()
+        if self._replay is not None and ctx is None:
+            self._replay.keep_if(self._step_is_bad(head), trace.data, step)
         due = self._weights_due(step, rows[self._loss_row], ctx)
         weight_rows = tf.cond(due, self._weights_before, lambda: tf.zeros([self._num_weight_rows, NUM_FIELDS], tf.float64))
         # No explicit control dependency: tf.function's automatic ones already
@@ -480,6 +482,17 @@ class NumericsCallback(keras.callbacks.Callback):
                     g = g / tf.cast(scale, g.dtype)
                 rows[r], trace.grad_sums[j] = stats.tensor_stats_and_sum(g, self._rows[r].tag)
         return rows
+
+    def _step_is_bad(self, head: tf.Tensor) -> tf.Tensor:
+        """Whether a record of the step is not finite (an intended -Inf aside):
+        where the replay needs the step's batch. Nothing waits for it."""
+        counts = head[: self._weight_row0, _NONFINITE]
+        neginf_ok = [analysis.neginf_intended(r.tag, metadata.TensorInfo(), self.safe_range)
+                     for r in self._rows[: self._weight_row0]]
+        if any(neginf_ok):
+            keep_neginf = tf.constant([[1.0, 1.0, 0.0 if ok else 1.0] for ok in neginf_ok], tf.float64)
+            counts = counts * keep_neginf
+        return tf.reduce_any(counts > 0)
 
     def _weights_due(self, step: tf.Tensor, loss_row: tf.Tensor | None, ctx) -> tf.Tensor:
         """Whether the weights (and the copy for the update ratios) are
