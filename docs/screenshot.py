@@ -14,8 +14,9 @@ sys.path.insert(0, os.path.join(HERE, os.pardir, "tests"))
 import chromium  # noqa: E402 - tests/chromium.py: Debian's Chromium
 import tb_process  # noqa: E402
 
-# The exploding learning rate next to the same model trained sanely, max |x| on a log scale.
-VIEW = "#run=exploding_lr&run=healthy&log=1"
+# model.fit with NumericsCallback's defaults: the banner names the op and the
+# line the replay found; max |x| on a log scale.
+VIEW = "#run=keras_fit&log=1"
 
 
 def main() -> int:

@@ -23,7 +23,7 @@ import os
 import sys
 from typing import Sequence
 
-from tb_numerics import analysis, event_reader
+from tb_numerics import analysis, event_reader, hints
 
 EXIT_OK = 0
 EXIT_ANOMALY = 1
@@ -77,6 +77,7 @@ def anomaly_lines(a: dict, head: str = "first anomaly: ") -> list[str]:
         head, a["step"], _safe_text(a["tensor"]), op, a["phase"], a["description"], occurrence)]
     if a.get("tensor_description"):
         lines.append("  tensor: %s" % _safe_text(a["tensor_description"]))
+    lines.extend(_op_lines(a))
     lines.append("  last healthy step: %s" % a["last_healthy_step"])
     if a["hint"]:
         lines.append("  hint: %s" % a["hint"])
@@ -85,6 +86,23 @@ def anomaly_lines(a: dict, head: str = "first anomaly: ") -> list[str]:
         lines.append("  likely cause: step %d, %s: %s (%s)" % (
             c["step"], _safe_text(c["tensor"]), c["kind"], c["detail"]))
     return lines
+
+
+def _op_lines(a: dict) -> list[str]:
+    """The exact op (from op-level records or a replay) and its inputs' ranges,
+    or why a replay did not reproduce the failure."""
+    op, replay = a.get("op"), a.get("replay")
+    if isinstance(op, dict):
+        kind = ", ".join(_safe_text(str(op[k])) for k in ("type", "phase") if op.get(k))
+        line = "  op: %s%s" % (_safe_text(str(op.get("name", ""))), " (%s)" % kind if kind else "")
+        if op.get("source"):
+            line += " at %s" % _safe_text(str(op["source"]))
+        inputs = op.get("inputs") if isinstance(op.get("inputs"), list) else []
+        return [line] + ["    input %d: %s" % (k, hints.input_range(i)) for k, i in enumerate(inputs, 1)
+                         if isinstance(i, dict)]
+    if isinstance(replay, dict) and replay.get("reproduced") is False:
+        return ["  replay: did not reproduce the failure (%s)" % _safe_text(str(replay.get("why", "")))]
+    return []
 
 
 def _table(summaries: list[dict]) -> str:

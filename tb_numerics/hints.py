@@ -25,7 +25,8 @@ from typing import Any
 
 from tb_numerics import metadata
 
-__all__ = ["Evidence", "LossInput", "choose", "number", "op_family", "percent", "warning_hint", "NO_HINT_PREFIX"]
+__all__ = ["Evidence", "LossInput", "choose", "input_range", "number", "op_family", "percent", "warning_hint",
+           "NO_HINT_PREFIX"]
 
 NO_HINT_PREFIX = "no hint: "
 
@@ -282,6 +283,18 @@ def number(x: float) -> str:
 def percent(share: float) -> str:
     """A share as a percentage, 3 significant digits: "77.3%"."""
     return "%.3g%%" % (100 * share)
+
+
+def input_range(i: dict[str, Any]) -> str:
+    """An op input's range at the failing step, from untrusted JSON:
+    "min 0, max 3.3e34, 3,072 exact zeros, of 4,096 values"."""
+    words = ["min %s, max %s" % (_num(i.get("min")), _num(i.get("max")))]
+    for key, what in (("zeros", "exact zeros"), ("nan", "NaN"), ("posinf", "+Inf"), ("neginf", "-Inf")):
+        if isinstance(i.get(key), (int, float)) and i[key]:
+            words.append("%s %s" % (format(int(i[key]), ","), what))
+    if isinstance(i.get("count"), (int, float)):
+        words.append("of %s values" % format(int(i["count"]), ","))
+    return ", ".join(words)
 
 
 def _num(x: Any) -> str:

@@ -26,12 +26,16 @@ def _line(marker: str) -> int:
 
 
 def _report(logdir) -> dict:
+    (run,) = json.loads(_report_text(logdir, "--json"))["runs"]
+    return run
+
+
+def _report_text(logdir, *flags) -> str:
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        status = cli.main(["report", "--json", str(logdir)])
+        status = cli.main(["report", *flags, str(logdir)])
     assert status == 1
-    (run,) = json.loads(out.getvalue())["runs"]
-    return run
+    return out.getvalue()
 
 
 class LogRelu(keras.layers.Layer):
@@ -113,6 +117,10 @@ def test_the_replay_names_the_op_and_the_line(tmp_path, kind, jit):
     assert op["source"].endswith("test_keras_replay.py:%d (%s)" % (_line(marker), "sqrt_error" if kind == "sqrt"
                                                                      else "call")), op
     assert cb.replay_verdict["reproduced"] and cb.anomaly["op"]["type"] == op_type
+    # The text report names the op, its line and its inputs' ranges too.
+    text = _report_text(tmp_path)
+    assert "op: %s (%s, %s) at %s\n" % (op["name"], op_type, phase, op["source"]) in text, text
+    assert "input 1: min " in text, text
 
 
 class DropoutScale(keras.layers.Layer):
@@ -135,6 +143,7 @@ def test_a_failure_the_replay_cannot_reproduce_says_so(tmp_path):
     a = _report(tmp_path)["first_anomaly"]
     assert a["tensor"] == "noisy/output" and a["op"] is None
     assert a["replay"]["reproduced"] is False and "dropout" in a["replay"]["why"]
+    assert "replay: did not reproduce the failure (every op output was finite" in _report_text(tmp_path)
 
 
 class SubclassedLogNet(keras.Model):
