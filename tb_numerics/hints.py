@@ -260,7 +260,8 @@ _WARNING_HINTS = {
     "loss_not_decreasing": "The loss is not going down: check the learning rate (too small or too large), "
     "the labels and the loss function, and that gradients reach the weights.",
     "loss_oscillating": "The loss swings up and down by large factors: the learning rate is too large to "
-    "settle; lower it or add a decay schedule.",
+    "settle (lower it or add a decay schedule), or the batches alternate between different kinds of data "
+    "(shuffle them).",
     "skipped_step": "The LossScaleOptimizer skipped the step and lowered its scale: normal while it "
     "calibrates; persistent skips mean a NaN that loss scaling cannot fix.",
 }

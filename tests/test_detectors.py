@@ -206,3 +206,34 @@ def test_headroom_forecasts_a_float16_overflow_before_it_happens():
     assert w["kind"] == "headroom" and "float16 overflow in about" in w["detail"]
     # 1.3**s passes 65504 at step 43: warned at least 10 steps before.
     assert w["step"] <= 33
+
+
+def test_a_noisy_minibatch_loss_late_in_training_is_not_an_oscillation():
+    """By chance a noisy loss turns at about 2/3 of its records, and late in
+    training its batches can span a factor of 10 and more: no warning."""
+    rng = np.random.default_rng(0)
+    noisy = list(np.exp(rng.uniform(np.log(0.005), np.log(0.2), 2000)))
+    ra = analysis.analyze_run("r", [_loss_series(noisy)], analysis.SafeRange(off=("loss_not_decreasing",)))
+    assert analysis.first_warning(ra) is None
+
+
+def _grad_series(tag, shape, norms, order):
+    info = metadata.TensorInfo(role="gradient", shape=shape, order=order)
+    return records.make_series(tag, info, range(len(norms)), [records.numpy_stats(np.float32([n])) for n in norms])
+
+
+def test_gradients_by_depth_compare_two_different_layers():
+    big, small = [1000.0] * 10, [1.0] * 10
+    # Backward order: the last layer's gradients first.
+    two_layers = [_grad_series("gradients/head/kernel", (8, 1), small, 0),
+                  _grad_series("gradients/head/bias", (1,), small, 1),
+                  _grad_series("gradients/first/kernel", (4, 8), big, 2)]
+    w = analysis.first_warning(analysis.analyze_run("r", two_layers))
+    assert (w["kind"], w["tensor"], w["step"]) == ("exploding_by_depth", "gradients/first/kernel", 4)
+    # One layer's kernel against its own bias, or its two kernels (a GRU's), is no comparison by depth.
+    one_layer = [_grad_series("gradients/dense/kernel", (4, 8), big, 0),
+                 _grad_series("gradients/dense/bias", (8,), small, 1)]
+    gru = [_grad_series("gradients/gru/cell/recurrent_kernel", (8, 24), small, 0),
+           _grad_series("gradients/gru/cell/kernel", (4, 24), big, 1)]
+    for series in (one_layer, gru):
+        assert analysis.first_warning(analysis.analyze_run("r", series)) is None
