@@ -7,31 +7,48 @@ op and source line (issue 14). What a replay needs, and how it is kept:
 
 * the step's batch: each step's batch is copied into shape-less variables
   inside the training step (one copy of the batch a step, the healthy
-  path's only cost);
+  path's only cost). Under ``MirroredStrategy`` each replica copies its own
+  part of the batch into variables of its own, on its own device: no
+  collective, no copy between devices;
 * the model's variables as they were before the step's update: the update
   of a step whose loss or gradients are not finite is not applied, as a
   ``LossScaleOptimizer`` does (a NaN update would only poison the weights),
   so after such a step the weights are still the ones it used. Under a
-  ``LossScaleOptimizer`` its own skip does this; under several replicas the
-  update is not gated (its cross-replica merge cannot sit in a branch), and
-  the replay says it cannot reproduce.
+  ``LossScaleOptimizer`` its own skip does this. Under several replicas the
+  update merges across replicas, which cannot sit in a branch taken in a
+  replica; so, as Keras' own ``LossScaleOptimizer`` does there, the branch
+  is taken once in the cross-replica context (a ``merge_call``), on every
+  replica's verdict together, and its update branch runs the update on
+  each replica again (``call_for_each_replica``). Holding the update back
+  keeps the optimizer's slots (Adam's moments) as they were, which zeroed
+  gradients would not, and costs no copy of the weights, which a snapshot
+  restored after a bad step would on every step.
 
 The replay runs the model's own ``train_step`` (a custom one too) with the
 optimizer's update suppressed, and puts back every non-trainable variable
 and metric it touched (BatchNorm's moving statistics, the loss tracker).
+Under several replicas it runs once, outside ``strategy.run``, on the part
+of the batch of the replica whose records went bad (the callback says
+which), and the verdict names that replica (``"replica"``). There the loss
+is not divided by the number of replicas as in the step: a factor that
+makes no NaN or Inf and hides none (only a value within that factor of its
+dtype's largest could overflow in one and not the other), so the replay
+finds the same first non-finite op.
+
 Its verdict is written into the run as one record, ``REPLAY_TAG``, whose
 description holds the JSON the report shows as ``first_anomaly.replay``.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 from typing import Any, Callable
 
 import numpy as np
 import tensorflow as tf
 
-from tb_numerics import _tf_internal, metadata, records
+from tb_numerics import _tf_internal, metadata, records, stats
 
 __all__ = ["REPLAY_TAG", "StepReplay"]
 
@@ -49,54 +66,65 @@ class StepReplay:
     def __init__(self, model: Any, log_dir: str):
         self._model = model
         self._log_dir = log_dir
-        # One set of buffers per batch signature a trace met (XLA cannot change
-        # a variable's shape, and the last batch may be smaller), and which
-        # set the last step wrote.
+        # One set of buffers per replica and batch signature a trace met (XLA
+        # cannot change a variable's shape, and the last batch may be
+        # smaller), and, per replica, which set its last step wrote.
         self._sets: dict[tuple, tuple[Any, list[tf.Variable]]] = {}
         self._order: list[tuple] = []
-        self._last: tf.Variable | None = None
+        self._last: dict[int, tf.Variable] = {}
         self.why_not: str | None = None  # set where a replay cannot run
         self.active = False  # True while the replay runs the step
 
     def keep(self, data: Any) -> None:
-        """Copies the step's batch into buffers (inside the traced step)."""
+        """Copies the step's batch into buffers (inside the traced step); under
+        several replicas, each replica its own part into buffers of its own."""
+        replica = _replica_id()
         leaves = [tf.convert_to_tensor(t) for t in tf.nest.flatten(data)]
-        key = tuple((t.dtype.name, tuple(t.shape.as_list()) if t.shape.rank is not None else None) for t in leaves)
+        key = (replica,) + tuple(
+            (t.dtype.name, tuple(t.shape.as_list()) if t.shape.rank is not None else None) for t in leaves)
         if key not in self._sets:
+            # Made in the replica's device scope, so on its device.
             self._sets[key] = (data, [_buffer(t) for t in leaves])
             self._order.append(key)
-        if self._last is None:
-            self._last = _tf_internal.untracked_variable(np.int32(-1), "tb_numerics_batch_set")
+        if replica not in self._last:
+            self._last[replica] = _tf_internal.untracked_variable(np.int32(-1), "tb_numerics_batch_set")
         for buf, leaf in zip(self._sets[key][1], leaves):
             buf.assign(leaf)
-        self._last.assign(self._order.index(key))
+        self._last[replica].assign(self._order.index(key))
 
-    def batch(self) -> Any:
-        """The last step's batch, as the step received it."""
-        structure, buffers = self._sets[self._order[int(self._last.numpy())]]
+    def batch(self, replica: int = 0) -> Any:
+        """The last step's batch (``replica``'s part of it), as the step received it;
+        None where none was kept."""
+        last = self._last.get(replica)
+        if last is None or int(last.numpy()) < 0:
+            return None
+        structure, buffers = self._sets[self._order[int(last.numpy())]]
         return tf.nest.pack_sequence_as(structure, [b.read_value() for b in buffers])
 
-    def replay(self, step: int, train_step: Callable[[Any], Any]) -> dict[str, Any]:
+    def replay(self, step: int, train_step: Callable[[Any], Any], replica: int | None = None) -> dict[str, Any]:
         """Runs ``train_step`` on the kept batch once more at op level, at
-        ``step``; writes and returns the verdict (``first_anomaly.replay``)."""
-        from tb_numerics import oplevel
+        ``step``; writes and returns the verdict (``first_anomaly.replay``).
 
+        ``replica``: under several replicas, the one whose part of the batch
+        to replay (the verdict names it); None on one device.
+        """
         verdict: dict[str, Any] = {"step": int(step)}
-        if self.why_not or self._last is None or int(self._last.numpy()) < 0:
+        if replica is not None:
+            verdict["replica"] = int(replica)
+        batch = None if self.why_not else self.batch(replica or 0)
+        if batch is None:
             verdict.update(reproduced=False, why=self.why_not or "no batch was kept for this step")
             return self._write(verdict)
         saved = _state(self._model)
         for m in getattr(self._model, "metrics", []):
             m.reset_state()  # the failing step left a NaN in the loss tracker's total
-        writer = tf.summary.create_file_writer(self._log_dir, filename_suffix=".replay")
         self.active = True
         try:
-            found = oplevel.replay_step(train_step, self.batch(), step=int(step), writer=writer)
+            found = _outside_strategy_scope(self._replay_step, train_step, batch, int(step))
         except Exception as e:  # noqa: BLE001 - a replay must never stop training
             found, verdict["why"] = None, "the replay raised %s: %s" % (type(e).__name__, e)
         finally:
             self.active = False
-            writer.close()
             for var, value in saved:
                 var.assign(value)
         if found is None:
@@ -108,6 +136,15 @@ class StepReplay:
         else:
             verdict.update(reproduced=True, op=found.to_json())
         return self._write(verdict)
+
+    def _replay_step(self, train_step: Callable[[Any], Any], batch: Any, step: int) -> Any:
+        from tb_numerics import oplevel
+
+        writer = tf.summary.create_file_writer(self._log_dir, filename_suffix=".replay")
+        try:
+            return oplevel.replay_step(train_step, batch, step=step, writer=writer)
+        finally:
+            writer.close()
 
     def _write(self, verdict: dict[str, Any]) -> dict[str, Any]:
         from tb_numerics import record_writer
@@ -125,6 +162,27 @@ def _buffer(t: tf.Tensor) -> tf.Variable:
     if t.shape.is_fully_defined():
         return _tf_internal.untracked_variable(np.zeros(t.shape.as_list(), dtype), "tb_numerics_batch")
     return _tf_internal.untracked_variable(np.zeros([0], dtype), "tb_numerics_batch", shape=tf.TensorShape(None))
+
+
+def _replica_id() -> int:
+    """The replica this trace runs for: 0 on one device. Under several
+    replicas its number, known when the step is traced (MirroredStrategy)."""
+    ctx = stats.replica_context()
+    return 0 if ctx is None else int(tf.get_static_value(ctx.replica_id_in_sync_group))
+
+
+def _outside_strategy_scope(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` where no strategy's scope is entered.
+
+    Within a scope (``fit`` called inside ``with strategy.scope()``), a
+    distributed variable cannot be read outside ``strategy.run``; a scope
+    holds for the thread that entered it, so there ``fn`` runs on a thread
+    of its own.
+    """
+    if not tf.distribute.has_strategy():
+        return fn(*args)
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tb_numerics_replay") as pool:
+        return pool.submit(fn, *args).result()
 
 
 def _num(x: Any) -> Any:
