@@ -7,31 +7,49 @@ op and source line (issue 14). What a replay needs, and how it is kept:
 
 * the step's batch: a step whose layer outputs, loss or gradients hold a
   NaN or an Inf copies its batch into variables inside the training step,
-  in a branch nothing else waits for (a healthy step copies nothing);
+  in a branch nothing else waits for (a healthy step copies nothing). Under
+  ``MirroredStrategy`` each replica decides on its own records and copies
+  its own part of the batch into variables of its own, on its own device:
+  no collective, no copy between devices;
 * the model's variables as they were before the step's update: the update
   of a step whose loss or gradients are not finite is not applied, as a
   ``LossScaleOptimizer`` does (a NaN update would only poison the weights),
   so after such a step the weights are still the ones it used. Under a
-  ``LossScaleOptimizer`` its own skip does this; under several replicas the
-  update is not gated (its cross-replica merge cannot sit in a branch), and
-  the replay says it cannot reproduce.
+  ``LossScaleOptimizer`` its own skip does this. Under several replicas the
+  update merges across replicas, which cannot sit in a branch taken in a
+  replica; so, as Keras' own ``LossScaleOptimizer`` does there, the branch
+  is taken once in the cross-replica context (a ``merge_call``), on every
+  replica's verdict together, and its update branch runs the update on
+  each replica again (``call_for_each_replica``). Holding the update back
+  keeps the optimizer's slots (Adam's moments) as they were, which zeroed
+  gradients would not, and costs no copy of the weights, which a snapshot
+  restored after a bad step would on every step.
 
 The replay runs the model's own ``train_step`` (a custom one too) with the
 optimizer's update suppressed, and puts back every non-trainable variable
 and metric it touched (BatchNorm's moving statistics, the loss tracker).
+Under several replicas it runs once, outside ``strategy.run``, on the part
+of the batch of the replica whose records went bad (the callback says
+which), and the verdict names that replica (``"replica"``). There the loss
+is not divided by the number of replicas as in the step: a factor that
+makes no NaN or Inf and hides none (only a value within that factor of its
+dtype's largest could overflow in one and not the other), so the replay
+finds the same first non-finite op.
+
 Its verdict is written into the run as one record, ``REPLAY_TAG``, whose
 description holds the JSON the report shows as ``first_anomaly.replay``.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 from typing import Any, Callable
 
 import numpy as np
 import tensorflow as tf
 
-from tb_numerics import _tf_internal, metadata, records
+from tb_numerics import _tf_internal, metadata, records, stats
 
 __all__ = ["REPLAY_TAG", "StepReplay"]
 
@@ -44,70 +62,82 @@ _NOT_REPRODUCED = (
 
 
 class StepReplay:
-    """Keeps each step's batch, and replays one step at op level on demand."""
+    """Keeps the batch of a step that went bad, and replays it at op level on demand."""
 
     def __init__(self, model: Any, log_dir: str):
         self._model = model
         self._log_dir = log_dir
-        # One set of buffers per batch signature a trace met (XLA cannot change
-        # a variable's shape, and the last batch may be smaller), and which
-        # set the last step wrote.
+        # One set of buffers per replica and batch signature a trace met (XLA
+        # cannot change a variable's shape, and the last batch may be
+        # smaller), and, per replica, which set its last step wrote.
         self._sets: dict[tuple, tuple[Any, list[tf.Variable]]] = {}
         self._order: list[tuple] = []
-        self._last: tf.Variable | None = None
-        self._step: tf.Variable | None = None  # the step whose batch is kept
+        self._last: dict[int, tf.Variable] = {}  # per replica: the set its last bad step wrote
+        self._step: dict[int, tf.Variable] = {}  # per replica: the step whose batch is kept
         self.why_not: str | None = None  # set where a replay cannot run
         self.active = False  # True while the replay runs the step
 
     def keep_if(self, bad: tf.Tensor, data: Any, step: tf.Tensor) -> None:
         """Copies the step's batch into buffers where ``bad`` (inside the traced
-        step): a healthy step copies nothing."""
+        step): a healthy step copies nothing. Under several replicas, each
+        replica its own part, on its own verdict, into buffers of its own."""
+        replica = _replica_id()
         leaves = [tf.convert_to_tensor(t) for t in tf.nest.flatten(data)]
-        key = tuple((t.dtype.name, tuple(t.shape.as_list()) if t.shape.rank is not None else None) for t in leaves)
+        key = (replica,) + tuple(
+            (t.dtype.name, tuple(t.shape.as_list()) if t.shape.rank is not None else None) for t in leaves)
         if key not in self._sets:
+            # Made in the replica's device scope, so on its device.
             self._sets[key] = (data, [_buffer(t) for t in leaves])
             self._order.append(key)
-        if self._last is None:
-            self._last = _tf_internal.untracked_variable(np.int32(-1), "tb_numerics_batch_set")
-            self._step = _tf_internal.untracked_variable(np.int64(-1), "tb_numerics_batch_step")
+        if replica not in self._last:
+            self._last[replica] = _tf_internal.untracked_variable(np.int32(-1), "tb_numerics_batch_set")
+            self._step[replica] = _tf_internal.untracked_variable(np.int64(-1), "tb_numerics_batch_step")
         buffers, index = self._sets[key][1], self._order.index(key)
+        last, kept_step = self._last[replica], self._step[replica]
 
         def copy() -> tf.Tensor:
             for buf, leaf in zip(buffers, leaves):
                 buf.assign(leaf)
-            self._last.assign(index)
-            self._step.assign(tf.cast(step, tf.int64))
+            last.assign(index)
+            kept_step.assign(tf.cast(step, tf.int64))
             return tf.constant(True)
 
         tf.cond(bad, copy, lambda: tf.constant(False))
 
-    def batch(self) -> Any:
-        """The last step's batch, as the step received it."""
-        structure, buffers = self._sets[self._order[int(self._last.numpy())]]
+    def batch(self, step: int, replica: int = 0) -> Any:
+        """The batch of ``step`` (``replica``'s part of it), as the step received
+        it; None where none was kept for that step."""
+        last = self._last.get(replica)
+        if last is None or int(self._step[replica].numpy()) != step:
+            return None
+        structure, buffers = self._sets[self._order[int(last.numpy())]]
         return tf.nest.pack_sequence_as(structure, [b.read_value() for b in buffers])
 
-    def replay(self, step: int, train_step: Callable[[Any], Any]) -> dict[str, Any]:
+    def replay(self, step: int, train_step: Callable[[Any], Any], replica: int | None = None) -> dict[str, Any]:
         """Runs ``train_step`` on the kept batch once more at op level, at
-        ``step``; writes and returns the verdict (``first_anomaly.replay``)."""
-        from tb_numerics import oplevel
+        ``step``; writes and returns the verdict (``first_anomaly.replay``).
 
+        ``replica``: under several replicas, the one whose part of the batch
+        to replay (the verdict names it); None on one device.
+        """
         verdict: dict[str, Any] = {"step": int(step)}
-        if self.why_not or self._last is None or int(self._step.numpy()) != int(step):
+        if replica is not None:
+            verdict["replica"] = int(replica)
+        batch = None if self.why_not else self.batch(int(step), replica or 0)
+        if batch is None:
             verdict.update(reproduced=False, why=self.why_not or "no batch was kept for this step: its layer "
                            "outputs, loss and gradients were finite (it went bad in the update)")
             return self._write(verdict)
         saved = _state(self._model)
         for m in getattr(self._model, "metrics", []):
             m.reset_state()  # the failing step left a NaN in the loss tracker's total
-        writer = tf.summary.create_file_writer(self._log_dir, filename_suffix=".replay")
         self.active = True
         try:
-            found = oplevel.replay_step(train_step, self.batch(), step=int(step), writer=writer)
+            found = _outside_strategy_scope(self._replay_step, train_step, batch, int(step))
         except Exception as e:  # noqa: BLE001 - a replay must never stop training
             found, verdict["why"] = None, "the replay raised %s: %s" % (type(e).__name__, e)
         finally:
             self.active = False
-            writer.close()
             for var, value in saved:
                 var.assign(value)
         if found is None:
@@ -119,6 +149,15 @@ class StepReplay:
         else:
             verdict.update(reproduced=True, op=found.to_json())
         return self._write(verdict)
+
+    def _replay_step(self, train_step: Callable[[Any], Any], batch: Any, step: int) -> Any:
+        from tb_numerics import oplevel
+
+        writer = tf.summary.create_file_writer(self._log_dir, filename_suffix=".replay")
+        try:
+            return oplevel.replay_step(train_step, batch, step=step, writer=writer)
+        finally:
+            writer.close()
 
     def _write(self, verdict: dict[str, Any]) -> dict[str, Any]:
         from tb_numerics import record_writer
@@ -136,6 +175,27 @@ def _buffer(t: tf.Tensor) -> tf.Variable:
     if t.shape.is_fully_defined():
         return _tf_internal.untracked_variable(np.zeros(t.shape.as_list(), dtype), "tb_numerics_batch")
     return _tf_internal.untracked_variable(np.zeros([0], dtype), "tb_numerics_batch", shape=tf.TensorShape(None))
+
+
+def _replica_id() -> int:
+    """The replica this trace runs for: 0 on one device. Under several
+    replicas its number, known when the step is traced (MirroredStrategy)."""
+    ctx = stats.replica_context()
+    return 0 if ctx is None else int(tf.get_static_value(ctx.replica_id_in_sync_group))
+
+
+def _outside_strategy_scope(fn: Callable[..., Any], *args: Any) -> Any:
+    """``fn(*args)`` where no strategy's scope is entered.
+
+    Within a scope (``fit`` called inside ``with strategy.scope()``), a
+    distributed variable cannot be read outside ``strategy.run``; a scope
+    holds for the thread that entered it, so there ``fn`` runs on a thread
+    of its own.
+    """
+    if not tf.distribute.has_strategy():
+        return fn(*args)
+    with concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tb_numerics_replay") as pool:
+        return pool.submit(fn, *args).result()
 
 
 def _num(x: Any) -> Any:

@@ -245,7 +245,8 @@ def backward_frames() -> frozenset[tuple[str, str]]:
 
 
 def untracked_variable(initial_value: Any, name: str, shape: Any = None) -> tf.Variable:
-    """A variable that tf.function's creator scope does not see.
+    """A variable that tf.function's creator scope does not see, nor a
+    distribution strategy's (a plain variable, not a mirrored one).
 
     ``tf.function`` refuses ``tf.Variable``s created on any trace but the
     first; a ring buffer is sized by the ops of its own trace, so each trace

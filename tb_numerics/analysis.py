@@ -673,12 +673,15 @@ def _op_of(ra: RunAnalysis, step: int, row: int) -> tuple[dict[str, Any] | None,
         return _op_json(ra.health[row]), None
     for verdict in ra.replays:
         if verdict["step"] == step:
+            # Under several replicas, the replica whose part of the batch was replayed.
+            replica = verdict.get("replica")
+            where = {"replica": replica} if type(replica) is int else {}
             if not verdict["reproduced"]:
-                return None, {"reproduced": False, "why": str(verdict.get("why", ""))}
+                return None, {"reproduced": False, "why": str(verdict.get("why", "")), **where}
             op = verdict.get("op")
             if isinstance(op, dict):
                 return {k: _json_safe(op.get(k)) for k in ("name", "type", "source", "phase", "inputs")}, {
-                    "reproduced": True}
+                    "reproduced": True, **where}
     for h in ra.health:  # in execution order: the first op that went bad at that step
         if is_op_level(h.series.tag) and np.any((h.series.steps == step) & (h.codes == NONFINITE)):
             return _op_json(h), None

@@ -33,7 +33,7 @@ import keras
 import numpy as np
 import tensorflow as tf
 
-from tb_numerics import _keras_replay, analysis, cli, event_reader, latch, metadata, record_writer, records, stats, summary
+from tb_numerics import _keras_replay, _tf_internal, analysis, cli, event_reader, latch, metadata, record_writer, records, stats, summary
 
 F = metadata.FIELD_INDEX
 _NONFINITE = slice(F["nan"], F["neginf"] + 1)
@@ -105,13 +105,42 @@ def _function_name(fn: Any) -> str:
     return str(name)
 
 
-def _why_no_replay(model: Any, lso: bool) -> str | None:
+def _strategy(model: Any) -> tf.distribute.Strategy:
+    """The strategy ``fit`` runs the model's steps under (the default one on one device)."""
+    return getattr(model, "distribute_strategy", None) or tf.distribute.get_strategy()
+
+
+def _why_no_replay(model: Any) -> str | None:
     """Why this fit cannot replay a step, or None where it can."""
-    if tf.distribute.has_strategy() and tf.distribute.get_strategy().num_replicas_in_sync > 1:
-        return "replay is not supported under several replicas (the update cannot be held back there)"
+    strategy = _strategy(model)
+    if strategy.num_replicas_in_sync > 1 and not isinstance(strategy, tf.distribute.MirroredStrategy):
+        return "replay under several replicas is supported under MirroredStrategy only, not %s" % (
+            type(strategy).__name__)
     if int(getattr(model, "steps_per_execution", 1) or 1) > 1:
         return "replay keeps one step's batch, and steps_per_execution > 1 runs several steps per call"
     return None
+
+
+def _apply_if_all_finite(strategy, finite, grads, *, apply, variables) -> tf.Tensor:
+    """Under several replicas, in the cross-replica context: runs the
+    optimizer's update on every replica where every replica's loss and
+    gradients are finite (``finite``: each replica's verdict); whether it ran.
+
+    Keras' own LossScaleOptimizer holds back an update under a strategy the
+    same way: a cond around an update that merges across replicas must be
+    taken outside them, and its branch enters the replicas again.
+    """
+    every = tf.reduce_all(tf.stack(strategy.experimental_local_results(finite)))
+
+    def update() -> tf.Tensor:
+        strategy.extended.call_for_each_replica(apply, args=(grads, variables))
+        return tf.constant(True)
+
+    return tf.cond(every, update, lambda: tf.constant(False))
+
+
+def _state_variable(initial_value: tf.Tensor) -> tf.Variable:
+    return _tf_internal.untracked_variable(initial_value, "tb_numerics_callback")
 
 
 def _compute_dtype(layer: Any) -> str:
@@ -185,7 +214,9 @@ class NumericsCallback(keras.callbacks.Callback):
         of your code, made the first NaN or Inf (``first_anomaly.op`` in the
         report). To keep the weights that step used, the update of a step
         whose loss or gradients are not finite is not applied (as a
-        LossScaleOptimizer does); each step's batch is kept for it.
+        LossScaleOptimizer does); the batch of a step that went bad is kept for it. Under
+        ``MirroredStrategy`` it replays the part of the batch of the replica
+        whose records went bad (``first_anomaly.replay.replica``).
       allow_neginf: tag patterns (fnmatch) where -Inf is intended, e.g.
         ``"attention*/output"`` for masks; a NaN there still counts.
 
@@ -270,7 +301,7 @@ class NumericsCallback(keras.callbacks.Callback):
         self._writer = record_writer.NumericsRecordWriter(self.log_dir)
         self._replay = _keras_replay.StepReplay(model, self.log_dir) if self.replay else None
         if self._replay is not None:
-            self._replay.why_not = _why_no_replay(model, self._lso)
+            self._replay.why_not = _why_no_replay(model)
         # Records are built and written by one thread beside training, off the
         # step's critical path; a batch that may stop training is handled inline.
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tb_numerics_callback")
@@ -326,18 +357,29 @@ class NumericsCallback(keras.callbacks.Callback):
         nv = len(self._vars)
         self._slots = max(1, int(getattr(model, "steps_per_execution", 1) or 1))
         slots = self._slots
-        self._stats_var = tf.Variable(tf.zeros([slots, len(self._rows), NUM_FIELDS], tf.float64), trainable=False)
+        # Plain variables, whatever strategy's scope ``fit`` runs in (a mirrored
+        # one cannot be assigned a slice, and the records are stored once).
+        self._stats_var = _state_variable(tf.zeros([slots, len(self._rows), NUM_FIELDS], tf.float64))
         # Per slot: _NUM_AUX numbers, then (with update ratios) ||dw||^2 and
         # ||w_old||^2 of each variable.
         aux0 = np.zeros([slots, _NUM_AUX + (2 * nv if self.update_ratios else 0)])
         aux0[:, 0] = -1
-        self._aux_var = tf.Variable(aux0, dtype=tf.float64, trainable=False)
-        self._calls = tf.Variable(0, dtype=tf.int64, trainable=False)
-        self._skipped = tf.Variable(0, dtype=tf.int64, trainable=False)
+        self._aux_var = _state_variable(tf.constant(aux0, tf.float64))
+        self._calls = _state_variable(tf.constant(0, tf.int64))
+        self._skipped = _state_variable(tf.constant(0, tf.int64))
         self._snapshots = (
-            [tf.Variable(tf.zeros(v.shape, v.dtype), trainable=False) for v in self._vars]
+            [_state_variable(tf.zeros(v.shape, v.dtype)) for v in self._vars]
             if self.update_ratios
             else []
+        )
+        # Several replicas, replay on: each replica's own NaN/+Inf/-Inf counts
+        # of the forward and gradient rows of the last step, to replay the
+        # replica that went bad.
+        replicas = _strategy(model).num_replicas_in_sync
+        self._replica_nonfinite = (
+            _state_variable(tf.zeros([replicas, self._weight_row0, 3], tf.float64))
+            if self.replay and replicas > 1 and _why_no_replay(model) is None
+            else None
         )
 
     def _patch(self, obj: Any, name: str, value: Any) -> None:
@@ -417,13 +459,19 @@ class NumericsCallback(keras.callbacks.Callback):
         zero = tf.zeros([NUM_FIELDS], tf.float64)
         head = tf.stack([zero if r is None else r for r in rows])
         ctx = stats.replica_context()
+        per_replica = ()
+        step = its_before + self._skipped.read_value()
+        if self._replay is not None and not self._replay.why_not:
+            # On this replica's own records, before they are combined.
+            self._replay.keep_if(self._step_is_bad(head), trace.data, step)
         if ctx is not None:
             # Several replicas: each record becomes that of all replicas' values
-            # together (the weights are the same on every replica).
-            head = stats.all_reduce_many_stats(head, ctx)
-        step = its_before + self._skipped.read_value()
-        if self._replay is not None and ctx is None:
-            self._replay.keep_if(self._step_is_bad(head), trace.data, step)
+            # together (the weights are the same on every replica); each
+            # replica's own non-finite counts are kept for the replay.
+            gathered = stats.gather_replicas(head, ctx)
+            head = stats.combine_replicas(gathered)
+            if self._replica_nonfinite is not None:
+                per_replica = (gathered[:, :, _NONFINITE],)
         due = self._weights_due(step, rows[self._loss_row], ctx)
         weight_rows = tf.cond(due, self._weights_before, lambda: tf.zeros([self._num_weight_rows, NUM_FIELDS], tf.float64))
         # No explicit control dependency: tf.function's automatic ones already
@@ -445,7 +493,7 @@ class NumericsCallback(keras.callbacks.Callback):
         else:  # once, not once per replica: all replicas hold the same values
             ctx.merge_call(
                 lambda strategy, *values: self._store(*(strategy.experimental_local_results(v)[0] for v in values)),
-                args=(stacked, aux, skipped),
+                args=(stacked, aux, skipped) + per_replica,
             )
         return result
 
@@ -544,10 +592,12 @@ class NumericsCallback(keras.callbacks.Callback):
         compute first anyway (a sum is not finite exactly when an element is
         NaN or Inf, or, beyond any sane gradient, when the sum overflows), so
         the update waits for no other statistic. A LossScaleOptimizer skips
-        such steps itself; several replicas' update merges across them,
-        which cannot sit in a branch: both update as usual.
+        such steps itself. Under several replicas the update merges across
+        them, which cannot sit in a branch taken in a replica: the branch is
+        taken in the cross-replica context (``_apply_if_all_finite``), under
+        the strategies a replay supports (MirroredStrategy).
         """
-        if self._replay is None or self._lso or ctx is not None:
+        if self._replay is None or self._lso or (ctx is not None and self._replica_nonfinite is None):
             return apply(grads, variables)
         index = {id(v): j for j, v in enumerate(self._vars)}
         checks = []
@@ -561,16 +611,23 @@ class NumericsCallback(keras.callbacks.Callback):
         if trace.loss is not None:
             checks.append(tf.math.is_finite(tf.reduce_sum(tf.cast(trace.loss, tf.float32))))
 
+        finite = tf.reduce_all(tf.stack(checks))
+        if ctx is not None:
+            return ctx.merge_call(functools.partial(_apply_if_all_finite, apply=apply, variables=variables),
+                                  args=(finite, grads))
+
         def update() -> tf.Tensor:
             apply(grads, variables)
             return tf.constant(True)
 
-        return tf.cond(tf.reduce_all(tf.stack(checks)), update, lambda: tf.constant(False))
+        return tf.cond(finite, update, lambda: tf.constant(False))
 
-    def _store(self, stacked: tf.Tensor, aux: tf.Tensor, skipped: tf.Tensor) -> None:
+    def _store(self, stacked: tf.Tensor, aux: tf.Tensor, skipped: tf.Tensor, per_replica=None) -> None:
         """Keeps a step's records for ``on_train_batch_end``."""
         slot = tf.cast(aux[0], tf.int64) % self._slots
         self._stats_var[slot].assign(stacked)
+        if per_replica is not None:
+            self._replica_nonfinite.assign(per_replica)
         self._aux_var[slot].assign(aux)
         self._skipped.assign_add(skipped)
         self._calls.assign_add(1)
@@ -699,11 +756,24 @@ class NumericsCallback(keras.callbacks.Callback):
             return False
         if self._replay is not None and self.replay_verdict is None:
             self._writer.flush()
-            self.replay_verdict = self._replay.replay(step, self.model.train_step)
+            self.replay_verdict = self._replay.replay(step, self.model.train_step, self._bad_replica())
         if not self.stop_on_anomaly:
             return False
         self._stop()
         return True
+
+    def _bad_replica(self) -> int | None:
+        """Under several replicas, the replica whose records of the last step
+        went bad first, in execution order (the lowest on a tie); None on one
+        device. An allowlisted -Inf does not count."""
+        if self._replica_nonfinite is None:
+            return None
+        counts = self._replica_nonfinite.numpy()  # [replicas, rows, (NaN, +Inf, -Inf)]
+        neginf_ok = np.array([analysis.neginf_intended(row.tag, metadata.TensorInfo(), self.safe_range)
+                              for row in self._rows[: self._weight_row0]], bool)
+        bad = (counts[:, :, 0] > 0) | (counts[:, :, 1] > 0) | ((counts[:, :, 2] > 0) & ~neginf_ok)
+        first = np.where(bad.any(axis=1), bad.argmax(axis=1), bad.shape[1])
+        return int(np.argmin(first))
 
     def _stop(self) -> None:
         """Stops training and prints the diagnosis, in the analysis' words."""

@@ -34,7 +34,9 @@ __all__ = [
     "all_reduce_many_stats",
     "all_reduce_stats",
     "check_dtype",
+    "combine_replicas",
     "combine_stats",
+    "gather_replicas",
     "merge_stats",
     "op_stats",
     "replica_context",
@@ -602,8 +604,19 @@ def all_reduce_stats(stats: tf.Tensor, replica_context: tf.distribute.ReplicaCon
 
 def all_reduce_many_stats(records: tf.Tensor, replica_context: tf.distribute.ReplicaContext) -> tf.Tensor:
     """``all_reduce_stats`` of each row of ``[k, F]`` records, in one collective."""
-    gathered = replica_context.all_gather(tf.expand_dims(records, 0), axis=0)  # [replicas, k, F]
-    return tf.stack([combine_stats(gathered[:, i]) for i in range(records.shape[0])])
+    return combine_replicas(gather_replicas(records, replica_context))
+
+
+def gather_replicas(records: tf.Tensor, replica_context: tf.distribute.ReplicaContext) -> tf.Tensor:
+    """Every replica's ``[k, F]`` records, ``[replicas, k, F]``, on every replica (one collective)."""
+    gathered = replica_context.all_gather(tf.expand_dims(records, 0), axis=0)
+    gathered.set_shape([replica_context.num_replicas_in_sync] + records.shape.as_list())  # all_gather drops it
+    return gathered
+
+
+def combine_replicas(gathered: tf.Tensor) -> tf.Tensor:
+    """The ``[k, F]`` records of all replicas' values together, from ``gather_replicas``."""
+    return tf.stack([combine_stats(gathered[:, i]) for i in range(gathered.shape[1])])
 
 
 

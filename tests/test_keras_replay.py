@@ -5,6 +5,7 @@ exact op and the line of this file that made the first NaN/Inf, through
 import contextlib
 import io
 import json
+import os
 
 import keras
 import numpy as np
@@ -13,6 +14,8 @@ import tensorflow as tf
 
 from tb_numerics import cli
 from tb_numerics.keras import NumericsCallback
+
+import two_replicas
 
 pytestmark = pytest.mark.e2e
 
@@ -197,3 +200,50 @@ def test_the_replay_works_for_every_kind_of_model(tmp_path, build):
     a = _report(tmp_path)["first_anomaly"]
     assert a["replay"] == {"reproduced": True} and a["op"]["type"] == "Log", a
     assert a["op"]["source"].endswith("test_keras_replay.py:%d (call)" % _line("LOG_OF_RELU"))
+
+
+_MIRRORED_REPLAY = """
+    import keras
+    args = json.loads(sys.argv[1])
+    sys.path.insert(0, args["tests"])
+    from test_keras_replay import LogRelu
+    from tb_numerics.keras import NumericsCallback
+
+    def fit(logdir, fit_in_scope):
+        keras.utils.set_random_seed(0)
+        with strategy.scope():
+            model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(4, kernel_initializer="ones", name="pre"),
+                                      LogRelu(name="log_relu"), keras.layers.Dense(1, name="head")])
+            model.compile(optimizer=keras.optimizers.Adam(0.01), loss="mse")
+        rs = np.random.RandomState(0)
+        x = np.abs(rs.randn(48, 4)).astype("float32") + 0.5
+        y = rs.randn(48, 1).astype("float32")
+        # Batch 1, in the half replica 1 gets: "pre" outputs -4 there, the ReLU 0, the log -Inf.
+        x[16 + 11] = -1.0
+        cb = NumericsCallback(logdir)
+        with strategy.scope() if fit_in_scope else contextlib.nullcontext():
+            model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[cb])
+        return {"verdict": cb.replay_verdict, "finite": all(bool(np.isfinite(w.numpy()).all()) for w in model.weights),
+                "iterations": int(model.optimizer.iterations.numpy())}
+
+    import contextlib
+    print(json.dumps([fit(args["logdir"] + "/outside", False), fit(args["logdir"] + "/inside", True)]))
+    """
+
+
+def test_under_mirrored_strategy_the_replay_names_the_replica_the_op_and_the_line(tmp_path):
+    """The NaN is on replica 1 only: the replay runs replica 1's part of the
+    batch, on the weights the step used (its update held back), with ``fit``
+    called outside and inside ``strategy.scope()``."""
+    arg = json.dumps({"logdir": str(tmp_path), "tests": os.path.dirname(os.path.abspath(__file__))})
+    outside, inside = two_replicas.run(_MIRRORED_REPLAY, arg)
+    for run, res in (("outside", outside), ("inside", inside)):
+        a = _report(tmp_path / run)["first_anomaly"]
+        assert (a["step"], a["tensor"]) == (1, "log_relu/output"), a
+        assert a["replay"] == {"reproduced": True, "replica": 1}, (run, a)
+        assert a["op"]["type"] == "Log" and a["op"]["phase"] == "forward", a["op"]
+        assert a["op"]["source"].endswith("test_keras_replay.py:%d (call)" % _line("LOG_OF_RELU")), a["op"]
+        assert res["verdict"]["replica"] == 1 and res["verdict"]["reproduced"]
+        # The bad step's update was held back on every replica: training went
+        # on from finite weights, and only the two healthy steps were applied.
+        assert res["finite"] and res["iterations"] == 2, res
