@@ -9,7 +9,9 @@ the machine hits them alike; the figure per mode is the median over
 repetitions of the mean step time.
 
 Modes (add one with ``@mode("name")``: a function taking a ``Bench`` and
-returning a zero-argument callable that runs one step):
+returning a zero-argument callable that runs one step; its optional
+``settle()`` runs, timed, at the end of each block, so that work the mode
+left running, such as the callback's writer thread, is charged to it):
 
 * plain: no logging.
 * numerics: ``log_numerics`` on every layer's output and the loss, and
@@ -209,6 +211,8 @@ def main(argv=None) -> int:
                 for _ in range(args.steps):
                     out = fn()
                 _sync(out)
+                if hasattr(fn, "settle"):
+                    fn.settle()  # work a mode left running (a writer thread) is charged to it
                 times[name].append((time.perf_counter() - t0) / args.steps * 1e3)
                 cpu[name].append((time.process_time() - c0) / args.steps * 1e3)
         for fn in steps.values():
@@ -247,7 +251,7 @@ def main(argv=None) -> int:
                   "first (target <= 150), %.1f with the metadata-carrying first records and "
                   "the file header" % (n, later, whole))
         for report in REPORTS:
-            report(med, steps)
+            report(med, steps, times)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     return 0
@@ -364,7 +368,7 @@ def dump_debug_info(b: Bench):
     return _tool(b, "dump_debug_info")
 
 
-def _report_op_level(med: dict[str, float], steps: dict[str, Callable]) -> None:
+def _report_op_level(med: dict[str, float], steps: dict[str, Callable], times: dict[str, list[float]]) -> None:
     """Ratios, the op-level targets and bytes written per step."""
     names = [n for n in ("op_full", "op_flight", "plain_subprocess", "check_numerics", "dump_debug_info")
              if n in steps]
@@ -399,7 +403,7 @@ def _report_op_level(med: dict[str, float], steps: dict[str, Callable]) -> None:
               % (ours, theirs, ours / theirs if theirs else float("inf"), verdict))
 
 
-REPORTS: list[Callable[[dict, dict], None]] = [_report_op_level]
+REPORTS: list[Callable[[dict, dict, dict], None]] = [_report_op_level]
 
 
 # ------------------------------------------------------------------------
@@ -432,6 +436,8 @@ def _fit_loop(b: Bench, callbacks: list):
         return logs["loss"]
 
     run.batch = 0
+    # The end of a block of steps is an epoch's: the callback's writes finish there.
+    run.settle = lambda: cbs.on_epoch_end(0)
     return run
 
 
@@ -485,16 +491,20 @@ def fit_callback_no_replay(b: Bench):
     return _fit_loop(b, [NumericsCallback(b.logdir("fit_callback_no_replay"), replay=False)])
 
 
-def _report_fit(med: dict[str, float], steps: dict[str, Callable]) -> None:
+def _report_fit(med: dict[str, float], steps: dict[str, Callable], times: dict[str, list[float]]) -> None:
+    """Each callback mode against plain fit: the ratio of the medians, and the
+    median of the ratios of the blocks run side by side in one repetition
+    (a slow stretch of the machine hits both blocks of a pair)."""
     if "fit" not in med:
         return
     for name in ("fit_callback", "fit_callback_no_replay", "fit_callback_w1", "fit_callback_n100", "fit_callback_lean"):
         if name in med:
             ratio = med[name] / med["fit"]
+            paired = statistics.median(t / f for t, f in zip(times[name], times["fit"]))
+            line = "%s / fit = %.3f (median of the paired ratios %.3f)" % (name, ratio, paired)
             if name == "fit_callback":  # the target is on the callback's defaults
-                print("%s / fit = %.3f (target <= 1.10): %s" % (name, ratio, "MET" if ratio <= 1.10 else "NOT MET"))
-            else:
-                print("%s / fit = %.3f" % (name, ratio))
+                line += " (target <= 1.10): %s" % ("MET" if max(ratio, paired) <= 1.10 else "NOT MET")
+            print(line)
 
 
 REPORTS.append(_report_fit)
