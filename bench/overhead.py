@@ -4,8 +4,8 @@
 
 Each mode is a training step (``tf.function``) of the same MLP: 6 Dense
 layers of 1024 units with ReLU, batch 512, SGD. The modes run interleaved,
-``--steps`` steps each per repetition, so that noise from other processes on
-the machine hits them alike; the figure per mode is the median over
+``--steps`` steps each per repetition in a new order each time, so that
+noise from other processes on the machine hits them alike; the figure per mode is the median over
 repetitions of the mean step time.
 
 Modes (add one with ``@mode("name")``: a function taking a ``Bench`` and
@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import random
 import shutil
 import statistics
 import sys
@@ -205,8 +206,11 @@ def main(argv=None) -> int:
                 _sync(fn())
         times: dict[str, list[float]] = {name: [] for name in names}
         cpu: dict[str, list[float]] = {name: [] for name in names}
-        for _ in range(args.reps):
-            for name, fn in steps.items():
+        order = list(steps.items())
+        for rep in range(args.reps):
+            # A new order each repetition: no mode always follows the same one.
+            random.Random(rep).shuffle(order)
+            for name, fn in order:
                 t0, c0 = time.perf_counter(), time.process_time()
                 for _ in range(args.steps):
                     out = fn()
