@@ -535,12 +535,16 @@ class NumericsCallback(keras.callbacks.Callback):
         """Whether a record of the step is not finite (an intended -Inf aside):
         where the replay needs the step's batch. Nothing waits for it."""
         counts = head[: self._weight_row0, _NONFINITE]
-        neginf_ok = [analysis.neginf_intended(r.tag, metadata.TensorInfo(), self.safe_range)
-                     for r in self._rows[: self._weight_row0]]
-        if any(neginf_ok):
+        neginf_ok = self._neginf_ok_before_weights()
+        if neginf_ok.any():
             keep_neginf = tf.constant([[1.0, 1.0, 0.0 if ok else 1.0] for ok in neginf_ok], tf.float64)
             counts = counts * keep_neginf
         return tf.reduce_any(counts > 0)
+
+    def _neginf_ok_before_weights(self) -> np.ndarray:
+        """Per row before the weights': whether the user allowlisted its -Inf."""
+        return np.array([analysis.neginf_intended(r.tag, metadata.TensorInfo(), self.safe_range)
+                         for r in self._rows[: self._weight_row0]], bool)
 
     def _weights_due(self, step: tf.Tensor, loss_row: tf.Tensor | None, ctx) -> tf.Tensor:
         """Whether the weights (and the copy for the update ratios) are
@@ -769,8 +773,7 @@ class NumericsCallback(keras.callbacks.Callback):
         if self._replica_nonfinite is None:
             return None
         counts = self._replica_nonfinite.numpy()  # [replicas, rows, (NaN, +Inf, -Inf)]
-        neginf_ok = np.array([analysis.neginf_intended(row.tag, metadata.TensorInfo(), self.safe_range)
-                              for row in self._rows[: self._weight_row0]], bool)
+        neginf_ok = self._neginf_ok_before_weights()
         bad = (counts[:, :, 0] > 0) | (counts[:, :, 1] > 0) | ((counts[:, :, 2] > 0) & ~neginf_ok)
         first = np.where(bad.any(axis=1), bad.argmax(axis=1), bad.shape[1])
         return int(np.argmin(first))
