@@ -22,7 +22,7 @@ denormals-are-zero, so ``x == 0`` is true for a float32 subnormal there.
 from __future__ import annotations
 
 import dataclasses
-from typing import Mapping
+from typing import Callable, Mapping
 
 import numpy as np
 import tensorflow as tf
@@ -111,20 +111,63 @@ def tensor_stats(x: tf.Tensor, name: str) -> tf.Tensor:
 def tensor_stats_and_sum(x: tf.Tensor, name: str) -> tuple[tf.Tensor, tf.Tensor]:
     """``tensor_stats(x)`` and the plain sum of ``x`` it computes first: finite
     exactly when no element is NaN or Inf (unless the sum itself overflows),
-    so a caller can decide on it without waiting for the record."""
+    so a caller can decide on it without waiting for the record.
+
+    The statistics are one function call in the caller's graph (see
+    ``_traced``); where the size is not known when tracing (a batch
+    dimension of None), a branch picks the 32- or 64-bit counting variant.
+    """
+    x = tf.convert_to_tensor(x)
+    dtype = check_dtype(x, name)
     with tf.name_scope("tensor_stats"):
-        bits = _Bits.of(x, name)
-        flat = bits.flat
-        n = tf.cast(tf.size(flat, out_type=tf.int64), tf.float64)
-        total = tf.reduce_sum(flat)
-        row = tf.expand_dims(flat, 0)
-        total_sq = tf.reshape(tf.matmul(row, row, transpose_b=True), [])
-        record = tf.cond(
-            tf.math.is_finite(total_sq),
-            lambda: _healthy_record(bits, n, total, total_sq),
-            lambda: _unhealthy_record(bits, n),
+        flat = tf.reshape(tf.stop_gradient(x), [-1])
+        if _ACC_DTYPE[dtype] == tf.float64:
+            return _traced(dtype, tf.int64)(flat)
+        size = flat.shape.num_elements()
+        if size is not None:
+            return _traced(dtype, tf.int32 if size < 2**31 else tf.int64)(flat)
+        return tf.cond(
+            tf.size(flat, out_type=tf.int64) < 2**31,
+            lambda: _traced(dtype, tf.int32)(flat),
+            lambda: _traced(dtype, tf.int64)(flat),
         )
-        return record, total
+
+
+# One traced function per (dtype, count dtype), shared by every call in the
+# process. Tracing the statistics inline, once per tensor, cost a model of
+# a few dozen layers tens of seconds before its first step (Python tracing
+# of each branch, then graph optimisation of the whole step); not inlined
+# ("_noinline"), the body is traced and optimised once, and a call costs
+# no more per step than the inlined ops did.
+_TRACED: dict[tuple[str, tf.DType], Callable[[tf.Tensor], tuple[tf.Tensor, tf.Tensor]]] = {}
+
+
+def _traced(dtype: str, count_t: tf.DType) -> Callable[[tf.Tensor], tuple[tf.Tensor, tf.Tensor]]:
+    """The statistics of a flat tensor of ``dtype`` as a ``tf.function``,
+    counting in ``count_t`` (int32 only where the size is below 2**31)."""
+    fn = _TRACED.get((dtype, count_t))
+    if fn is None:
+
+        def stats_and_sum(flat: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+            bits = _Bits.of(flat, dtype, count_t)
+            n = tf.cast(tf.size(bits.flat, out_type=tf.int64), tf.float64)
+            total = tf.reduce_sum(bits.flat)
+            row = tf.expand_dims(bits.flat, 0)
+            total_sq = tf.reshape(tf.matmul(row, row, transpose_b=True), [])
+            record = tf.cond(
+                tf.math.is_finite(total_sq),
+                lambda: _healthy_record(bits, n, total, total_sq),
+                lambda: _unhealthy_record(bits, n),
+            )
+            return record, total
+
+        fn = _TRACED[(dtype, count_t)] = tf.function(
+            stats_and_sum,
+            input_signature=[tf.TensorSpec([None], tf.as_dtype(dtype))],
+            autograph=False,
+            experimental_attributes={"_noinline": True},
+        )
+    return fn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -141,27 +184,25 @@ class _Bits:
     signed: tf.Tensor
     unsigned: tf.Tensor
     u_max: tf.Tensor  # max of the unsigned view; < sign_bit where no sign bit is set
-    # Counts are summed in the magnitude's own integer type: int32 for
-    # float32 bits where the static size is below 2**31 (exact, and cheaper
-    # than int64), else int64.
+    # Counts are summed in int32 for float32 bits where the size is below
+    # 2**31 (exact, and cheaper than int64), else int64.
     count_t: tf.DType
 
     @classmethod
-    def of(cls, x: tf.Tensor, name: str) -> _Bits:
-        """The views of ``x``; raises ``TypeError`` as ``check_dtype`` does."""
-        flat, dtype, acc = _flatten(x, name)
-        int_t, uint_t, _ = _VIEWS[acc]
-        unsigned = tf.bitcast(flat, uint_t)
-        size = flat.shape.num_elements()
-        small = int_t == tf.int32 and size is not None and size < 2**31
+    def of(cls, flat: tf.Tensor, dtype: str, count_t: tf.DType) -> _Bits:
+        """The views of ``flat``, a 1-D tensor of ``dtype``."""
+        acc = _ACC_DTYPE[dtype]
+        if flat.dtype != acc:
+            flat = tf.cast(flat, acc)
+        unsigned = tf.bitcast(flat, _VIEWS[acc][1])
         return cls(
             dtype=dtype,
             acc=acc,
             flat=flat,
-            signed=tf.bitcast(flat, int_t),
+            signed=tf.bitcast(flat, _VIEWS[acc][0]),
             unsigned=unsigned,
             u_max=tf.reduce_max(unsigned),
-            count_t=tf.int32 if small else tf.int64,
+            count_t=count_t,
         )
 
     @property
