@@ -22,7 +22,8 @@ denormals-are-zero, so ``x == 0`` is true for a float32 subnormal there.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Mapping
+import functools
+from typing import Any, Callable, Mapping
 
 import numpy as np
 import tensorflow as tf
@@ -133,18 +134,30 @@ def tensor_stats_and_sum(x: tf.Tensor, name: str) -> tuple[tf.Tensor, tf.Tensor]
         )
 
 
-# One traced function per (dtype, count dtype), shared by every call in the
-# process. Tracing the statistics inline, once per tensor, cost a model of
-# a few dozen layers tens of seconds before its first step (Python tracing
-# of each branch, then graph optimisation of the whole step); not inlined
-# ("_noinline"), the body is traced and optimised once, and a call costs
-# no more per step than the inlined ops did.
-_TRACED: dict[tuple[str, tf.DType], Callable[[tf.Tensor], tuple[tf.Tensor, tf.Tensor]]] = {}
+# The statistics functions, traced once per process: one per (dtype, count
+# dtype) for tensor_stats, per (dtype, None) for op_stats. Tracing them
+# inline, once per tensor, cost a model of a few dozen layers tens of
+# seconds before its first step (Python tracing of each branch, then graph
+# optimisation of the whole step); called as one function, not inlined
+# ("_noinline"), the body is traced and optimised once, and a call costs no
+# more per step than the inlined ops did.
+_TRACED: dict[tuple[str, tf.DType | None], Callable[[tf.Tensor], Any]] = {}
+
+
+def _function(body: Callable[[tf.Tensor], Any], dtype: str) -> Callable[[tf.Tensor], Any]:
+    """``body`` of a 1-D tensor of ``dtype``, of any length, as a ``tf.function``
+    called (not inlined) from the graph that calls it."""
+    return tf.function(
+        body,
+        input_signature=[tf.TensorSpec([None], tf.as_dtype(dtype))],
+        autograph=False,
+        experimental_attributes={"_noinline": True},
+    )
 
 
 def _traced(dtype: str, count_t: tf.DType) -> Callable[[tf.Tensor], tuple[tf.Tensor, tf.Tensor]]:
-    """The statistics of a flat tensor of ``dtype`` as a ``tf.function``,
-    counting in ``count_t`` (int32 only where the size is below 2**31)."""
+    """``tensor_stats_and_sum`` of a 1-D tensor of ``dtype``, counting in
+    ``count_t`` (int32 only where the size is below 2**31)."""
     fn = _TRACED.get((dtype, count_t))
     if fn is None:
 
@@ -161,12 +174,7 @@ def _traced(dtype: str, count_t: tf.DType) -> Callable[[tf.Tensor], tuple[tf.Ten
             )
             return record, total
 
-        fn = _TRACED[(dtype, count_t)] = tf.function(
-            stats_and_sum,
-            input_signature=[tf.TensorSpec([None], tf.as_dtype(dtype))],
-            autograph=False,
-            experimental_attributes={"_noinline": True},
-        )
+        fn = _TRACED[(dtype, count_t)] = _function(stats_and_sum, dtype)
     return fn
 
 
@@ -224,18 +232,6 @@ class _Bits:
     def tiny_bits(self) -> int:
         """The bits of the smallest normal: magnitudes below are zeros or underflow."""
         return _bits(metadata.smallest_normal(self.dtype), self.acc)
-
-
-def _flatten(x: tf.Tensor, name: str) -> tuple[tf.Tensor, str, tf.DType]:
-    """``x`` flat in its accumulation dtype, its dtype name, and that dtype.
-
-    Raises:
-      TypeError: ``x`` is not a float16, bfloat16, float32 or float64 tensor.
-    """
-    x = tf.convert_to_tensor(x)
-    dtype = check_dtype(x, name)
-    acc = _ACC_DTYPE[dtype]
-    return tf.reshape(tf.cast(x, acc) if x.dtype != acc else x, [-1]), dtype, acc
 
 
 def _record(fields: Mapping[str, tf.Tensor]) -> tf.Tensor:
@@ -455,33 +451,45 @@ def op_stats(x: tf.Tensor, name: str) -> tf.Tensor:
     Raises:
       TypeError: ``x`` is not a float16, bfloat16, float32 or float64 tensor.
     """
+    x = tf.convert_to_tensor(x)
+    dtype = check_dtype(x, name)
     with tf.name_scope("op_stats"):
-        flat, dtype, acc = _flatten(x, name)
-        int_t, uint_t, sign_bit = _VIEWS[acc]
-        inf_bits = _bits(np.inf, acc)
-        margin = metadata.overflow_margin(dtype)
-        size = flat.shape.num_elements()
-        n = tf.constant(float(size), tf.float64) if size is not None else tf.cast(tf.size(flat), tf.float64)
-        unsigned = tf.bitcast(flat, uint_t)
-        u_max = tf.reduce_max(unsigned)
-        s_max = tf.reduce_max(tf.bitcast(flat, int_t))
-        # Where both signs are present, min = u_max and max = s_max.
-        lo_hi = _bits_to_float64(tf.stack([u_max, tf.bitcast(s_max, uint_t)]), acc)
-        common = tf.reduce_all(
-            tf.stack([
-                u_max >= tf.constant(sign_bit, uint_t),  # some sign bit set (-0 too)
-                s_max >= 0,  # some sign bit clear
-                s_max < tf.constant(inf_bits, int_t),  # no +Inf, no NaN with the sign bit clear
-                u_max < tf.constant(sign_bit | inf_bits, uint_t),  # no -Inf, no NaN with it set
-                tf.reduce_max(tf.abs(lo_hi)) <= margin,
-            ])
-        )
-        fast = _op_record(n, lo_hi)
-        return tf.cond(
-            common,
-            lambda: fast,
-            lambda: _op_stats_other(flat, n, u_max, s_max, acc, margin),
-        )
+        flat = tf.reshape(tf.stop_gradient(x), [-1])
+        fn = _TRACED.get((dtype, None))
+        if fn is None:
+            fn = _TRACED[(dtype, None)] = _function(functools.partial(_op_stats_flat, dtype=dtype), dtype)
+        return fn(flat)
+
+
+def _op_stats_flat(flat: tf.Tensor, dtype: str) -> tf.Tensor:
+    """``op_stats`` of a 1-D tensor of ``dtype``."""
+    acc = _ACC_DTYPE[dtype]
+    if flat.dtype != acc:
+        flat = tf.cast(flat, acc)
+    int_t, uint_t, sign_bit = _VIEWS[acc]
+    inf_bits = _bits(np.inf, acc)
+    margin = metadata.overflow_margin(dtype)
+    n = tf.cast(tf.size(flat), tf.float64)
+    unsigned = tf.bitcast(flat, uint_t)
+    u_max = tf.reduce_max(unsigned)
+    s_max = tf.reduce_max(tf.bitcast(flat, int_t))
+    # Where both signs are present, min = u_max and max = s_max.
+    lo_hi = _bits_to_float64(tf.stack([u_max, tf.bitcast(s_max, uint_t)]), acc)
+    common = tf.reduce_all(
+        tf.stack([
+            u_max >= tf.constant(sign_bit, uint_t),  # some sign bit set (-0 too)
+            s_max >= 0,  # some sign bit clear
+            s_max < tf.constant(inf_bits, int_t),  # no +Inf, no NaN with the sign bit clear
+            u_max < tf.constant(sign_bit | inf_bits, uint_t),  # no -Inf, no NaN with it set
+            tf.reduce_max(tf.abs(lo_hi)) <= margin,
+        ])
+    )
+    fast = _op_record(n, lo_hi)
+    return tf.cond(
+        common,
+        lambda: fast,
+        lambda: _op_stats_other(flat, n, u_max, s_max, acc, margin),
+    )
 
 
 def _op_record(n: tf.Tensor, lo_hi: tf.Tensor, **counts: tf.Tensor) -> tf.Tensor:
