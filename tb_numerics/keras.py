@@ -628,11 +628,17 @@ class NumericsCallback(keras.callbacks.Callback):
 
     def _store(self, stacked: tf.Tensor, aux: tf.Tensor, skipped: tf.Tensor, per_replica=None) -> None:
         """Keeps a step's records for ``on_train_batch_end``."""
-        slot = tf.cast(aux[0], tf.int64) % self._slots
-        self._stats_var[slot].assign(stacked)
+        if self._slots == 1:
+            self._stats_var.assign(stacked[None])
+            self._aux_var.assign(aux[None])
+        else:
+            # A scatter, not a slice assignment: XLA wants a slice's bounds
+            # known when it compiles, and the slot is this call's number.
+            slot = tf.reshape(tf.cast(self._calls.read_value(), tf.int64) % self._slots, [1, 1])
+            self._stats_var.scatter_nd_update(slot, stacked[None])
+            self._aux_var.scatter_nd_update(slot, aux[None])
         if per_replica is not None:
             self._replica_nonfinite.assign(per_replica)
-        self._aux_var[slot].assign(aux)
         self._skipped.assign_add(skipped)
         self._calls.assign_add(1)
 

@@ -127,6 +127,23 @@ def _fit_with_nan_in_batch_5(logdir, **callback_args) -> analysis.RunAnalysis:
     return _analysis(logdir)
 
 
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_steps_per_execution_keeps_every_steps_records(tmp_path, jit_compile):
+    """Several steps per call of the train function (one slot each): every
+    step is written, the first bad one is still step 5, also under XLA,
+    which wants a slice's bounds known when it compiles (the slot is not)."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, activation="tanh", name="d")], name="net")
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", steps_per_execution=4, jit_compile=jit_compile)
+    x, y = _data()
+    x[5 * 8 + 3, 2] = np.nan  # batch 5 of 8
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[NumericsCallback(str(tmp_path))])
+    ra = _analysis(tmp_path)
+    assert ra.find("d/output").series.steps.tolist() == list(range(8))
+    a = analysis.first_anomaly(ra)
+    assert (a["step"], a["tensor"], a["nan"]) == (5, "d/output", 4)
+
+
 def test_a_replay_holds_back_the_update_of_a_nonfinite_step(tmp_path):
     """Issue 14: the NaN batch's update is not applied (the weights the
     replay needs), so the steps after it train on finite weights."""
