@@ -120,18 +120,26 @@ def tensor_stats_and_sum(x: tf.Tensor, name: str) -> tuple[tf.Tensor, tf.Tensor]
     """
     x = tf.convert_to_tensor(x)
     dtype = check_dtype(x, name)
+    acc = _ACC_DTYPE[dtype]
     with tf.name_scope("tensor_stats"):
         flat = tf.reshape(tf.stop_gradient(x), [-1])
-        if _ACC_DTYPE[dtype] == tf.float64:
-            return _traced(dtype, tf.int64)(flat)
+        if flat.dtype != acc:
+            flat = tf.cast(flat, acc)
+        # Outside the function call, whose outputs all come when it ends: a
+        # caller deciding on the sum (the replay's gate on the update) waits
+        # for this one reduction, not for the whole record.
+        total = tf.reduce_sum(flat)
         size = flat.shape.num_elements()
+        if acc == tf.float64 or (size is not None and size >= 2**31):
+            return _traced(dtype, tf.int64)(flat, total), total
         if size is not None:
-            return _traced(dtype, tf.int32 if size < 2**31 else tf.int64)(flat)
-        return tf.cond(
+            return _traced(dtype, tf.int32)(flat, total), total
+        record = tf.cond(
             tf.size(flat, out_type=tf.int64) < 2**31,
-            lambda: _traced(dtype, tf.int32)(flat),
-            lambda: _traced(dtype, tf.int64)(flat),
+            lambda: _traced(dtype, tf.int32)(flat, total),
+            lambda: _traced(dtype, tf.int64)(flat, total),
         )
+        return record, total
 
 
 # The statistics functions, traced once per process: one per (dtype, count
@@ -141,40 +149,35 @@ def tensor_stats_and_sum(x: tf.Tensor, name: str) -> tuple[tf.Tensor, tf.Tensor]
 # optimisation of the whole step); called as one function, not inlined
 # ("_noinline"), the body is traced and optimised once, and a call costs no
 # more per step than the inlined ops did.
-_TRACED: dict[tuple[str, tf.DType | None], Callable[[tf.Tensor], Any]] = {}
+_TRACED: dict[tuple[str, tf.DType | None], Callable[..., tf.Tensor]] = {}
 
 
-def _function(body: Callable[[tf.Tensor], Any], dtype: str) -> Callable[[tf.Tensor], Any]:
-    """``body`` of a 1-D tensor of ``dtype``, of any length, as a ``tf.function``
-    called (not inlined) from the graph that calls it."""
-    return tf.function(
-        body,
-        input_signature=[tf.TensorSpec([None], tf.as_dtype(dtype))],
-        autograph=False,
-        experimental_attributes={"_noinline": True},
-    )
+def _function(body: Callable[..., Any], *signature: tf.TensorSpec) -> Callable[..., Any]:
+    """``body`` as a ``tf.function`` of ``signature``, called (not inlined)
+    from the graph that calls it."""
+    return tf.function(body, input_signature=signature, autograph=False, experimental_attributes={"_noinline": True})
 
 
-def _traced(dtype: str, count_t: tf.DType) -> Callable[[tf.Tensor], tuple[tf.Tensor, tf.Tensor]]:
-    """``tensor_stats_and_sum`` of a 1-D tensor of ``dtype``, counting in
-    ``count_t`` (int32 only where the size is below 2**31)."""
+def _traced(dtype: str, count_t: tf.DType) -> Callable[[tf.Tensor, tf.Tensor], tf.Tensor]:
+    """The record of a tensor of ``dtype`` from its flat values in the
+    accumulation dtype and their sum, counting in ``count_t`` (int32 only
+    where the size is below 2**31)."""
     fn = _TRACED.get((dtype, count_t))
     if fn is None:
 
-        def stats_and_sum(flat: tf.Tensor) -> tuple[tf.Tensor, tf.Tensor]:
+        def record(flat: tf.Tensor, total: tf.Tensor) -> tf.Tensor:
             bits = _Bits.of(flat, dtype, count_t)
-            n = tf.cast(tf.size(bits.flat, out_type=tf.int64), tf.float64)
-            total = tf.reduce_sum(bits.flat)
-            row = tf.expand_dims(bits.flat, 0)
+            n = tf.cast(tf.size(flat, out_type=tf.int64), tf.float64)
+            row = tf.expand_dims(flat, 0)
             total_sq = tf.reshape(tf.matmul(row, row, transpose_b=True), [])
-            record = tf.cond(
+            return tf.cond(
                 tf.math.is_finite(total_sq),
                 lambda: _healthy_record(bits, n, total, total_sq),
                 lambda: _unhealthy_record(bits, n),
             )
-            return record, total
 
-        fn = _TRACED[(dtype, count_t)] = _function(stats_and_sum, dtype)
+        acc = _ACC_DTYPE[dtype]
+        fn = _TRACED[(dtype, count_t)] = _function(record, tf.TensorSpec([None], acc), tf.TensorSpec([], acc))
     return fn
 
 
@@ -198,10 +201,9 @@ class _Bits:
 
     @classmethod
     def of(cls, flat: tf.Tensor, dtype: str, count_t: tf.DType) -> _Bits:
-        """The views of ``flat``, a 1-D tensor of ``dtype``."""
-        acc = _ACC_DTYPE[dtype]
-        if flat.dtype != acc:
-            flat = tf.cast(flat, acc)
+        """The views of ``flat``, the values of a tensor of ``dtype`` in its
+        accumulation dtype."""
+        acc = flat.dtype
         unsigned = tf.bitcast(flat, _VIEWS[acc][1])
         return cls(
             dtype=dtype,
@@ -306,27 +308,32 @@ def _zeros_and_underflow(bits: _Bits) -> tf.Tensor:
     """float64 ``[zeros, underflow]``, counted from the magnitude bits.
 
     From the bits because a float compare on a denormals-are-zero CPU calls
-    a subnormal zero. Two elementwise passes where an underflow is absent:
-    the magnitude bits are the signed view itself where no sign bit is set
-    (ReLU outputs), zeros are the elements with min(mag, 1) = 0, and the
-    smallest nonzero magnitude (min of mag - 1 viewed unsigned, where 0
-    wraps to the largest value) tells whether the exact underflow count is
-    needed at all.
+    a subnormal zero. The magnitude bits are the signed view itself where no
+    sign bit is set (ReLU outputs). ``below = mag - 1`` wraps a zero to -1:
+    viewed unsigned, its min is the smallest nonzero magnitude less one,
+    which tells whether the exact underflow count is needed at all; and
+    ``min(below, 0)`` is -1 exactly at the zeros, so its sum is minus their
+    count. That min runs last, after every other reader of ``below``, so
+    TensorFlow can write it over ``below`` in place: one tensor-sized
+    allocation, where each fresh one costs page faults as much as the pass.
     """
     mag = tf.cond(
         bits.u_max < bits.sign_bit,
         lambda: bits.signed,
         lambda: tf.bitwise.bitwise_and(bits.signed, tf.constant(bits.sign_bit - 1, bits.int_t)),
     )
-    nonzero = tf.reduce_sum(tf.cast(tf.minimum(mag, 1), bits.count_t))
-    zeros = tf.cast(tf.size(bits.flat, out_type=bits.count_t) - nonzero, tf.float64)
-    smallest_nonzero = tf.reduce_min(tf.bitcast(mag - 1, bits.uint_t)) + 1
-    underflow = tf.cond(
-        smallest_nonzero < bits.tiny_bits,
-        lambda: tf.cast(tf.reduce_sum(tf.cast(tf.less(mag, bits.tiny_bits), bits.count_t)), tf.float64) - zeros,
-        lambda: tf.constant(0.0, tf.float64),
+    below = mag - 1
+    smallest_nonzero = tf.reduce_min(tf.bitcast(below, bits.uint_t)) + 1
+    has_underflow = smallest_nonzero < bits.tiny_bits
+    zeros_and_underflow = tf.cond(  # the elements with mag < tiny, or 0 where none underflows
+        has_underflow,
+        lambda: tf.reduce_sum(tf.cast(tf.less(below, bits.tiny_bits - 1), bits.count_t)),
+        lambda: tf.constant(0, bits.count_t),
     )
-    return tf.stack([zeros, underflow])
+    with tf.control_dependencies([smallest_nonzero, zeros_and_underflow]):
+        zeros = -tf.reduce_sum(tf.cast(tf.minimum(below, 0), bits.count_t))
+    underflow = tf.where(has_underflow, zeros_and_underflow - zeros, tf.constant(0, bits.count_t))
+    return tf.cast(tf.stack([zeros, underflow]), tf.float64)
 
 
 def _float16_overflow(bits: _Bits, lo_hi: tf.Tensor) -> tf.Tensor:
@@ -457,7 +464,9 @@ def op_stats(x: tf.Tensor, name: str) -> tf.Tensor:
         flat = tf.reshape(tf.stop_gradient(x), [-1])
         fn = _TRACED.get((dtype, None))
         if fn is None:
-            fn = _TRACED[(dtype, None)] = _function(functools.partial(_op_stats_flat, dtype=dtype), dtype)
+            fn = _TRACED[(dtype, None)] = _function(
+                functools.partial(_op_stats_flat, dtype=dtype), tf.TensorSpec([None], tf.as_dtype(dtype))
+            )
         return fn(flat)
 
 
