@@ -633,8 +633,8 @@ class NumericsCallback(keras.callbacks.Callback):
             self._aux_var.assign(aux[None])
         else:
             # A scatter, not a slice assignment: XLA wants a slice's bounds
-            # known when it compiles, and the slot is this call's number.
-            slot = tf.reshape(tf.cast(self._calls.read_value(), tf.int64) % self._slots, [1, 1])
+            # known when it compiles, and the slot is this call's number (aux[0]).
+            slot = tf.reshape(tf.cast(aux[0], tf.int64) % self._slots, [1, 1])
             self._stats_var.scatter_nd_update(slot, stacked[None])
             self._aux_var.scatter_nd_update(slot, aux[None])
         if per_replica is not None:

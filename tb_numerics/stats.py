@@ -142,14 +142,13 @@ def tensor_stats_and_sum(x: tf.Tensor, name: str) -> tuple[tf.Tensor, tf.Tensor]
         return record, total
 
 
-# The statistics functions, traced once per process: one per (dtype, count
-# dtype) for tensor_stats, per (dtype, None) for op_stats. Tracing them
-# inline, once per tensor, cost a model of a few dozen layers tens of
-# seconds before its first step (Python tracing of each branch, then graph
-# optimisation of the whole step); called as one function, not inlined
-# ("_noinline"), the body is traced and optimised once, and a call costs no
-# more per step than the inlined ops did.
-_TRACED: dict[tuple[str, tf.DType | None], Callable[..., tf.Tensor]] = {}
+# The statistics functions, each traced once per process (functools.cache):
+# one per (dtype, count dtype) for tensor_stats, one per dtype for op_stats.
+# Tracing them inline, once per tensor, cost a model of a few dozen layers
+# tens of seconds before its first step (Python tracing of each branch,
+# then graph optimisation of the whole step); called as one function, not
+# inlined ("_noinline"), the body is traced and optimised once, and a call
+# costs no more per step than the inlined ops did.
 
 
 def _function(body: Callable[..., Any], *signature: tf.TensorSpec) -> Callable[..., Any]:
@@ -158,27 +157,31 @@ def _function(body: Callable[..., Any], *signature: tf.TensorSpec) -> Callable[.
     return tf.function(body, input_signature=signature, autograph=False, experimental_attributes={"_noinline": True})
 
 
+@functools.cache
 def _traced(dtype: str, count_t: tf.DType) -> Callable[[tf.Tensor, tf.Tensor], tf.Tensor]:
     """The record of a tensor of ``dtype`` from its flat values in the
     accumulation dtype and their sum, counting in ``count_t`` (int32 only
     where the size is below 2**31)."""
-    fn = _TRACED.get((dtype, count_t))
-    if fn is None:
 
-        def record(flat: tf.Tensor, total: tf.Tensor) -> tf.Tensor:
-            bits = _Bits.of(flat, dtype, count_t)
-            n = tf.cast(tf.size(flat, out_type=tf.int64), tf.float64)
-            row = tf.expand_dims(flat, 0)
-            total_sq = tf.reshape(tf.matmul(row, row, transpose_b=True), [])
-            return tf.cond(
-                tf.math.is_finite(total_sq),
-                lambda: _healthy_record(bits, n, total, total_sq),
-                lambda: _unhealthy_record(bits, n),
-            )
+    def record(flat: tf.Tensor, total: tf.Tensor) -> tf.Tensor:
+        bits = _Bits.of(flat, dtype, count_t)
+        n = tf.cast(tf.size(flat, out_type=tf.int64), tf.float64)
+        row = tf.expand_dims(flat, 0)
+        total_sq = tf.reshape(tf.matmul(row, row, transpose_b=True), [])
+        return tf.cond(
+            tf.math.is_finite(total_sq),
+            lambda: _healthy_record(bits, n, total, total_sq),
+            lambda: _unhealthy_record(bits, n),
+        )
 
-        acc = _ACC_DTYPE[dtype]
-        fn = _TRACED[(dtype, count_t)] = _function(record, tf.TensorSpec([None], acc), tf.TensorSpec([], acc))
-    return fn
+    acc = _ACC_DTYPE[dtype]
+    return _function(record, tf.TensorSpec([None], acc), tf.TensorSpec([], acc))
+
+
+@functools.cache
+def _traced_op(dtype: str) -> Callable[[tf.Tensor], tf.Tensor]:
+    """``op_stats`` of a 1-D tensor of ``dtype``."""
+    return _function(functools.partial(_op_stats_flat, dtype=dtype), tf.TensorSpec([None], tf.as_dtype(dtype)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -461,13 +464,7 @@ def op_stats(x: tf.Tensor, name: str) -> tf.Tensor:
     x = tf.convert_to_tensor(x)
     dtype = check_dtype(x, name)
     with tf.name_scope("op_stats"):
-        flat = tf.reshape(tf.stop_gradient(x), [-1])
-        fn = _TRACED.get((dtype, None))
-        if fn is None:
-            fn = _TRACED[(dtype, None)] = _function(
-                functools.partial(_op_stats_flat, dtype=dtype), tf.TensorSpec([None], tf.as_dtype(dtype))
-            )
-        return fn(flat)
+        return _traced_op(dtype)(tf.reshape(tf.stop_gradient(x), [-1]))
 
 
 def _op_stats_flat(flat: tf.Tensor, dtype: str) -> tf.Tensor:
