@@ -257,16 +257,16 @@ def _record(fields: Mapping[str, tf.Tensor]) -> tf.Tensor:
 def _healthy_record(bits: _Bits, n: tf.Tensor, total: tf.Tensor, total_sq: tf.Tensor) -> tf.Tensor:
     """``tensor_stats`` of a tensor whose sum of squares is finite: no NaN, no
     Inf, so the plain sums serve and min, max and the smallest magnitude
-    come from the bit views."""
-    lo_hi, mag_min = tf.cond(
+    on each side of zero come from the bit views."""
+    lo_hi, pos_small, neg_small = tf.cond(
         bits.u_max < bits.sign_bit,
         lambda: _extrema_nonnegative(bits),
         lambda: _extrema_mixed(bits),
     )
     lo_hi = _bits_to_float64(lo_hi, bits.acc)
     small = tf.cond(
-        mag_min < bits.tiny_bits,
-        lambda: _zeros_and_underflow(bits),
+        tf.logical_or(pos_small, neg_small),
+        lambda: _zeros_and_underflow(bits, pos_small, neg_small),
         lambda: tf.zeros([2], tf.float64),
     )
     sums = _accurate_sums(bits.flat, n, total, total_sq)
@@ -278,65 +278,88 @@ def _healthy_record(bits: _Bits, n: tf.Tensor, total: tf.Tensor, total_sq: tf.Te
     })
 
 
-def _extrema_nonnegative(bits: _Bits) -> tuple[tf.Tensor, tf.Tensor]:
-    """(``[min, max]`` bits, smallest magnitude bits) of a finite tensor with
-    no sign bit set (e.g. a ReLU output): both integer orders are the float
-    order, so one more reduction, the signed min, gives the min, which is
-    also the smallest magnitude. An empty tensor has signed min = the
-    largest int, a NaN pattern."""
+def _extrema_nonnegative(bits: _Bits) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """(``[min, max]`` bits, whether a magnitude is below the smallest
+    normal among the non-negative values, among the negative ones) of a
+    finite tensor with no sign bit set (e.g. a ReLU output): both integer
+    orders are the float order, so one more reduction, the signed min, gives
+    the min, which is also the smallest magnitude. An empty tensor has
+    signed min = the largest int, a NaN pattern."""
     s_min = tf.reduce_min(bits.signed)
     lo_bits = tf.bitcast(s_min, bits.uint_t)
     hi_bits = tf.where(lo_bits <= bits.u_max, bits.u_max, lo_bits)
-    return tf.stack([lo_bits, hi_bits]), s_min
+    return tf.stack([lo_bits, hi_bits]), s_min < bits.tiny_bits, tf.constant(False)
 
 
-def _extrema_mixed(bits: _Bits) -> tuple[tf.Tensor, tf.Tensor]:
-    """(``[min, max]`` bits, smallest magnitude bits) of a finite tensor with
-    some sign bit set. Unsigned order: +0 < positives < -0 < negatives by
-    magnitude; signed order: negatives by decreasing magnitude < +0 <
-    positives. So u_max is the min, the max is the signed max where it is
-    non-negative (else the unsigned min), and the smallest magnitude is the
-    smaller magnitude of the signed min and the unsigned min."""
+def _extrema_mixed(bits: _Bits) -> tuple[tf.Tensor, tf.Tensor, tf.Tensor]:
+    """(``[min, max]`` bits, whether a magnitude is below the smallest
+    normal among the non-negative values, among the negative ones) of a
+    finite tensor with some sign bit set. Unsigned order: +0 < positives <
+    -0 < negatives by magnitude; signed order: negatives by decreasing
+    magnitude < +0 < positives. So u_max is the min, the max is the signed
+    max where it is non-negative (else the unsigned min), the unsigned min
+    is the smallest non-negative magnitude and the signed min the smallest
+    negative one (with its sign bit)."""
     mask = tf.constant(bits.sign_bit - 1, bits.int_t)
     s_min, s_max, u_min = tf.reduce_min(bits.signed), tf.reduce_max(bits.signed), tf.reduce_min(bits.unsigned)
     hi_bits = tf.where(s_max >= 0, tf.bitcast(s_max, bits.uint_t), u_min)
-    mag_min = tf.minimum(
-        tf.bitwise.bitwise_and(s_min, mask),
-        tf.bitwise.bitwise_and(tf.bitcast(u_min, bits.int_t), mask),
-    )
-    return tf.stack([bits.u_max, hi_bits]), mag_min
+    pos_small = u_min < tf.constant(bits.tiny_bits, bits.uint_t)
+    neg_small = tf.bitwise.bitwise_and(s_min, mask) < bits.tiny_bits
+    return tf.stack([bits.u_max, hi_bits]), pos_small, neg_small
 
 
-def _zeros_and_underflow(bits: _Bits) -> tf.Tensor:
-    """float64 ``[zeros, underflow]``, counted from the magnitude bits.
+def _zeros_and_underflow(bits: _Bits, pos_small: tf.Tensor, neg_small: tf.Tensor) -> tf.Tensor:
+    """float64 ``[zeros, underflow]`` of a tensor whose magnitudes below the
+    smallest normal lie among its non-negative values (``pos_small``), its
+    negative ones (``neg_small``) or both.
 
     From the bits because a float compare on a denormals-are-zero CPU calls
-    a subnormal zero. The magnitude bits are the signed view itself where no
-    sign bit is set (ReLU outputs). ``below = mag - 1`` wraps a zero to -1:
-    viewed unsigned, its min is the smallest nonzero magnitude less one,
-    which tells whether the exact underflow count is needed at all; and
-    ``min(below, 0)`` is -1 exactly at the zeros, so its sum is minus their
-    count. That min runs last, after every other reader of ``below``, so
-    TensorFlow can write it over ``below`` in place: one tensor-sized
-    allocation, where each fresh one costs page faults as much as the pass.
+    a subnormal zero. One elementwise pass maps the bits to ``key``, in
+    unsigned arithmetic: the magnitude less one on the side that holds the
+    small values, so that a zero wraps to the largest value and a nonzero
+    magnitude m to m - 1, with every value of the other side above them
+    all. Where both sides hold small values, the magnitude bits (a second
+    pass, written in place) come first. See ``_count_small``.
     """
-    mag = tf.cond(
-        bits.u_max < bits.sign_bit,
-        lambda: bits.signed,
-        lambda: tf.bitwise.bitwise_and(bits.signed, tf.constant(bits.sign_bit - 1, bits.int_t)),
+    u = bits.unsigned
+    all_ones = tf.constant(2 * bits.sign_bit - 1, bits.uint_t)  # adding it subtracts one
+    half = tf.constant(bits.sign_bit - 1, bits.uint_t)  # adding it maps -m to m - 1, +m above
+    return tf.cond(
+        tf.logical_and(pos_small, neg_small),
+        lambda: _count_small(bits, tf.bitwise.bitwise_and(u, half) + all_ones),
+        lambda: _count_small(bits, u + tf.where(pos_small, all_ones, half)),
     )
-    below = mag - 1
-    smallest_nonzero = tf.reduce_min(tf.bitcast(below, bits.uint_t)) + 1
-    has_underflow = smallest_nonzero < bits.tiny_bits
-    zeros_and_underflow = tf.cond(  # the elements with mag < tiny, or 0 where none underflows
+
+
+def _count_small(bits: _Bits, key: tf.Tensor) -> tf.Tensor:
+    """float64 ``[zeros, underflow]`` from ``key`` (see ``_zeros_and_underflow``):
+    the zeros are its largest value, the underflows its values below the
+    smallest normal less one.
+
+    Its min is the smallest nonzero magnitude less one, which tells whether
+    the exact underflow count is needed at all. ``max(key, largest - 1)`` is
+    1 more than elsewhere exactly at the zeros, so its wrapping unsigned sum
+    is ``zeros - 2 * size`` (exact below 2**32 zeros; beyond that count, in
+    the int64 variant, a compare). It runs last, after every other reader
+    of ``key``, so TensorFlow writes it over ``key`` in place: one
+    tensor-sized allocation, where each fresh one costs page faults as much
+    as the pass.
+    """
+    all_ones = tf.constant(2 * bits.sign_bit - 1, bits.uint_t)
+    tiny_less_one = tf.constant(bits.tiny_bits - 1, bits.uint_t)
+    has_underflow = tf.reduce_min(key) < tiny_less_one
+    underflow = tf.cond(
         has_underflow,
-        lambda: tf.reduce_sum(tf.cast(tf.less(below, bits.tiny_bits - 1), bits.count_t)),
+        lambda: tf.reduce_sum(tf.cast(tf.less(key, tiny_less_one), bits.count_t)),
         lambda: tf.constant(0, bits.count_t),
     )
-    with tf.control_dependencies([smallest_nonzero, zeros_and_underflow]):
-        zeros = -tf.reduce_sum(tf.cast(tf.minimum(below, 0), bits.count_t))
-    underflow = tf.where(has_underflow, zeros_and_underflow - zeros, tf.constant(0, bits.count_t))
-    return tf.cast(tf.stack([zeros, underflow]), tf.float64)
+    with tf.control_dependencies([has_underflow, underflow]):
+        if bits.count_t == tf.int64 and bits.acc == tf.float32:
+            zeros = tf.reduce_sum(tf.cast(tf.equal(key, all_ones), tf.int64))
+        else:
+            twice_size = tf.cast(2 * tf.size(key, out_type=tf.int64), bits.uint_t)  # modulo 2**bits
+            zeros = tf.reduce_sum(tf.maximum(key, all_ones - 1)) + twice_size
+    return tf.stack([tf.cast(zeros, tf.float64), tf.cast(underflow, tf.float64)])
 
 
 def _float16_overflow(bits: _Bits, lo_hi: tf.Tensor) -> tf.Tensor:
@@ -365,7 +388,7 @@ def _unhealthy_record(bits: _Bits, n: tf.Tensor) -> tf.Tensor:
     finite = tf.math.is_finite(flat)
     x64 = tf.cast(tf.where(finite, flat, tf.zeros_like(flat)), tf.float64)
     lo_hi = _finite_min_max(flat, finite, bits.acc)
-    small = _zeros_and_underflow(bits)
+    small = _zeros_and_underflow(bits, tf.constant(True), tf.constant(True))
     return _record({
         "count": n,
         **_nonfinite_counts(flat),

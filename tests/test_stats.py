@@ -35,7 +35,8 @@ def assert_matches(got: np.ndarray, want: np.ndarray, dtype: str) -> None:
     for f in COUNTS:
         assert got[F[f]] == want[F[f]], (f, got, want)
     for f in ("min", "max"):
-        np.testing.assert_equal(got[F[f]], want[F[f]], err_msg=f)
+        # + 0.0: -0.0 and 0.0 are the same min (numpy keeps whichever comes first).
+        np.testing.assert_equal(got[F[f]] + 0.0, want[F[f]] + 0.0, err_msg=f)
     # Summation error grows with the size of the terms and their number.
     max_abs = np.nan_to_num(max(abs(want[F["min"]]), abs(want[F["max"]])))
     scale = max(1.0, float(max_abs * want[F["count"]]))
@@ -254,3 +255,65 @@ def test_subnormal_extremes_beside_nonfinite_values(dtype, mode):
         want = _reference(t, dtype)
         assert want[F["underflow"]] == 1
         assert_matches(got, want, dtype)
+
+
+def _side_cases(dtype: str) -> dict[str, list[float]]:
+    """Zeros and underflows on one side of zero, the other or both: each takes
+    its own way through the zero count (see stats._zeros_and_underflow)."""
+    tiny = metadata.smallest_normal(dtype)
+    return {
+        "pos_zeros_beside_negatives": [0.0, 0.0, 1.0, -1.0, -2.5, 3.0],
+        "pos_underflow_beside_negatives": [0.0, tiny / 4, tiny / 2, -1.0, -tiny, 2.0],
+        "neg_zeros_beside_positives": [-0.0, 1.0, -1.0, 2.0, -0.0],
+        "neg_underflow_beside_positives": [-0.0, -tiny / 8, 1.0, -3.0, tiny],
+        "both_sides": [0.0, -0.0, tiny / 2, -tiny / 2, 1.0, -1.0],
+        "zeros_of_both_signs_only": [0.0, -0.0, -0.0],
+        "negative_zeros_only": [-0.0, -0.0],
+        "negatives_and_negative_zero": [-0.0, -1.0, -tiny / 4],
+        "positive_subnormal_among_negatives": [tiny / 4, -1.0, -2.0],
+        "no_small_values": [1.0, -1.0, tiny, -tiny],
+    }
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+@pytest.mark.parametrize("mode", ["eager", "function", "jit"])
+def test_zeros_and_underflow_on_either_side_of_zero(dtype, mode):
+    fn = {"eager": stats.tensor_stats, "function": _stats_fn, "jit": _jit_stats_fn}[mode]
+    for case, values in _side_cases(dtype).items():
+        t = _as_tf(np.array(values), dtype)
+        want = _reference(t, dtype)
+        try:
+            assert_matches(fn(t, case).numpy(), want, dtype)
+        except AssertionError as e:
+            raise AssertionError(case) from e
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_int64_counting_variant(dtype):
+    # Used where a float32 tensor may hold 2**31 elements or more: called
+    # directly here on small ones, since no test can allocate that.
+    record = stats._traced(dtype, tf.int64)
+    for case, values in _side_cases(dtype).items():
+        t = _as_tf(np.array(values), dtype)
+        got = record(t, tf.reduce_sum(t)).numpy()
+        try:
+            assert_matches(got, _reference(t, dtype), dtype)
+        except AssertionError as e:
+            raise AssertionError(case) from e
+
+
+@pytest.mark.parametrize("signs", ["positive_zeros", "negative_zeros", "both"])
+def test_gradient_with_dead_units_at_benchmark_size(signs):
+    # A ReLU network's weight gradient: normal values with whole rows and
+    # columns of exact zeros (units dead across the batch), of either sign.
+    rng = np.random.default_rng(3)
+    g = rng.standard_normal((1024, 1024)).astype(np.float32)
+    if signs in ("positive_zeros", "both"):
+        g[:, rng.choice(1024, 40, replace=False)] = 0.0
+    if signs in ("negative_zeros", "both"):
+        g[rng.choice(1024, 25, replace=False), :] = -0.0
+    t = tf.constant(g)
+    want = numpy_stats(g)
+    assert want[F["zeros"]] > 20_000
+    for fn in (stats.tensor_stats, _stats_fn):
+        assert_matches(fn(t, "grad").numpy(), want, "float32")
