@@ -179,7 +179,7 @@ class NumericsCallback(keras.callbacks.Callback):
     * ``<layer>/output`` (activation): every float output of each top-level
       layer, in the order the layers run;
     * ``loss``: the training loss, as ``optimizer.scale_loss`` receives it;
-        * ``gradients/<variable path>`` (gradient, unscaled), in backward order
+    * ``gradients/<variable path>`` (gradient, unscaled), in backward order
       as ``log_gradients`` writes them, and ``gradients/global_norm``;
     * ``<variable path>`` (weight), before the update;
     * ``update_ratio/<layer>`` (weight): ||w_new - w_old|| / ||w_old|| over
@@ -293,15 +293,15 @@ class NumericsCallback(keras.callbacks.Callback):
         self._lso = isinstance(opt, keras.optimizers.LossScaleOptimizer)
         layers = list(model.layers)
         self._plan_rows(model, layers)
+        self._replay = _keras_replay.StepReplay(model, self.log_dir) if self.replay else None
+        if self._replay is not None:
+            self._replay.why_not = _why_no_replay(model)
         self._make_step_state(model)
         self._last_call = -1
         self._prev: tuple[int, list] | None = None  # the last step computed but not written
         self._latched = False
         self._infos: dict[str, metadata.TensorInfo] = {}
         self._writer = record_writer.NumericsRecordWriter(self.log_dir)
-        self._replay = _keras_replay.StepReplay(model, self.log_dir) if self.replay else None
-        if self._replay is not None:
-            self._replay.why_not = _why_no_replay(model)
         # Records are built and written by one thread beside training, off the
         # step's critical path; a batch that may stop training is handled inline.
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tb_numerics_callback")
@@ -378,7 +378,7 @@ class NumericsCallback(keras.callbacks.Callback):
         replicas = _strategy(model).num_replicas_in_sync
         self._replica_nonfinite = (
             _state_variable(tf.zeros([replicas, self._weight_row0, 3], tf.float64))
-            if self.replay and replicas > 1 and _why_no_replay(model) is None
+            if self._replay is not None and replicas > 1 and self._replay.why_not is None
             else None
         )
 
