@@ -498,7 +498,7 @@ def _op_stats_flat(flat: tf.Tensor, dtype: str) -> tf.Tensor:
     int_t, uint_t, sign_bit = _VIEWS[acc]
     inf_bits = _bits(np.inf, acc)
     margin = metadata.overflow_margin(dtype)
-    n = tf.cast(tf.size(flat), tf.float64)
+    n = tf.cast(tf.size(flat, out_type=tf.int64), tf.float64)  # int32 would refuse 2**31 elements
     unsigned = tf.bitcast(flat, uint_t)
     u_max = tf.reduce_max(unsigned)
     s_max = tf.reduce_max(tf.bitcast(flat, int_t))
