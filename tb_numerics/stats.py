@@ -4,6 +4,7 @@
 for a float tensor, computed with ordinary TensorFlow reductions (no
 ``py_function``, no host round trip), so it runs inside a traced or
 ``jit_compile``'d step and its result can be written there or outside.
+Where a GPU is visible, each record is compiled with XLA (see ``_traced``).
 ``records.numpy_stats`` is the reference it agrees with: counts and
 extrema exactly, sums to the accumulation precision.
 
@@ -130,14 +131,15 @@ def tensor_stats_and_sum(x: tf.Tensor, name: str) -> tuple[tf.Tensor, tf.Tensor]
         # for this one reduction, not for the whole record.
         total = tf.reduce_sum(flat)
         size = flat.shape.num_elements()
+        compiled = _accelerator_visible()
         if acc == tf.float64 or (size is not None and size >= 2**31):
-            return _traced(dtype, tf.int64)(flat, total), total
+            return _traced(dtype, tf.int64, compiled)(flat, total), total
         if size is not None:
-            return _traced(dtype, tf.int32)(flat, total), total
+            return _traced(dtype, tf.int32, compiled)(flat, total), total
         record = tf.cond(
             tf.size(flat, out_type=tf.int64) < 2**31,
-            lambda: _traced(dtype, tf.int32)(flat, total),
-            lambda: _traced(dtype, tf.int64)(flat, total),
+            lambda: _traced(dtype, tf.int32, compiled)(flat, total),
+            lambda: _traced(dtype, tf.int64, compiled)(flat, total),
         )
         return record, total
 
@@ -151,17 +153,40 @@ def tensor_stats_and_sum(x: tf.Tensor, name: str) -> tuple[tf.Tensor, tf.Tensor]
 # costs no more per step than the inlined ops did.
 
 
-def _function(body: Callable[..., Any], *signature: tf.TensorSpec) -> Callable[..., Any]:
+def _function(body: Callable[..., Any], *signature: tf.TensorSpec, jit_compile: bool = False) -> Callable[..., Any]:
     """``body`` as a ``tf.function`` of ``signature``, called (not inlined)
-    from the graph that calls it."""
-    return tf.function(body, input_signature=signature, autograph=False, experimental_attributes={"_noinline": True})
+    from the graph that calls it; with ``jit_compile``, as one XLA computation."""
+    return tf.function(
+        body,
+        input_signature=signature,
+        autograph=False,
+        jit_compile=jit_compile or None,
+        experimental_attributes={"_noinline": True},
+    )
 
 
 @functools.cache
-def _traced(dtype: str, count_t: tf.DType) -> Callable[[tf.Tensor, tf.Tensor], tf.Tensor]:
+def _accelerator_visible() -> bool:
+    """Whether this process sees a GPU or another accelerator, where the
+    record is compiled (see ``_traced``)."""
+    return any(device.device_type != "CPU" for device in tf.config.list_logical_devices())
+
+
+@functools.cache
+def _traced(dtype: str, count_t: tf.DType, compiled: bool = False) -> Callable[[tf.Tensor, tf.Tensor], tf.Tensor]:
     """The record of a tensor of ``dtype`` from its flat values in the
     accumulation dtype and their sum, counting in ``count_t`` (int32 only
-    where the size is below 2**31)."""
+    where the size is below 2**31).
+
+    ``compiled``: as one XLA computation, where a GPU is visible. The record
+    rests on integer reductions of the bits, and TensorFlow has no GPU
+    kernel for the uint32 ones (``Min``, ``Max``, ``Sum``) and runs the int32
+    ones in host memory, so uncompiled, each would copy the tensor to the
+    host at every step. XLA reduces them on the device, fused. On a CPU,
+    XLA's reductions cost about twice TensorFlow's, so not there. Inside a
+    step that is itself compiled, the record is part of the step's
+    computation either way.
+    """
 
     def record(flat: tf.Tensor, total: tf.Tensor) -> tf.Tensor:
         bits = _Bits.of(flat, dtype, count_t)
@@ -175,7 +200,7 @@ def _traced(dtype: str, count_t: tf.DType) -> Callable[[tf.Tensor, tf.Tensor], t
         )
 
     acc = _ACC_DTYPE[dtype]
-    return _function(record, tf.TensorSpec([None], acc), tf.TensorSpec([], acc))
+    return _function(record, tf.TensorSpec([None], acc), tf.TensorSpec([], acc), jit_compile=compiled)
 
 
 @functools.cache
@@ -590,8 +615,13 @@ def _finite_min_max(flat: tf.Tensor, finite: tf.Tensor, acc: tf.DType) -> tf.Ten
     """float64 ``[min, max]`` of the ``finite`` elements of ``flat``, NaN where
     there are none: exact, subnormals too, from the bits of the finite
     elements with the others replaced by a finite one (a masked float min
-    and cast on a denormals-are-zero CPU give 0 for a subnormal)."""
-    some = tf.gather(flat, tf.argmax(tf.cast(finite, tf.int32), output_type=tf.int32))
+    and cast on a denormals-are-zero CPU give 0 for a subnormal). One 0
+    goes after the elements, so that an empty tensor has an element to
+    take: XLA compiles this branch for an empty tensor too, and refuses an
+    argmax over nothing."""
+    padded = tf.concat([flat, tf.zeros([1], flat.dtype)], 0)
+    first = tf.argmax(tf.concat([tf.cast(finite, tf.int32), [1]], 0), output_type=tf.int32)
+    some = tf.gather(padded, first)
     exact = _exact_min_max(tf.where(finite, flat, some), acc)
     return tf.where(tf.reduce_any(finite), exact, tf.constant(np.nan, tf.float64))
 

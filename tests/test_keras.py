@@ -8,7 +8,7 @@ import pytest
 import tensorflow as tf
 
 import tb_numerics
-from tb_numerics import analysis, cli, event_reader
+from tb_numerics import analysis, cli, event_reader, stats
 from tb_numerics.keras import NumericsCallback
 
 import two_replicas
@@ -153,6 +153,26 @@ def test_a_replay_holds_back_the_update_of_a_nonfinite_step(tmp_path):
         assert ra.find(tag).series.steps.tolist() == [0, 3, 5, 6], tag
         assert not ra.find(tag).codes.any()  # finite at step 6, after the bad step
     assert analysis.first_anomaly(ra)["step"] == 5
+
+
+def test_records_compiled_for_a_gpu_are_the_uncompiled_ones(tmp_path, monkeypatch):
+    """Where a GPU is visible, each record is one XLA computation inside the
+    uncompiled step (stats._traced). No GPU here: the device check is
+    stubbed and XLA runs the records on the CPU. Same records, same answer."""
+    plain = _fit_with_nan_in_batch_5(tmp_path / "plain")
+    traced = []
+    real_traced = stats._traced
+    monkeypatch.setattr(stats, "_accelerator_visible", lambda: True)
+    monkeypatch.setattr(stats, "_traced", lambda *key: traced.append(key) or real_traced(*key))
+    compiled = _fit_with_nan_in_batch_5(tmp_path / "compiled")
+    assert traced and all(key[2] for key in traced)
+    assert [h.series.tag for h in compiled.health] == [h.series.tag for h in plain.health]
+    for h in plain.health:
+        got = compiled.find(h.series.tag).series
+        np.testing.assert_array_equal(got.steps, h.series.steps)
+        np.testing.assert_allclose(got.values, h.series.values, rtol=1e-6, equal_nan=True, err_msg=h.series.tag)
+    want, got = analysis.first_anomaly(plain), analysis.first_anomaly(compiled)
+    assert (got["step"], got["tensor"], got["nan"]) == (want["step"], want["tensor"], want["nan"]) == (5, "d/output", 4)
 
 
 def test_weights_are_recorded_every_weights_every_n_steps_and_at_a_bad_step(tmp_path):

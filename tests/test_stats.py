@@ -272,6 +272,8 @@ def _side_cases(dtype: str) -> dict[str, list[float]]:
         "negatives_and_negative_zero": [-0.0, -1.0, -tiny / 4],
         "positive_subnormal_among_negatives": [tiny / 4, -1.0, -2.0],
         "no_small_values": [1.0, -1.0, tiny, -tiny],
+        # Under XLA, every branch is compiled for it (an argmax over nothing was refused).
+        "empty": [],
     }
 
 
@@ -317,3 +319,47 @@ def test_gradient_with_dead_units_at_benchmark_size(signs):
     assert want[F["zeros"]] > 20_000
     for fn in (stats.tensor_stats, _stats_fn):
         assert_matches(fn(t, "grad").numpy(), want, "float32")
+
+
+def _record_calls(graph: tf.Graph) -> list[bool]:
+    """Whether each call of a statistics function in ``graph`` (and in the
+    functions it calls, such as a branch) is compiled by XLA."""
+    graph_def = graph.as_graph_def()
+    nodes = list(graph_def.node) + [n for f in graph_def.library.function for n in f.node_def]
+    return [
+        n.attr["_XlaMustCompile"].b if "_XlaMustCompile" in n.attr else False
+        for n in nodes
+        if n.op in ("PartitionedCall", "StatefulPartitionedCall") and "record" in n.attr["f"].func.name
+    ]
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "float32", "float64"])
+def test_record_is_compiled_where_a_gpu_is_visible(dtype, monkeypatch):
+    # On a GPU, uncompiled, the record's uint32 and int32 reductions would
+    # run on the host (TensorFlow has no GPU kernel for the one, and takes
+    # the other's input in host memory): there it is one XLA computation.
+    # This machine has no GPU: the device check is stubbed, and the compiled
+    # record, here run by XLA on the CPU, must be the same record.
+    monkeypatch.setattr(stats, "_accelerator_visible", lambda: True)
+    static = tf.function(lambda v: stats.tensor_stats(v, "x"))
+    dynamic = tf.function(lambda v: stats.tensor_stats(v, "x"), input_signature=[tf.TensorSpec([None], dtype)])
+    tiny = metadata.smallest_normal(dtype)
+    cases = {**_side_cases(dtype), "nonfinite": [np.nan, np.inf, -np.inf, 0.0, tiny / 4, 2.0]}
+    for case, values in cases.items():
+        t = _as_tf(np.array(values), dtype)
+        want = _reference(t, dtype)
+        for fn in (static, dynamic):
+            try:
+                assert_matches(fn(t).numpy(), want, dtype)
+            except AssertionError as e:
+                raise AssertionError(case) from e
+    assert set(_record_calls(static.get_concrete_function(t).graph)) == {True}
+    # A size unknown when tracing (float32: both counting variants, in the branches of a cond).
+    assert set(_record_calls(dynamic.get_concrete_function().graph)) == {True}
+
+
+def test_record_is_not_compiled_on_a_cpu():
+    # XLA's reductions cost a CPU about twice TensorFlow's.
+    assert not stats._accelerator_visible()
+    fn = tf.function(lambda v: stats.tensor_stats(v, "x"))
+    assert _record_calls(fn.get_concrete_function(tf.zeros([3])).graph) == [False]
