@@ -131,7 +131,7 @@ def tensor_stats_and_sum(x: tf.Tensor, name: str) -> tuple[tf.Tensor, tf.Tensor]
         # for this one reduction, not for the whole record.
         total = tf.reduce_sum(flat)
         size = flat.shape.num_elements()
-        compiled = _accelerator_visible()
+        compiled = _xla_gpu_visible()
         if acc == tf.float64 or (size is not None and size >= 2**31):
             return _traced(dtype, tf.int64, compiled)(flat, total), total
         if size is not None:
@@ -166,10 +166,12 @@ def _function(body: Callable[..., Any], *signature: tf.TensorSpec, jit_compile: 
 
 
 @functools.cache
-def _accelerator_visible() -> bool:
-    """Whether this process sees a GPU or another accelerator, where the
-    record is compiled (see ``_traced``)."""
-    return any(device.device_type != "CPU" for device in tf.config.list_logical_devices())
+def _xla_gpu_visible() -> bool:
+    """Whether this process sees a CUDA or ROCm GPU, where the record is
+    compiled (see ``_traced``). A pluggable device's GPU (Apple's Metal
+    plugin) has no XLA backend."""
+    built = tf.test.is_built_with_cuda() or tf.test.is_built_with_rocm()
+    return built and bool(tf.config.list_logical_devices("GPU"))
 
 
 @functools.cache

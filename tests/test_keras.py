@@ -162,7 +162,7 @@ def test_records_compiled_for_a_gpu_are_the_uncompiled_ones(tmp_path, monkeypatc
     plain = _fit_with_nan_in_batch_5(tmp_path / "plain")
     traced = []
     real_traced = stats._traced
-    monkeypatch.setattr(stats, "_accelerator_visible", lambda: True)
+    monkeypatch.setattr(stats, "_xla_gpu_visible", lambda: True)
     monkeypatch.setattr(stats, "_traced", lambda *key: traced.append(key) or real_traced(*key))
     compiled = _fit_with_nan_in_batch_5(tmp_path / "compiled")
     assert traced and all(key[2] for key in traced)

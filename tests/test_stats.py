@@ -340,7 +340,7 @@ def test_record_is_compiled_where_a_gpu_is_visible(dtype, monkeypatch):
     # the other's input in host memory): there it is one XLA computation.
     # This machine has no GPU: the device check is stubbed, and the compiled
     # record, here run by XLA on the CPU, must be the same record.
-    monkeypatch.setattr(stats, "_accelerator_visible", lambda: True)
+    monkeypatch.setattr(stats, "_xla_gpu_visible", lambda: True)
     static = tf.function(lambda v: stats.tensor_stats(v, "x"))
     dynamic = tf.function(lambda v: stats.tensor_stats(v, "x"), input_signature=[tf.TensorSpec([None], dtype)])
     tiny = metadata.smallest_normal(dtype)
@@ -360,6 +360,6 @@ def test_record_is_compiled_where_a_gpu_is_visible(dtype, monkeypatch):
 
 def test_record_is_not_compiled_on_a_cpu():
     # XLA's reductions cost a CPU about twice TensorFlow's.
-    assert not stats._accelerator_visible()
+    assert not stats._xla_gpu_visible()
     fn = tf.function(lambda v: stats.tensor_stats(v, "x"))
     assert _record_calls(fn.get_concrete_function(tf.zeros([3])).graph) == [False]
