@@ -343,12 +343,14 @@ def test_record_is_compiled_where_a_gpu_is_visible(dtype, monkeypatch):
     monkeypatch.setattr(stats, "_xla_gpu_visible", lambda: True)
     static = tf.function(lambda v: stats.tensor_stats(v, "x"))
     dynamic = tf.function(lambda v: stats.tensor_stats(v, "x"), input_signature=[tf.TensorSpec([None], dtype)])
+    # Inside a compiled step (Keras' default on a GPU) it is part of the step's computation.
+    nested = tf.function(lambda v: stats.tensor_stats(v, "x"), jit_compile=True)
     tiny = metadata.smallest_normal(dtype)
     cases = {**_side_cases(dtype), "nonfinite": [np.nan, np.inf, -np.inf, 0.0, tiny / 4, 2.0]}
     for case, values in cases.items():
         t = _as_tf(np.array(values), dtype)
         want = _reference(t, dtype)
-        for fn in (static, dynamic):
+        for fn in (static, dynamic, nested):
             try:
                 assert_matches(fn(t).numpy(), want, dtype)
             except AssertionError as e:
