@@ -1,9 +1,10 @@
 """The Numerics dashboard's backend: HTTP routes over TensorBoard's data.
 
 The routes, their parameters, JSON, the frontend's files and the loader.
-Records are read, cached and kept current by ``run_store.RunStore``, only
+Records are read, cached and kept current by ``run_store.RunStore``
 through ``context.data_provider`` (so the Rust data server,
-``--load_fast=true``, and the Python loader alike); every health decision is
+``--load_fast=true``, and the Python loader alike), or through the logdir's
+own files once that provider stops answering (``logdir_provider``); every health decision is
 ``tb_numerics.analysis``'s, so the dashboard, the HTTP API and
 ``tb-numerics report`` agree. Routes are documented in ``http_api.md``.
 
@@ -30,7 +31,7 @@ from tensorboard import errors, plugin_util
 from tensorboard.backend import http_util
 from tensorboard.plugins import base_plugin
 
-from tb_numerics import analysis, metadata, run_store
+from tb_numerics import analysis, logdir_provider, metadata, run_store
 
 __all__ = ["NumericsLoader", "NumericsPlugin", "frontend_dir"]
 
@@ -150,6 +151,8 @@ def _route(impl: Callable) -> Callable:
             return _respond_json(request, {"error": str(e)}, e.code)
         except run_store.RunNotFound as e:
             return _respond_json(request, {"error": str(e)}, 404)
+        except logdir_provider.DataServerUnavailable as e:
+            return _respond_json(request, {"error": str(e)}, 503)
         except errors.PublicError as e:
             return _respond_json(request, {"error": str(e)}, e.http_code)
         except Exception:  # noqa: BLE001 - never a traceback to the client
@@ -176,14 +179,15 @@ class NumericsPlugin(base_plugin.TBPlugin):
           context: TensorBoard's; only its data provider, flags and sampling hints are used.
           frontend: the folder of the dashboard's files (default: ``frontend_dir()``).
         """
-        self._data_provider = context.data_provider
+        self._data_provider = _failover(context)
         # Set by the user despite NumericsLoader.fix_flags: records may be lost.
         sample_limit = (context.sampling_hints or {}).get(self.plugin_name)
         # Started now so that runs are read by the time the tab is opened.
         self._store = run_store.RunStore(
-            context.data_provider,
+            self._data_provider,
             reload_interval=getattr(context.flags, "reload_interval", 5.0),
             sample_limit=sample_limit,
+            run_problems=self._data_provider.problems if self._data_provider is not None else None,
         )
         self._frontend_dir = frontend if frontend is not None else frontend_dir()
 
@@ -358,6 +362,17 @@ class NumericsPlugin(base_plugin.TBPlugin):
 def _ids(request: wrappers.Request) -> tuple:
     """The request's TensorBoard context and experiment id."""
     return plugin_util.context(request.environ), plugin_util.experiment_id(request.environ)
+
+
+def _failover(context: base_plugin.TBContext):
+    """TensorBoard's data provider, wrapped so that the tab keeps answering
+    from the event files where it stops (see ``logdir_provider``); None
+    where there is none."""
+    if context.data_provider is None:
+        return None
+    logdir = getattr(context, "logdir", None) or getattr(context.flags, "logdir", None) or None
+    local = logdir if logdir and "://" not in logdir and os.path.isdir(logdir) else None
+    return logdir_provider.FailoverProvider(context.data_provider, local)
 
 
 def frontend_dir() -> str | None:

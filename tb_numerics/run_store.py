@@ -127,7 +127,7 @@ class Snapshot:
         self.records = sum(len(s.steps) for s in self.series)
         self._limits = limits
         self._lock = threading.Lock()  # one analysis computed at a time
-        self._analyses: collections.OrderedDict[analysis.SafeRange, analysis.RunAnalysis] = (
+        self._analyses: collections.OrderedDict[tuple, analysis.RunAnalysis] = (
             collections.OrderedDict()
         )
 
@@ -140,15 +140,17 @@ class Snapshot:
     def analysis(self, run: str, safe_range: analysis.SafeRange, extra_problems: list[str]) -> analysis.RunAnalysis:
         """The analysis under ``safe_range``, computed once and kept (the last few)."""
         with self._lock:
-            hit = self._analyses.get(safe_range)
+            # A problem that came later (the data server failed) is a new analysis.
+            key = (safe_range, tuple(extra_problems))
+            hit = self._analyses.get(key)
             if hit is not None:
-                self._analyses.move_to_end(safe_range)
+                self._analyses.move_to_end(key)
                 return hit
             problems = [p for t in self.tags.values() for p in t.problems] + extra_problems
             result = analysis.analyze_run(run, self.series, safe_range, problems)
             if self.records > self._limits.inline_read_records:
                 _return_freed_memory()  # the analysis' float64 copies of float32 records
-            self._analyses[safe_range] = result
+            self._analyses[key] = result
             while len(self._analyses) > self._limits.analyses_per_run:
                 self._analyses.popitem(last=False)
             return result
@@ -462,6 +464,8 @@ class RunStore:
         ``refresh_round`` every ``reload_interval`` (every
         ``limits.settling_period_s`` while a run is loading). False: the
         caller runs the rounds (tests, tools).
+      run_problems: what a run's answers must also say about where its
+        records came from (``logdir_provider.FailoverProvider.problems``).
     """
 
     def __init__(
@@ -473,10 +477,12 @@ class RunStore:
         limits: Limits = Limits(),
         clock: Callable[[], float] = time.monotonic,
         background: bool = True,
+        run_problems: Callable[[str], list[str]] | None = None,
     ):
         self._provider = data_provider
         self._reader = _ProviderReader(data_provider, limits.records_per_read)
         self._sample_limit = sample_limit or None
+        self._run_problems = run_problems
         self._limits = limits
         self._clock = clock
         reload_interval = max(0.0, float(reload_interval or 0))
@@ -547,7 +553,7 @@ class RunStore:
         cache = self._cache(experiment, run)
         cache.remember(safe_range, self._limits.analyses_per_run)
         snapshot, fresh = self._snapshot_to_answer_from(ctx, experiment, run, cache, listing)
-        result = snapshot.analysis(run, safe_range, self._extra_problems())
+        result = snapshot.analysis(run, safe_range, self._extra_problems(run))
         return Answer(result, not fresh, snapshot.as_of_step, latest)
 
     def refresh_round(self) -> None:
@@ -613,10 +619,11 @@ class RunStore:
             period = min(period, self._limits.settling_period_s)
         return max(period, 4 * self._listing_seconds)
 
-    def _extra_problems(self) -> list[str]:
+    def _extra_problems(self, run: str) -> list[str]:
+        out = self._run_problems(run) if self._run_problems is not None else []
         if not self._sample_limit:
-            return []
-        return [
+            return out
+        return out + [
             "TensorBoard keeps only %d records per tensor (--samples_per_plugin "
             "numerics=%d): the first anomaly may be missing; restart TensorBoard "
             "without that setting to keep every record" % (self._sample_limit, self._sample_limit)
@@ -703,7 +710,7 @@ class RunStore:
         try:
             snapshot = self._refresh(ctx, experiment, run, cache, listing, work.done)
             for safe_range in dict.fromkeys([analysis.SafeRange(), *work.recent]):
-                snapshot.analysis(run, safe_range, self._extra_problems())
+                snapshot.analysis(run, safe_range, self._extra_problems(run))
         except Exception:  # noqa: BLE001 - one bad run must not stop the others
             logger.exception("numerics: background refresh of run %r failed", run)
 
