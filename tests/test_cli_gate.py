@@ -209,8 +209,12 @@ def test_nothing_found_is_its_own_exit_status(tmp_path):
     assert run_cli(str(tmp_path / "not_yet"))[0] == 4
 
 
-_KERAS_NAN = textwrap.dedent("""
-    import sys
+# One TensorFlow process for two checks: Keras' own TensorBoard callback
+# writing a loss that goes NaN at epoch 2, and (where a tiny filesystem could
+# be mounted) the project's record writer, with TensorFlow loaded as in the
+# Keras callback, writing to a full disk with a NaN step among the lost.
+_TF_WRITERS = textwrap.dedent("""
+    import os, sys
     import numpy as np, keras
     model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(1)])
     model.compile("sgd", "mse")
@@ -218,20 +222,66 @@ _KERAS_NAN = textwrap.dedent("""
                                             model.layers[0].kernel.assign(np.full((4, 1), np.nan)))
     x, y = np.ones((8, 4), np.float32), np.ones((8, 1), np.float32)
     model.fit(x, y, epochs=4, verbose=0, callbacks=[keras.callbacks.TensorBoard(sys.argv[1]), poison])
+    if len(sys.argv) > 2:
+        from tb_numerics import metadata
+        from tb_numerics.record_writer import NumericsRecordWriter
+        from tb_numerics.records import numpy_stats
+        info = metadata.TensorInfo(dtype="float32")
+        w = NumericsRecordWriter(sys.argv[2])
+        w.write_many(0, [("x", numpy_stats(np.ones(4)), info)])
+        w.flush()
+        with open(os.path.join(sys.argv[2], "..", "filler"), "wb", buffering=0) as f:
+            try:
+                while True:
+                    f.write(b"x" * 4096)
+            except OSError:
+                pass
+        for step in range(1, 200):
+            w.write_many(step, [("x", numpy_stats(np.full(4, np.nan if step == 150 else 1.0)), info)])
+        w.close()
+        print("training went on")
 """)
 
 
-def test_keras_scalar_summaries_going_nan_fail_the_gate(tmp_path):
+@pytest.fixture(scope="module")
+def tf_writers(tmp_path_factory):
+    """(Keras logdir, full logdir or None, the process' stdout and stderr)."""
+    root = tmp_path_factory.mktemp("tf_writers")
+    tiny = root / "tiny"
+    tiny.mkdir()
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(tiny)],
+                             capture_output=True).returncode == 0
+    args = [str(root / "keras")] + ([str(tiny / "run")] if mounted else [])
+    try:
+        p = subprocess.run([sys.executable, "-c", _TF_WRITERS, *args], capture_output=True, text=True, env=ENV,
+                           timeout=180)
+        yield root / "keras", (tiny / "run") if mounted else None, p
+    finally:
+        if mounted:
+            subprocess.run(["umount", str(tiny)], check=True)
+
+
+def test_keras_scalar_summaries_going_nan_fail_the_gate(tf_writers):
     """Keras' own TensorBoard callback writes tf.summary.scalar only: its
     loss going NaN at epoch 2 is found, with a pointer to log_numerics."""
-    subprocess.run([sys.executable, "-c", _KERAS_NAN, str(tmp_path)], check=True, env=ENV, timeout=120)
-    code, out, err = run_cli(str(tmp_path), "--json")
+    logdir, _, p = tf_writers
+    assert p.returncode == 0, p.stderr[-3000:]
+    code, out, err = run_cli(str(logdir), "--json")
     assert code == 1, err
     a = runs_of(out)["train"]["first_anomaly"]
     assert (a["step"], a["tensor"], a["nan"], a["last_healthy_step"]) == (2, "epoch_loss", 1, 1)
     assert "log_numerics" in a["hint"]
-    code, out, _ = run_cli(str(tmp_path))
+    code, out, _ = run_cli(str(logdir))
     assert "first anomaly: step 2, epoch_loss (scalar summary): its scalar summary is NaN" in out
+
+
+def test_a_full_disk_is_said_once_naming_the_logdir_and_training_goes_on(tf_writers):
+    _, full, p = tf_writers
+    if full is None:
+        pytest.skip("no tmpfs could be mounted here (needs root)")
+    assert p.returncode == 0 and "training went on" in p.stdout, p.stderr[-3000:]
+    said = [line for line in p.stderr.splitlines() if line.startswith("tb-numerics: warning:")]
+    assert len(said) == 1 and "could not be written to %s (" % full in said[0], p.stderr[-3000:]
 
 
 # The CLI's own entry point, then what it imported.
