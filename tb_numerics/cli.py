@@ -149,7 +149,7 @@ def _table(summaries: list[dict]) -> str:
 def _none_text(s: dict) -> str:
     """A run with no anomaly: what was read, and whether all of it was."""
     read = "%d tensors, steps %s-%s" % (s["tensors"], s["first_step"], s["last_step"]) if s["tensors"] else ""
-    if s["scalars"]:
+    if s.get("scalars"):
         read += "%s%d scalar summaries, all finite" % ("; " if read else "", s["scalars"])
         if not s["tensors"]:
             read += "; no numerics records: log them with tb_numerics.log_numerics to check every tensor"
@@ -165,7 +165,7 @@ def report(logdir: str, sr: analysis.SafeRange) -> tuple[list[dict], list[str]]:
     A logdir that is itself a run is named by its directory's name, not
     ".". A run with no numerics anomaly takes the first non-finite value of
     its scalar summaries (``scalars.first_anomaly``) as its first anomaly;
-    ``scalars`` counts the scalar tags read.
+    ``scalars``, where it has any, counts its scalar tags.
     """
     summaries, problems = [], []
     for rr in event_reader.read_logdir(logdir):
@@ -175,7 +175,8 @@ def report(logdir: str, sr: analysis.SafeRange) -> tuple[list[dict], list[str]]:
         s = analysis.run_summary(ra)
         if s["first_anomaly"] is None:
             s["first_anomaly"] = scalars.first_anomaly(rr.scalars)
-        s["scalars"] = len(rr.scalars)
+        if rr.scalars:
+            s["scalars"] = len(rr.scalars)
         summaries.append(s)
     return summaries, problems
 

@@ -175,15 +175,15 @@ def _peak(logdir):
 
 
 def test_a_huge_damaged_record_is_checked_in_bounded_memory(tmp_path):
-    """A record of 200 MiB with a bad checksum: skipped, reported, and never
-    held (it was held about twice)."""
+    """A record of 80 MiB (beyond what is held whole) with a bad checksum:
+    skipped, reported, and never held (it was held about twice)."""
     with NumericsRecordWriter(str(tmp_path / "small" / "run")) as w:
         w.write("dense/output", 0, healthy(), ACT)
     big = tmp_path / "big" / "run"
     with NumericsRecordWriter(str(big)) as w:
         w.write("dense/output", 0, healthy(), ACT)
         path = w.path
-    size = 200 << 20
+    size = 80 << 20
     with open(path, "ab") as f:
         header = struct.pack("<Q", size)
         from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
@@ -194,7 +194,7 @@ def test_a_huge_damaged_record_is_checked_in_bounded_memory(tmp_path):
     (r,) = json.loads(out)["runs"]
     assert code == 3 and r["records"] == 1
     assert any("1 corrupt record(s) skipped" in p for p in r["problems"]), r["problems"]
-    assert peak - base < 64 << 20, (peak, base)
+    assert peak - base < 40 << 20, (peak, base)
 
 
 def test_nothing_found_is_its_own_exit_status(tmp_path):
