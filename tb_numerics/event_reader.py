@@ -23,7 +23,14 @@ the tag's metadata) was lost are still read where they are recognisable as
 numerics records: a packed block's later events carry its table, a
 per-tensor record after a tag's first carries the plugin's name
 (``metadata.create_later_metadata``), and what its metadata would have said
-is then inferred and reported (``metadata.info_from_tag``).
+is then inferred and reported (``metadata.info_from_tag``). Only regular
+files are opened (a FIFO named like an event file would block forever); a
+record longer than ``LARGE_RECORD_BYTES`` is checked a chunk at a time and
+read again only where its checksum holds, so a damaged one is never held.
+
+Standard scalar summaries (``tf.summary.scalar``, TF1's ``simple_value``)
+are kept beside the numerics records (``RunRecords.scalars``): the report
+falls back to them where a run's numerics records hold no anomaly.
 """
 
 from __future__ import annotations
