@@ -505,26 +505,20 @@ def read_records(
                 problems.append(cut("truncated" if _header_ok(header) else _bad_header(count)))
                 return
             if length > LARGE_RECORD_BYTES and _header_ok(header):
-                head = window.at(offset + _HEADER, _NAME_BYTES)
-                if _large_record_ok(window, offset, length):
-                    count += 1
-                    yield Record(window.reread(offset + _HEADER, length), True)
-                else:
-                    skipped.append(offset)
-                    yield Record(head, False)
-                offset = end
-                continue
-            try:
-                data = read(offset)
-            except _Damaged:
-                if not _header_ok(header):
-                    problems.append(cut(_bad_header(count)))
-                    return
-                skipped.append(offset)
-                yield Record(window.at(offset + _HEADER, length), False)
+                record = _large_record(window, offset, length)
             else:
+                try:
+                    record = Record(read(offset), True)
+                except _Damaged:
+                    if not _header_ok(header):
+                        problems.append(cut(_bad_header(count)))
+                        return
+                    record = Record(window.at(offset + _HEADER, length), False)
+            if record.intact:
                 count += 1
-                yield Record(data, True)
+            else:
+                skipped.append(offset)
+            yield record
             offset = end
     except (_Short, OSError) as e:
         problems.append(cut("truncated" if isinstance(e, _Short) else "unreadable (%s)" % e))
@@ -537,11 +531,15 @@ def read_records(
             )
 
 
-def _large_record_ok(window: _Window, offset: int, length: int) -> bool:
-    """Whether the data of the large record at ``offset`` matches its
-    checksum, read a chunk at a time."""
+def _large_record(window: _Window, offset: int, length: int) -> Record:
+    """The large record at ``offset`` (its header checked), its checksum
+    checked a chunk at a time: its data read again where it holds, else
+    only its first bytes, which name its tags where they decode."""
+    head = window.at(offset + _HEADER, _NAME_BYTES)
     crc = _crc32c.masked_crc32c_chunks(window.chunks(offset + _HEADER, length))
-    return crc == struct.unpack("<I", window.at(offset + _HEADER + length, _FOOTER))[0]
+    if crc != struct.unpack("<I", window.at(offset + _HEADER + length, _FOOTER))[0]:
+        return Record(head, False)
+    return Record(window.reread(offset + _HEADER, length), True)
 
 
 def _bad_header(count: int) -> str:
