@@ -20,16 +20,22 @@ setup(
         "tb_numerics": ["http_api.md"],
         "tb_numerics.frontend": ["*.js", "*.css", "*.html"],
     },
+    # No TensorFlow: "tensorflow-cpu" here would install a second
+    # distribution beside a user's "tensorflow" or "tensorflow[and-cuda]",
+    # each overwriting the other's files (TensorBoard depends on neither).
+    # The plugin and the CLI need none; the writing API raises an
+    # ImportError that names the extras below (tb_numerics/_requires.py).
     install_requires=[
-        # The CPU wheel: what these machines and most CI runners have; the
-        # GPU "tensorflow" wheel satisfies the code equally (see README).
-        "tensorflow-cpu>=2.16",
         # TensorFlow 2.21 no longer pulls in TensorBoard.
         "tensorboard>=2.21",
         "werkzeug>=2.0",
         "numpy>=1.23",
     ],
     extras_require={
+        # Pick the TensorFlow build: what these machines and most CI runners
+        # have, or the GPU build with its CUDA libraries.
+        "cpu": ["tensorflow-cpu>=2.16"],
+        "gpu": ["tensorflow[and-cuda]>=2.16"],
         "test": [
             "pytest>=7",
             # Property-based fuzzing of the HTTP routes (issue: reliability).

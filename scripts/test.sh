@@ -6,7 +6,8 @@ cd "$(dirname "$0")/.."
 
 python3 -m venv .venv
 .venv/bin/pip install --quiet --upgrade pip
-.venv/bin/pip install --quiet -e ".[test]"
+# TensorFlow's CPU build comes with the "cpu" extra (the package declares none).
+.venv/bin/pip install --quiet -e ".[test,cpu]"
 
 # The dashboard's browser tests drive Debian's Chromium (never a browser
 # downloaded by playwright).

@@ -16,11 +16,11 @@ the initial register's part is added the same way. Measured here: about
 
 from __future__ import annotations
 
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 
-__all__ = ["masked_crc32c_many"]
+__all__ = ["masked_crc32c_chunks", "masked_crc32c_many"]
 
 _POLY = 0x82F63B78  # CRC32C (Castagnoli), reflected
 _MASK_DELTA = 0xA282EAD8  # TFRecord's checksum masking
@@ -62,8 +62,8 @@ def _shift(r: np.ndarray, n: np.ndarray) -> np.ndarray:
     return r
 
 
-def masked_crc32c_many(datas: Sequence[bytes]) -> np.ndarray:
-    """The masked CRC32C (as TFRecord frames hold it) of each byte string."""
+def _raw_many(datas: Sequence[bytes]) -> np.ndarray:
+    """The CRC32C register of each byte string fed from a register of 0."""
     lengths = np.fromiter((len(d) for d in datas), np.int64, len(datas))
     lanes = -(-lengths // _LANE)
     pads = lanes * _LANE - lengths
@@ -78,5 +78,26 @@ def masked_crc32c_many(datas: Sequence[bytes]) -> np.ndarray:
     raw = np.zeros(len(datas), np.uint32)
     has = lanes > 0
     raw[has] = np.bitwise_xor.reduceat(r, first[has]) if len(r) else raw[has]
-    crc = _shift(np.full(len(datas), _ALL_ONES), lengths) ^ raw ^ _ALL_ONES
+    return raw
+
+
+def _masked(register: np.ndarray) -> np.ndarray:
+    crc = register ^ _ALL_ONES
     return (((crc >> 15) | (crc << 17)) + np.uint32(_MASK_DELTA)).astype(np.uint32)
+
+
+def masked_crc32c_many(datas: Sequence[bytes]) -> np.ndarray:
+    """The masked CRC32C (as TFRecord frames hold it) of each byte string."""
+    lengths = np.fromiter((len(d) for d in datas), np.int64, len(datas))
+    return _masked(_shift(np.full(len(datas), _ALL_ONES), lengths) ^ _raw_many(datas))
+
+
+def masked_crc32c_chunks(chunks: Iterable[bytes]) -> int:
+    """The masked CRC32C of the bytes ``chunks`` give one after another,
+    holding one chunk at a time: a record too large to hold is checked in
+    bounded memory (the register is carried past each chunk, then the
+    chunk's own part added: CRC32C is linear)."""
+    register = np.full(1, _ALL_ONES)
+    for chunk in chunks:
+        register = _shift(register, np.full(1, len(chunk), np.int64)) ^ _raw_many([chunk])
+    return int(_masked(register)[0])

@@ -6,13 +6,17 @@ TensorFlow is installed.
 
 Exit status, so that a CI job or a training launcher can act on it:
   0  every record was read and no run has a non-finite value;
-  1  a run has a non-finite value (whatever else went wrong);
+  1  a run has a non-finite value (whatever else went wrong), in a numerics
+     record or in a standard scalar summary (tf.summary.scalar);
   2  usage error: bad arguments, no such logdir, or a filesystem that is not
      available here;
   3  no non-finite value among the records read, but some records could not
      be read (damaged or truncated event files, metadata that was lost or
      cannot be read): the run's problems say which tags and how many.
      An anomaly may hide in what was lost: not a clean bill of health.
+  4  nothing was found: no numerics record and no scalar summary in any
+     run (an empty logdir, run folders a training has not written to yet,
+     a mistyped path in a CI job).
 """
 
 from __future__ import annotations
@@ -23,12 +27,13 @@ import os
 import sys
 from typing import Sequence
 
-from tb_numerics import analysis, event_reader, hints
+from tb_numerics import analysis, event_reader, hints, scalars
 
 EXIT_OK = 0
 EXIT_ANOMALY = 1
 EXIT_USAGE = 2
 EXIT_UNREADABLE = 3
+EXIT_NOTHING_FOUND = 4
 
 
 class _Parser(argparse.ArgumentParser):
@@ -54,8 +59,25 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("logdir", help="a TensorBoard logdir: a local path, or gs://, s3://, hdfs://, ram:// with TensorFlow")
     r.add_argument("--json", action="store_true", help="print one JSON object")
     for name, (kind, help_text) in analysis.SAFE_RANGE_PARAMS.items():
-        r.add_argument("--" + name.replace("_", "-"), dest=name, default=None, help=help_text)
+        r.add_argument(_flag(name), dest=name, default=None, help=help_text)
     return p
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _parse_flags(args: argparse.Namespace) -> analysis.SafeRange:
+    """The safe range the flags give; errors name the flag (``--spike-factor``),
+    not the HTTP API's parameter (``spike_factor``)."""
+    try:
+        return analysis.parse_safe_range(vars(args))
+    except analysis.SafeRangeError as e:
+        text = str(e)
+        for name in analysis.SAFE_RANGE_PARAMS:
+            if text.startswith(name + " "):
+                raise analysis.SafeRangeError(_flag(name) + text[len(name):]) from None
+        raise
 
 
 def _safe_text(s: str) -> str:
@@ -73,8 +95,9 @@ def anomaly_lines(a: dict, head: str = "first anomaly: ") -> list[str]:
     occurrence = ""
     if a.get("occurrence"):
         occurrence = " (record %d of %d in that step)" % (a["occurrence"]["index"], a["occurrence"]["of"])
-    lines = ["%sstep %d, %s%s, %s: %s%s" % (
-        head, a["step"], _safe_text(a["tensor"]), op, a["phase"], a["description"], occurrence)]
+    phase = ", %s" % a["phase"] if a["phase"] else " (%s)" % a.get("source", "")
+    lines = ["%sstep %d, %s%s%s: %s%s" % (
+        head, a["step"], _safe_text(a["tensor"]), op, phase, a["description"], occurrence)]
     if a.get("tensor_description"):
         lines.append("  tensor: %s" % _safe_text(a["tensor_description"]))
     lines.extend(_op_lines(a))
@@ -126,6 +149,10 @@ def _table(summaries: list[dict]) -> str:
 def _none_text(s: dict) -> str:
     """A run with no anomaly: what was read, and whether all of it was."""
     read = "%d tensors, steps %s-%s" % (s["tensors"], s["first_step"], s["last_step"]) if s["tensors"] else ""
+    if s.get("scalars"):
+        read += "%s%d scalar summaries, all finite" % ("; " if read else "", s["scalars"])
+        if not s["tensors"]:
+            read += "; no numerics records: log them with tb_numerics.log_numerics to check every tensor"
     if not s["problems"]:
         return "none (%s)" % read
     return "none among the records read (%s), but %d problem(s) reading the run: see the warnings" % (
@@ -133,12 +160,24 @@ def _none_text(s: dict) -> str:
 
 
 def report(logdir: str, sr: analysis.SafeRange) -> tuple[list[dict], list[str]]:
-    """The run summaries of a logdir and the problems met reading it."""
+    """The run summaries of a logdir and the problems met reading it.
+
+    A logdir that is itself a run is named by its directory's name, not
+    ".". A run with no numerics anomaly takes the first non-finite value of
+    its scalar summaries (``scalars.first_anomaly``) as its first anomaly;
+    ``scalars``, where it has any, counts its scalar tags.
+    """
     summaries, problems = [], []
     for rr in event_reader.read_logdir(logdir):
-        ra = analysis.analyze_run(rr.run, rr.series, sr, rr.problems)
-        problems.extend("%s: %s" % (rr.run, p) for p in rr.problems)
-        summaries.append(analysis.run_summary(ra))
+        run = rr.run if rr.run != "." else os.path.basename(os.path.normpath(logdir)) or logdir
+        ra = analysis.analyze_run(run, rr.series, sr, rr.problems)
+        problems.extend("%s: %s" % (run, p) for p in rr.problems)
+        s = analysis.run_summary(ra)
+        if s["first_anomaly"] is None:
+            s["first_anomaly"] = scalars.first_anomaly(rr.scalars)
+        if rr.scalars:
+            s["scalars"] = len(rr.scalars)
+        summaries.append(s)
     return summaries, problems
 
 
@@ -152,7 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             stream.reconfigure(errors="backslashreplace")
     try:
         event_reader.check_logdir(args.logdir)
-        sr = analysis.parse_safe_range(vars(args))
+        sr = _parse_flags(args)
         summaries, problems = report(args.logdir, sr)
     except (event_reader.LogdirError, analysis.SafeRangeError, OSError) as e:
         print("tb-numerics: error: %s" % _safe_text(str(e)), file=sys.stderr)
@@ -163,7 +202,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         json.dump({"runs": summaries}, sys.stdout, allow_nan=False, default=str)
         sys.stdout.write("\n")
     elif not summaries:
-        print("no numerics records in %s: log them with tb_numerics.log_numerics" % args.logdir)
+        print("no numerics records and no scalar summaries in %s: log them with tb_numerics.log_numerics"
+              % _safe_text(args.logdir))
     else:
         print(_table(summaries))
     return exit_status(summaries)
@@ -171,11 +211,13 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def exit_status(summaries: list[dict]) -> int:
     """1 where a run has an anomaly, else 3 where a run could not be read
-    whole, else 0 (see the module docstring)."""
+    whole, else 4 where nothing was found, else 0 (see the module docstring)."""
     if any(s["first_anomaly"] is not None for s in summaries):
         return EXIT_ANOMALY
     if any(s["problems"] for s in summaries):
         return EXIT_UNREADABLE
+    if not any(s["tensors"] or s.get("scalars") for s in summaries):
+        return EXIT_NOTHING_FOUND
     return EXIT_OK
 
 

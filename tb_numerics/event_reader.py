@@ -23,7 +23,14 @@ the tag's metadata) was lost are still read where they are recognisable as
 numerics records: a packed block's later events carry its table, a
 per-tensor record after a tag's first carries the plugin's name
 (``metadata.create_later_metadata``), and what its metadata would have said
-is then inferred and reported (``metadata.info_from_tag``).
+is then inferred and reported (``metadata.info_from_tag``). Only regular
+files are opened (a FIFO named like an event file would block forever); a
+record longer than ``LARGE_RECORD_BYTES`` is checked a chunk at a time and
+read again only where its checksum holds, so a damaged one is never held.
+
+Standard scalar summaries (``tf.summary.scalar``, TF1's ``simple_value``)
+are kept beside the numerics records (``RunRecords.scalars``): the report
+falls back to them where a run's numerics records hold no anomaly.
 """
 
 from __future__ import annotations
@@ -32,7 +39,9 @@ import dataclasses
 import functools
 import os
 import re
+import stat
 import struct
+import sys
 from typing import IO, Callable, Iterator, NamedTuple
 
 import numpy as np
@@ -65,6 +74,12 @@ _MAX_OFFSETS_SHOWN = 5
 CHUNK_BYTES = 4 << 20
 # How many tensors of a damaged packed block one problem line names.
 _MAX_TAGS_SHOWN = 5
+# A record longer than this is checked a chunk at a time, never held, and
+# read again only where its checksum holds: a damaged 1 GiB record once
+# took 2.6 GB to check. (A packed event of 10,000 tensors is about 30 MB.)
+LARGE_RECORD_BYTES = 64 << 20
+# How much of a damaged large record is kept, to name its tags.
+_NAME_BYTES = 64 << 10
 
 
 class LogdirError(Exception):
@@ -104,9 +119,17 @@ class _LocalFiles:
 
     @staticmethod
     def open(path: str) -> tuple[IO[bytes], int]:
-        """The file and its size now (a writer may be appending to it)."""
-        f = open(path, "rb")
-        return f, os.fstat(f.fileno()).st_size
+        """The file and its size now (a writer may be appending to it).
+
+        Opened without blocking and read only where it is a regular file: a
+        FIFO named like an event file would block ``open`` forever.
+        """
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise OSError("not a regular file: skipped")
+        return os.fdopen(fd, "rb"), st.st_size
 
 
 class _GFiles:
@@ -148,6 +171,12 @@ class _GFileReader:
     def read(self, n: int) -> bytes:
         try:
             return self._f.read(n)
+        except self._error as e:
+            raise OSError(e.message) from None
+
+    def seek(self, offset: int) -> None:
+        try:
+            self._f.seek(offset)
         except self._error as e:
             raise OSError(e.message) from None
 
@@ -215,6 +244,10 @@ def check_logdir(logdir: str) -> None:
     except OSError as e:
         raise LogdirError("cannot read logdir %s: %s" % (logdir, e)) from None
     if not ok:
+        if _scheme(logdir) is None and os.path.exists(logdir):
+            raise LogdirError(
+                "%s is a file, not a logdir: pass the directory that holds the event files" % logdir
+            )
         raise LogdirError("no such logdir: %s" % logdir)
 
 
@@ -271,6 +304,42 @@ class _Window:
     def held_to(self) -> int:
         """The file offset just past the bytes in memory."""
         return self._lo + len(self._buf)
+
+    def chunks(self, offset: int, n: int) -> Iterator[bytes]:
+        """Bytes [offset, offset + n) of the file a chunk at a time, none of
+        them kept: how a record too large to hold is checked.
+
+        Raises:
+          _Short: the file ended before.
+        """
+        hi = self._lo + len(self._buf)
+        if offset >= hi:
+            self._drop(offset - hi)
+            head, hi = b"", offset
+        else:
+            head = self._buf[offset - self._lo : offset - self._lo + n]
+        end = offset + n
+        if end <= hi:
+            yield head
+            return
+        self._buf, self._lo = b"", end
+        yield head
+        while hi < end:
+            part = self._f.read(min(CHUNK_BYTES, end - hi))
+            if not part:
+                raise _Short()
+            hi += len(part)
+            yield part
+
+    def reread(self, offset: int, n: int) -> bytes:
+        """Bytes [offset, offset + n) read again from the file (which must
+        be able to seek); reading then goes on where it was."""
+        self._f.seek(offset)
+        data = self._read(n)
+        self._f.seek(self._lo + len(self._buf))
+        if len(data) < n:
+            raise _Short()
+        return data
 
     def _read(self, n: int) -> bytes:
         parts = []
@@ -367,7 +436,9 @@ def _check_from(window: _Window, offset: int) -> dict[int, bytes | None]:
 
 
 def _default_reader(path: str, window: _Window) -> RecordReader:
-    if _scheme(path) is None:
+    # TensorFlow's reader only where TensorFlow is imported already: importing
+    # it costs seconds and its log lines, and local logdirs need none.
+    if _scheme(path) is None and "tensorflow" in sys.modules:
         try:
             return tf_record_reader(path, window)
         except (ImportError, TypeError):
@@ -433,17 +504,21 @@ def read_records(
             if end > size:
                 problems.append(cut("truncated" if _header_ok(header) else _bad_header(count)))
                 return
-            try:
-                data = read(offset)
-            except _Damaged:
-                if not _header_ok(header):
-                    problems.append(cut(_bad_header(count)))
-                    return
-                skipped.append(offset)
-                yield Record(window.at(offset + _HEADER, length), False)
+            if length > LARGE_RECORD_BYTES and _header_ok(header):
+                record = _large_record(window, offset, length)
             else:
+                try:
+                    record = Record(read(offset), True)
+                except _Damaged:
+                    if not _header_ok(header):
+                        problems.append(cut(_bad_header(count)))
+                        return
+                    record = Record(window.at(offset + _HEADER, length), False)
+            if record.intact:
                 count += 1
-                yield Record(data, True)
+            else:
+                skipped.append(offset)
+            yield record
             offset = end
     except (_Short, OSError) as e:
         problems.append(cut("truncated" if isinstance(e, _Short) else "unreadable (%s)" % e))
@@ -454,6 +529,17 @@ def read_records(
                 "%s: %d corrupt record(s) skipped (checksum mismatch) at byte offset %s"
                 % (name, len(skipped), _offsets_text(skipped))
             )
+
+
+def _large_record(window: _Window, offset: int, length: int) -> Record:
+    """The large record at ``offset`` (its header checked), its checksum
+    checked a chunk at a time: its data read again where it holds, else
+    only its first bytes, which name its tags where they decode."""
+    head = window.at(offset + _HEADER, _NAME_BYTES)
+    crc = _crc32c.masked_crc32c_chunks(window.chunks(offset + _HEADER, length))
+    if crc != struct.unpack("<I", window.at(offset + _HEADER + length, _FOOTER))[0]:
+        return Record(head, False)
+    return Record(window.reread(offset + _HEADER, length), True)
 
 
 def _bad_header(count: int) -> str:
@@ -481,11 +567,14 @@ def _matrix(t: tensor_pb2.TensorProto) -> np.ndarray:
 
 @dataclasses.dataclass
 class RunRecords:
-    """The numerics series of one run read from disk, and what went wrong."""
+    """The numerics series and scalar summaries of one run read from disk,
+    and what went wrong."""
 
     run: str
     series: list[records.TensorSeries]
     problems: list[str]
+    # Standard scalar summaries: tag -> (steps, values), in file order.
+    scalars: dict[str, tuple[np.ndarray, np.ndarray]] = dataclasses.field(default_factory=dict)
 
 
 class _RunReader:
@@ -504,12 +593,16 @@ class _RunReader:
         self.infos: dict[str, metadata.TensorInfo | metadata.BlockTable] = {}
         self.inferred: set[str] = set()
         self.rejected: set[str] = set()
-        self.points: dict[str, tuple[list[int], list[np.ndarray]]] = {}
+        # tag -> each event's step, tensor and wall time
+        self.points: dict[str, tuple[list[int], list[np.ndarray], list[float]]] = {}
         # Records lost to damage, by tag ("" where the tag could not be read).
         self.damaged: dict[str, int] = {}
         # Records of tags never claimed by numerics metadata: readable only
         # with metadata that was lost, where a damaged record names the tag.
         self.unclaimed: dict[str, int] = {}
+        # tf.summary.scalar values (what Keras' TensorBoard callback writes):
+        # tag -> (steps, values).
+        self.scalars: dict[str, tuple[list[int], list[float]]] = {}
 
     def add_file(self, path: str) -> None:
         undecodable = 0
@@ -524,24 +617,48 @@ class _RunReader:
                 continue
             if event.HasField("summary"):
                 for value in event.summary.value:
-                    self._add_value(event.step, value)
+                    self._add_value(event.step, value, event.wall_time)
         if undecodable:
             self.problems.append(
                 "%s: %d record(s) that are not events skipped" % (os.path.basename(path), undecodable)
             )
 
-    def _add_value(self, step: int, value: summary_pb2.Summary.Value) -> None:
+    def _add_value(self, step: int, value: summary_pb2.Summary.Value, wall_time: float) -> None:
         tag = value.tag
+        if self._add_scalar(step, value):
+            return
         if not self._claim(value):
             if tag not in self.rejected and value.HasField("tensor"):
                 self.unclaimed[tag] = self.unclaimed.get(tag, 0) + 1
             return
         if not value.HasField("tensor"):
             return
-        steps, rows = self.points.setdefault(tag, ([], []))
+        steps, rows, walls = self.points.setdefault(tag, ([], [], []))
         steps.append(step)
+        walls.append(wall_time)
         block = not isinstance(self.infos[tag], metadata.TensorInfo)
         rows.append(_matrix(value.tensor) if block else _vector(value.tensor))
+
+    def _add_scalar(self, step: int, value: summary_pb2.Summary.Value) -> bool:
+        """Keeps a standard scalar summary's value (TF1's ``simple_value``,
+        or a tensor of the scalars plugin); False for any other value."""
+        tag = value.tag
+        if value.WhichOneof("value") == "simple_value":
+            x = value.simple_value
+        elif tag in self.scalars or (
+            value.HasField("metadata") and value.metadata.plugin_data.plugin_name == _SCALARS_PLUGIN
+        ):
+            v = _vector(value.tensor)
+            if v.size != 1:
+                self.problems.append("%s: a scalar summary that does not hold one value skipped" % tag)
+                return True
+            x = float(v[0])
+        else:
+            return False
+        steps, values = self.scalars.setdefault(tag, ([], []))
+        steps.append(step)
+        values.append(x)
+        return True
 
     def _claim(self, value: summary_pb2.Summary.Value) -> bool:
         """Whether ``value`` is a numerics record, learning its tag's info
@@ -611,13 +728,13 @@ class _RunReader:
     def series(self) -> list[records.TensorSeries]:
         """The tensors' series, merged across blocks and files."""
         parts: list[records.TensorSeries] = []
-        for tag, (steps, rows) in self.points.items():
+        for tag, (steps, rows, walls) in self.points.items():
             info = self.infos[tag]
             if tag in self.inferred:
                 parts.append(self._inferred_series(tag, info, steps, rows))
             else:
-                parts.extend(packed.decode_tag(tag, info, steps, rows, self.problems))
-        return packed.merge_all(parts)
+                parts.extend(packed.decode_tag(tag, info, steps, rows, self.problems, walls))
+        return packed.merge_all(parts, self.problems)
 
     def _inferred_series(self, tag: str, info: metadata.TensorInfo, steps, rows) -> records.TensorSeries:
         s = records.make_series(tag, info, steps, rows, self.problems)
@@ -628,6 +745,9 @@ class _RunReader:
             % (tag, len(s.steps), info.dtype, info.role)
         )
         return s
+
+
+_SCALARS_PLUGIN = "scalars"
 
 
 def _dtype_of(values: np.ndarray) -> str:
@@ -645,11 +765,13 @@ def read_run(run: str, files: list[str]) -> RunRecords:
     for path in files:
         reader.add_file(path)
     series = reader.series()
-    return RunRecords(run, series, reader.problems + reader.damage_problems())
+    scalars = {t: (np.asarray(st, np.int64), np.asarray(v, np.float64)) for t, (st, v) in reader.scalars.items()}
+    return RunRecords(run, series, reader.problems + reader.damage_problems(), scalars)
 
 
 def read_logdir(logdir: str) -> list[RunRecords]:
-    """Every run under ``logdir`` that holds numerics records or problems, by run name.
+    """Every run under ``logdir`` that holds numerics records, scalar
+    summaries or problems, by run name.
 
     Raises:
       LogdirError: ``logdir``'s filesystem is not available.
@@ -657,6 +779,6 @@ def read_logdir(logdir: str) -> list[RunRecords]:
     out = []
     for run, files in sorted(find_runs(logdir).items()):
         rr = read_run(run, files)
-        if rr.series or rr.problems:
+        if rr.series or rr.problems or rr.scalars:
             out.append(rr)
     return out

@@ -29,9 +29,12 @@ import functools
 import sys
 from typing import Any, Callable, Sequence
 
-import keras
 import numpy as np
-import tensorflow as tf
+
+from tb_numerics import _requires
+
+tf = _requires.tensorflow(__name__)
+import keras  # noqa: E402 - after the check that says what to install
 
 from tb_numerics import _keras_replay, _tf_internal, analysis, cli, event_reader, latch, metadata, record_writer, records, stats, summary
 

@@ -79,9 +79,11 @@ import re
 import threading
 from typing import Any, Callable, Collection, NamedTuple, TypeVar
 
-import tensorflow as tf
+from tb_numerics import _requires
 
-from tb_numerics import _tf_internal, metadata, stats, summary
+tf = _requires.tensorflow(__name__)
+
+from tb_numerics import _tf_internal, metadata, stats, summary  # noqa: E402
 from tb_numerics._op_flight import EagerFlight, GraphFlight, Record
 from tb_numerics._op_nested import NestedRecords
 from tb_numerics._op_record import GRADIENT_OF, MARK_PLUGIN_NAME, MARK_TAG, OpRecord, mark_metadata, op_record, parse_mark

@@ -60,6 +60,8 @@ COLUMNS = 2 + metadata.NUM_FIELDS
 # Version 2's events: no step column.
 _V2_COLUMNS = 1 + metadata.NUM_FIELDS
 _NONFINITE = [2 + metadata.FIELD_INDEX[k] for k in ("nan", "posinf", "neginf")]
+# How many tensors a problem line names.
+_MAX_TAGS_NAMED = 5
 
 
 def is_block_tag(tag: str) -> bool:
@@ -275,12 +277,18 @@ def _split_regular(table: metadata.BlockTable, rows: np.ndarray) -> list[records
 
 
 def merge(
-    parts: Sequence[records.TensorSeries], shared_steps: dict[tuple[int, ...], np.ndarray] | None = None
+    parts: Sequence[records.TensorSeries],
+    shared_steps: dict[tuple[int, ...], np.ndarray] | None = None,
+    overlaps: list[tuple[str, int, int]] | None = None,
 ) -> tuple[records.TensorSeries, list[int] | None]:
     """One tensor's series from its parts (valid series, in the order written).
 
     A step recorded in two parts keeps the later part's records (a
-    restarted job's); the records of a step within one part are all kept. Where the parts, ordered by
+    restarted job's), unless the two were written at the same time (their
+    ``written`` spans overlap: two writers in one run at once), when both
+    parts' records are kept, as occurrences of the step, and the tensor and
+    steps are added to ``overlaps`` as (tag, first step, last step); the
+    records of a step within one part are all kept. Where the parts, ordered by
     their first step, lie end to end without overlap (the usual case, also
     for parts written side by side by several writers), the result is them
     laid end to end, and the second value gives each part's offset in it, so
@@ -318,25 +326,60 @@ def merge(
             offsets[i] = at
             at += n
         return records.TensorSeries(last.tag, last.info, steps, values), offsets
-    # Each step's records come from the last part that holds the step (a
-    # restarted job's); within that part all of them (occurrences).
-    claimed = np.zeros(0, np.int64)
-    kept = []
-    for p in reversed(parts):
-        mine = ~np.isin(p.steps, claimed)
-        kept.append((p.steps[mine], p.values[mine]))
-        claimed = np.union1d(claimed, p.steps)
+    kept, shared = _kept_records(parts)
+    if shared.size and overlaps is not None:
+        overlaps.append((last.tag, int(shared.min()), int(shared.max())))
     steps = np.concatenate([s for s, _ in reversed(kept)])
     values = np.concatenate([v for _, v in reversed(kept)], dtype=np.float64)
     return records.make_series(last.tag, last.info, steps, values), None
 
 
-def merge_all(parts: Iterable[records.TensorSeries]) -> list[records.TensorSeries]:
-    """Series by tag from parts given in the order written (see ``merge``)."""
+def _kept_records(parts: Sequence[records.TensorSeries]) -> tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray]:
+    """Each part's (steps, values) that ``merge`` keeps, last part first,
+    and the steps that parts written at the same time both hold."""
+    kept, later, shared = [], [], np.zeros(0, np.int64)
+    for p in reversed(parts):
+        at_once = [q.steps for q in later if _at_once(p, q)]
+        replaced = [q.steps for q in later if not _at_once(p, q)]
+        mine = ~np.isin(p.steps, np.concatenate(replaced)) if replaced else np.ones(len(p.steps), bool)
+        if at_once:
+            shared = np.union1d(shared, p.steps[mine & np.isin(p.steps, np.concatenate(at_once))])
+        kept.append((p.steps[mine], p.values[mine]))
+        later.append(p)
+    return kept, shared
+
+
+def _at_once(earlier: records.TensorSeries, later: records.TensorSeries) -> bool:
+    """Whether ``later`` was being written before ``earlier`` ended: two
+    writers at once, not a restart (unknown wall times count as a restart)."""
+    if earlier.written is None or later.written is None:
+        return False
+    return later.written[0] < earlier.written[1] and earlier.written[0] < later.written[1]
+
+
+def overlap_problem(overlaps: Sequence[tuple[str, int, int]]) -> str:
+    """One problem line for the tensors that several writers wrote at once."""
+    names = [tag for tag, _, _ in overlaps[:_MAX_TAGS_NAMED]]
+    more = len(overlaps) - len(names)
+    return (
+        "%s%s: steps %d to %d were written by more than one writer at once (two processes in one run?); "
+        "the records of each writer are kept, as separate records of each step (occurrences)"
+        % (", ".join(names), " and %d more tensor(s)" % more if more > 0 else "",
+           min(lo for _, lo, _ in overlaps), max(hi for _, _, hi in overlaps))
+    )
+
+
+def merge_all(parts: Iterable[records.TensorSeries], problems: list[str] | None = None) -> list[records.TensorSeries]:
+    """Series by tag from parts given in the order written (see ``merge``);
+    tensors written by several writers at once are named in ``problems``."""
     by_tag: dict[str, list[records.TensorSeries]] = {}
     for p in parts:
         by_tag.setdefault(p.tag, []).append(p)
-    return [merge(ps)[0] for ps in by_tag.values()]
+    overlaps: list[tuple[str, int, int]] = []
+    out = [merge(ps, overlaps=overlaps)[0] for ps in by_tag.values()]
+    if overlaps and problems is not None:
+        problems.append(overlap_problem(overlaps))
+    return out
 
 
 def decode_tag(
@@ -345,6 +388,7 @@ def decode_tag(
     steps: Sequence[int] | np.ndarray,
     arrays: Sequence[np.ndarray],
     problems: list[str],
+    wall_times: Sequence[float] | np.ndarray | None = None,
 ) -> list[records.TensorSeries]:
     """The series that one tag's events hold, whichever kind of tag it is.
 
@@ -361,13 +405,21 @@ def decode_tag(
       steps: each event's step.
       arrays: each event's tensor, in its own dtype.
       problems: where what was skipped as malformed is described.
+      wall_times: each event's wall time, where known: a block's parts
+        carry their span (``written``), so that ``merge`` tells two writers
+        at once from a restarted job.
 
     Returns:
       The per-tensor tag's series (one, maybe empty), or the block's parts.
     """
     steps = np.asarray(steps, dtype=np.int64).reshape(-1)
     if not isinstance(info, metadata.TensorInfo):
-        return unpack_block(tag, info, steps, [np.asarray(a) for a in arrays], problems)
+        parts = unpack_block(tag, info, steps, [np.asarray(a) for a in arrays], problems)
+        if wall_times is not None and len(wall_times):
+            span = (float(np.min(wall_times)), float(np.max(wall_times)))
+            for p in parts:
+                p.written = span
+        return parts
     return [records.make_series(tag, info, steps, _record_rows(arrays), problems)]
 
 

@@ -23,6 +23,22 @@ from tb_numerics import metadata, packed
 
 _FILE_VERSION = "brain.Event:2"
 _LATER_METADATA = metadata.create_later_metadata()
+# Where records were lost and it was said (once each).
+_lost_in: set[str] = set()
+
+
+def warn_lost_records(where: str, error: BaseException) -> None:
+    """Says on stderr, once per ``where`` (a logdir), that numerics records
+    could not be written there (a full disk) and are lost: training goes on,
+    but the report will not hold those steps, maybe the first NaN's."""
+    if where in _lost_in:
+        return
+    _lost_in.add(where)
+    print(
+        "tb-numerics: warning: numerics records could not be written to %s (%s); the steps being written "
+        "are lost, and later ones until writing works again (training goes on)" % (where, error),
+        file=sys.stderr,
+    )
 
 
 def _masked_crc32c_python(data: bytes) -> int:
@@ -41,29 +57,43 @@ class _RecordFile:
     def __init__(self, path: str):
         self._tf_writer = None
         self._file = None
+        self._logdir = os.path.dirname(path)
+        self._errors: tuple[type, ...] = (OSError,)
         tf = sys.modules.get("tensorflow")
         if tf is not None and hasattr(tf, "io"):
             self._tf_writer = tf.io.TFRecordWriter(path)
+            self._errors += (tf.errors.OpError,)
         else:
             self._file = open(path, "ab")
 
     def write(self, data: bytes) -> None:
-        if self._tf_writer is not None:
-            self._tf_writer.write(data)
-            return
-        header = struct.pack("<Q", len(data))
-        self._file.write(
-            header
-            + struct.pack("<I", _masked_crc32c_python(header))
-            + data
-            + struct.pack("<I", _masked_crc32c_python(data))
-        )
+        """Appends one record; where it cannot be written (a full disk) it
+        is lost, said once (``warn_lost_records``), and training goes on."""
+        try:
+            if self._tf_writer is not None:
+                self._tf_writer.write(data)
+                return
+            header = struct.pack("<Q", len(data))
+            self._file.write(
+                header
+                + struct.pack("<I", _masked_crc32c_python(header))
+                + data
+                + struct.pack("<I", _masked_crc32c_python(data))
+            )
+        except self._errors as e:
+            warn_lost_records(self._logdir, e)
 
     def flush(self) -> None:
-        (self._tf_writer or self._file).flush()
+        try:
+            (self._tf_writer or self._file).flush()
+        except self._errors as e:
+            warn_lost_records(self._logdir, e)
 
     def close(self) -> None:
-        (self._tf_writer or self._file).close()
+        try:
+            (self._tf_writer or self._file).close()
+        except self._errors as e:
+            warn_lost_records(self._logdir, e)
 
 
 def stats_tensor_proto(stats: np.ndarray) -> tensor_pb2.TensorProto:

@@ -32,6 +32,10 @@ __all__ = [
 F = metadata.FIELD_INDEX
 NONFINITE_FIELDS = (F["nan"], F["posinf"], F["neginf"])
 COUNT_FIELDS = tuple(F[k] for k in ("count", "nan", "posinf", "neginf", "zeros", "overflow", "underflow"))
+# A sum of finite values can overflow only where they could add up past the
+# largest float32 (sums are accumulated in float32 or wider): half of it,
+# for rounding's sake.
+_SUM_OVERFLOW = float(np.finfo(np.float32).max) / 2
 
 
 def nonfinite_count(values: np.ndarray, neginf_ok: bool = False) -> np.ndarray:
@@ -56,6 +60,10 @@ class TensorSeries:
     # [n, NUM_FIELDS], float64; or float32 where every value is exactly a
     # float32 (packed records): computations cast to float64 first.
     values: np.ndarray
+    # Wall times of the first and last events the records came from, where
+    # known: what tells two writers at once from a restarted job
+    # (``packed.merge``).
+    written: tuple[float, float] | None = None
 
     @property
     def sort_key(self) -> tuple[int, int, str]:
@@ -77,8 +85,8 @@ def make_series(
 ) -> TensorSeries:
     """Builds a TensorSeries, dropping records that cannot be valid.
 
-    Records of the wrong length, with NaN or negative counts, or with counts
-    that exceed the element count are dropped and described in ``problems``.
+    Records of the wrong length, at a negative step, or that no tensor can
+    produce (``valid_records``) are dropped and described in ``problems``.
     Records of one step are all kept, in the order given (occurrences).
     """
     if isinstance(values, np.ndarray) and values.ndim == 2 and values.shape[1] == metadata.NUM_FIELDS:
@@ -97,7 +105,8 @@ def make_series(
         if shaped.any():
             vals = np.stack([r for r, ok in zip(rows, shaped) if ok])
         st = np.asarray(steps_list, dtype=np.int64)[shaped]
-    valid = valid_records(vals)
+    # A step is never negative (tf.summary's steps count from 0).
+    valid = valid_records(vals) & (st >= 0)
     vals, st = vals[valid], st[valid]
     bad = n_given - len(st)
     if bad and problems is not None:
@@ -111,12 +120,31 @@ def make_series(
 
 
 def valid_records(v: np.ndarray) -> np.ndarray:
-    """Which records ``[n, F]`` hold possible statistics."""
+    """Which records ``[n, F]`` hold statistics that some tensor can produce.
+
+    Damage, not data (issue 27): counts that are not whole numbers, negative,
+    or more than the element count together; min or max infinite, NaN where
+    finite values were counted (or a number where none were), or min above
+    max; a sum that is not 0 over no finite value; a sum that is not finite
+    where the finite values could not overflow it (the number of finite
+    values times max |x| below ``_SUM_OVERFLOW``). Op-level records leave
+    sum and sum of squares out, both NaN: possible.
+    """
+    v = np.asarray(v, dtype=np.float64)
     counts = v[:, COUNT_FIELDS]
-    with np.errstate(invalid="ignore"):
+    lo, hi, total, total_sq = (v[:, F[k]] for k in ("min", "max", "sum", "sum_sq"))
+    with np.errstate(invalid="ignore", over="ignore"):
         ok = np.all(np.isfinite(counts), axis=1) & np.all(counts >= 0, axis=1)
+        ok &= np.all(counts == np.floor(counts), axis=1)
         ok &= np.all(counts[:, 1:] <= counts[:, :1], axis=1)
-    return ok & ~np.any(np.isinf(v[:, [F["min"], F["max"]]]), axis=1)
+        finite = v[:, F["count"]] - nonfinite_count(v)
+        ok &= (finite >= 0) & ~np.isinf(lo) & ~np.isinf(hi)
+        none = finite == 0
+        ok &= np.where(none, np.isnan(lo) & np.isnan(hi), ~np.isnan(lo) & ~np.isnan(hi) & (lo <= hi))
+        not_recorded = np.isnan(total) & np.isnan(total_sq)
+        ok &= not_recorded | np.where(none, (total == 0) & (total_sq == 0), np.isfinite(total) | (
+            finite * np.fmax(np.abs(lo), np.abs(hi)) >= _SUM_OVERFLOW))
+    return ok
 
 
 def derived(values: np.ndarray) -> dict[str, np.ndarray]:

@@ -118,7 +118,9 @@ class Snapshot:
 
     def __init__(self, tags: dict[str, _TagData], limits: Limits):
         self.tags = tags
-        self.series = _merge(tags)
+        overlaps: list[tuple[str, int, int]] = []
+        self.series = _merge(tags, overlaps)
+        self._merge_problems = [packed.overlap_problem(overlaps)] if overlaps else []
         self.as_of_step = max(
             [int(s.steps[-1]) for s in self.series if s.steps.size]
             + [int(t.version[0]) for t in tags.values() if t.series is None and t.parts is None],
@@ -146,7 +148,7 @@ class Snapshot:
             if hit is not None:
                 self._analyses.move_to_end(key)
                 return hit
-            problems = [p for t in self.tags.values() for p in t.problems] + extra_problems
+            problems = [p for t in self.tags.values() for p in t.problems] + self._merge_problems + extra_problems
             result = analysis.analyze_run(run, self.series, safe_range, problems)
             if self.records > self._limits.inline_read_records:
                 _return_freed_memory()  # the analysis' float64 copies of float32 records
@@ -156,7 +158,7 @@ class Snapshot:
             return result
 
 
-def _merge(tags: Mapping[str, _TagData]) -> list[records.TensorSeries]:
+def _merge(tags: Mapping[str, _TagData], overlaps: list[tuple[str, int, int]]) -> list[records.TensorSeries]:
     """Every tensor's series: its own tag's, and its parts in packed blocks.
 
     Blocks are taken oldest first (by their last write), so a step written
@@ -165,6 +167,8 @@ def _merge(tags: Mapping[str, _TagData]) -> list[records.TensorSeries]:
     (a view of the block's events, maybe float32) is replaced by a slice of
     the merged series: the snapshot then holds each record once, and
     the next refresh, which re-reads only the blocks that grew, still has them.
+    Tensors that several writers wrote at once go to ``overlaps`` (see
+    ``packed.merge``).
     """
     out = [t.series for t in tags.values() if t.series is not None]
     blocks = sorted((t.version[1], tag) for tag, t in tags.items() if t.parts)
@@ -178,12 +182,14 @@ def _merge(tags: Mapping[str, _TagData]) -> list[records.TensorSeries]:
     shared_steps: dict[tuple[int, ...], np.ndarray] = {}
     step_slices: dict[tuple[int, int, int], np.ndarray] = {}
     for name, placed in by_tensor.items():
-        merged, offsets = packed.merge([part for _, part in placed], shared_steps)
+        merged, offsets = packed.merge([part for _, part in placed], shared_steps, overlaps)
         if offsets is not None:
             for (tag, part), at in zip(placed, offsets):
                 n = len(part.steps)
                 steps = step_slices.setdefault((id(merged.steps), at, n), merged.steps[at : at + n])
-                tags[tag].parts[name] = records.TensorSeries(name, part.info, steps, merged.values[at : at + n])
+                tags[tag].parts[name] = records.TensorSeries(
+                    name, part.info, steps, merged.values[at : at + n], part.written
+                )
         if name in own:  # also logged per tensor in the same run
             out[own[name]] = packed.merge([out[own[name]], merged])[0]
         else:
@@ -354,7 +360,8 @@ def _decode_tags(
         problems: list[str] = []
         points = data.pop(tag, [])
         steps = np.fromiter((d.step for d in points), dtype=np.int64, count=len(points))
-        decoded = packed.decode_tag(tag, info, steps, [d.numpy for d in points], problems)
+        walls = [d.wall_time for d in points]
+        decoded = packed.decode_tag(tag, info, steps, [d.numpy for d in points], problems, walls)
         if isinstance(info, metadata.TensorInfo):
             out[tag] = _TagData(version, decoded[0], problems)
         else:

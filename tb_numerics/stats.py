@@ -27,9 +27,12 @@ import functools
 from typing import Any, Callable, Mapping
 
 import numpy as np
-import tensorflow as tf
 
-from tb_numerics import metadata
+from tb_numerics import _requires
+
+tf = _requires.tensorflow(__name__)
+
+from tb_numerics import metadata  # noqa: E402
 from tb_numerics.records import F
 
 __all__ = [

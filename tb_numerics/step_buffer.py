@@ -43,7 +43,7 @@ from typing import Callable
 import numpy as np
 import tensorflow as tf
 
-from tb_numerics import _tf_internal, metadata, packed, stats
+from tb_numerics import _tf_internal, metadata, packed, record_writer, stats
 
 __all__ = ["Entry", "StepBuffer", "traced_step_graph"]
 
@@ -278,5 +278,5 @@ def _flush_all() -> None:
     for buffer in list(_buffers):
         try:
             buffer.flush()
-        except Exception:  # noqa: BLE001 - exiting: write what can be written
-            pass
+        except Exception as e:  # noqa: BLE001 - exiting: write what can be written, say what could not
+            record_writer.warn_lost_records("the summary writer's logdir", e)

@@ -56,12 +56,15 @@ import weakref
 from typing import Callable, Sequence
 
 import numpy as np
-import tensorflow as tf
 from tensorboard.compat.proto import summary_pb2
-from tensorflow.python.framework import smart_cond
-from tensorflow.python.ops import summary_ops_v2
 
-from tb_numerics import _tf_internal, latch, metadata, packed, stats, step_buffer
+from tb_numerics import _requires
+
+tf = _requires.tensorflow(__name__)
+from tensorflow.python.framework import smart_cond  # noqa: E402 - after the check that says what to install
+from tensorflow.python.ops import summary_ops_v2  # noqa: E402
+
+from tb_numerics import _tf_internal, latch, metadata, packed, stats, step_buffer  # noqa: E402
 
 __all__ = [
     "default_role",

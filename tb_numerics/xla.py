@@ -31,9 +31,11 @@ from __future__ import annotations
 
 from typing import Mapping, Sequence
 
-import tensorflow as tf
+from tb_numerics import _requires
 
-from tb_numerics import metadata, stats, summary
+tf = _requires.tensorflow(__name__)
+
+from tb_numerics import metadata, stats, summary  # noqa: E402
 
 
 class CompiledStats:

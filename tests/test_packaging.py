@@ -24,13 +24,20 @@ def wheel(tmp_path_factory):
     return whl
 
 
-def test_wheel_installs_into_a_fresh_venv_and_tensorboard_finds_the_plugin(wheel, tmp_path):
-    venv = tmp_path / "venv"
+@pytest.fixture(scope="module")
+def venv_python(wheel, tmp_path_factory):
+    """A fresh venv's python with the wheel installed. Dependencies are the
+    ones already installed for the tests (on PYTHONPATH); the package itself
+    comes only from the wheel."""
+    venv = tmp_path_factory.mktemp("venv")
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     py = str(venv / "bin" / "python")
-    # Dependencies are the ones already installed for the tests; the package
-    # itself comes only from the wheel.
     subprocess.run([py, "-m", "pip", "install", "--quiet", "--no-deps", wheel], check=True, timeout=300)
+    return py
+
+
+def test_wheel_installs_into_a_fresh_venv_and_tensorboard_finds_the_plugin(venv_python, tmp_path):
+    py = venv_python
     deps = sysconfig.get_paths()["purelib"]
     check = r"""
 import importlib.metadata as md, importlib.resources as res, os, sys
@@ -53,14 +60,49 @@ print("ok")
     assert p.stdout.strip() == "ok"
 
 
-def test_a_source_checkout_that_shadows_the_wheel_still_serves_the_dashboard(wheel, tmp_path):
+def test_the_wheel_declares_no_tensorflow_and_its_api_says_what_to_install(venv_python, tmp_path):
+    """Issue 27: ``tensorflow-cpu`` in the requirements installed a second
+    TensorFlow beside a user's GPU build. The plugin and the CLI run with
+    TensorFlow blocked; the writing API's ImportError names the extras."""
+    py = venv_python
+    logdir = tmp_path / "logs"
+    check = r"""
+import importlib.metadata as md, sys
+sys.modules["tensorflow"] = None  # as if TensorFlow were not installed
+# The wheel's own metadata (an editable install on PYTHONPATH may shadow it).
+(dist,) = md.distributions(name="tb-numerics", path=[p for p in sys.path if p.startswith(sys.prefix)])
+reqs = dist.requires
+plain = [r for r in reqs if "extra ==" not in r]
+assert not any(r.startswith("tensorflow") for r in plain), plain
+assert any(r.startswith("tensorflow-cpu") and 'extra == "cpu"' in r for r in reqs), reqs
+assert any(r.startswith("tensorflow[and-cuda]") and 'extra == "gpu"' in r for r in reqs), reqs
+import tb_numerics.plugin
+from tb_numerics import cli, metadata
+from tb_numerics.record_writer import NumericsRecordWriter
+from tb_numerics.records import numpy_stats
+with NumericsRecordWriter(sys.argv[1] + "/run") as w:
+    w.write("x", 0, numpy_stats(__import__("numpy").ones(4)), metadata.TensorInfo(dtype="float32"))
+assert cli.main(["report", sys.argv[1]]) == 0
+try:
+    import tb_numerics.summary
+except ImportError as e:
+    assert 'pip install "tb-numerics[cpu]"' in str(e) and "tb-numerics[gpu]" in str(e), e
+else:
+    raise AssertionError("tb_numerics.summary imported without TensorFlow")
+print("ok")
+"""
+    env = dict(os.environ, PYTHONPATH=sysconfig.get_paths()["purelib"], TF_CPP_MIN_LOG_LEVEL="2")
+    p = subprocess.run([py, "-c", check, str(logdir)], capture_output=True, text=True, timeout=120, env=env,
+                       cwd=str(tmp_path))
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip().splitlines()[-1] == "ok"
+
+
+def test_a_source_checkout_that_shadows_the_wheel_still_serves_the_dashboard(venv_python, tmp_path):
     """``python -m demo`` from the repository's top imports tb_numerics from the
     checkout, where the frontend is not a subpackage: the plugin must still
     find the dashboard's files (the README's first command does exactly this)."""
-    venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
-    py = str(venv / "bin" / "python")
-    subprocess.run([py, "-m", "pip", "install", "--quiet", "--no-deps", wheel], check=True, timeout=300)
+    py = venv_python
     check = r"""
 import os, tb_numerics.plugin as p
 assert p.__file__.startswith(os.getcwd()), p.__file__

@@ -259,3 +259,32 @@ def test_a_tag_tensorboard_cannot_decode_is_reported_and_logged_once_however_oft
     for answer in (first, again):
         assert sum("u: TensorBoard cannot decode" in p for p in answer.analysis.problems) == 1
     assert sum("u: TensorBoard cannot decode" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_two_writers_at_once_and_impossible_records_hold_in_the_dashboard_too(tmp_path):
+    """Issue 27, items 3 and 4, through TensorBoard's data provider: packed
+    records of two writers whose events interleave in time are all kept, the
+    NaN in the earlier file found, and a record no tensor can produce is a
+    problem, never health."""
+    info = metadata.TensorInfo(role="activation", order=0)
+    first, second = (NumericsRecordWriter(str(tmp_path / "both"), filename_suffix=s) for s in (".a", ".b"))
+    for step in range(60):
+        for w, nan in ((first, step == 21), (second, False)):
+            x = np.float32([1.0, math.nan if nan else 2.0])
+            w.write_many(step, [("dense1/output", numpy_stats(x), info)], wall_time=1000.0 + step)
+    first.close()
+    second.close()
+    bad = numpy_stats(np.float32([1.0, 2.0]))
+    bad[metadata.FIELD_INDEX["min"]] = 5.0  # min above max
+    with NumericsRecordWriter(str(tmp_path / "impossible")) as w:
+        w.write("dense1/output", 0, bad, info)
+        w.write("dense1/output", 1, numpy_stats(np.float32([1.0])), info)
+    store = run_store.RunStore(Logdir(str(tmp_path)).provider, background=False)
+    both = store.answer(CTX, "", "both", SR).analysis
+    assert analysis.first_anomaly(both)["step"] == 21
+    assert store.snapshot("", "both").records == 120
+    assert any("more than one writer at once" in p for p in both.problems), both.problems
+    impossible = store.answer(CTX, "", "impossible", SR).analysis
+    assert analysis.first_anomaly(impossible) is None
+    assert store.snapshot("", "impossible").records == 1
+    assert "dense1/output: 1 malformed record(s) skipped" in impossible.problems
