@@ -592,12 +592,7 @@ def warning_detail(h: SeriesHealth, i: int, ra: "RunAnalysis") -> str:
     max_abs = float(derived(v)["max_abs"][0])
     dtype = h.series.info.dtype
     if kind == "overflow_risk":
-        if v[F["overflow"]] > 0:
-            return "%s of %s values beyond the %s margin %s (max |x| = %s)" % (
-                format(int(v[F["overflow"]]), ","), format(int(v[F["count"]]), ","), dtype,
-                number(metadata.overflow_margin(dtype)), number(max_abs),
-            )
-        return "max |x| = %s beyond the limit %s" % (number(max_abs), number(sr.max_abs))
+        return _overflow_detail(h.series.info, v, max_abs, sr)
     if kind == "exploding_gradient":
         return "global gradient norm %s beyond the limit %s" % (number(v[F["max"]]), number(sr.grad_norm_limit))
     if kind == "gradient_spike":
@@ -615,6 +610,24 @@ def warning_detail(h: SeriesHealth, i: int, ra: "RunAnalysis") -> str:
     return "%s of %s nonzero values below the %s smallest normal %s" % (
         format(int(v[F["underflow"]]), ","), format(int(nonzero), ","), dtype, number(metadata.smallest_normal(dtype)),
     )
+
+
+def _overflow_detail(info: metadata.TensorInfo, v: np.ndarray, max_abs: float, sr: SafeRange) -> str:
+    """Words for an overflow risk, naming the rule that held: the recorded
+    dtype's margin, the margin of the dtype it was computed in, or the
+    user's limit."""
+    dtype = info.dtype
+    if v[F["overflow"]] > 0:
+        return "%s of %s values beyond the %s margin %s (max |x| = %s)" % (
+            format(int(v[F["overflow"]]), ","), format(int(v[F["count"]]), ","), dtype,
+            number(metadata.overflow_margin(dtype)), number(max_abs),
+        )
+    compute = info.compute_dtype
+    if compute and compute != dtype and max_abs > metadata.overflow_margin(compute):
+        return "max |x| = %s beyond the %s margin %s: computed in %s (recorded as %s), whose largest value is %s" % (
+            number(max_abs), compute, number(metadata.overflow_margin(compute)), compute, dtype,
+            number(metadata.DTYPE_LIMITS[compute][0]))
+    return "max |x| = %s beyond the limit %s" % (number(max_abs), number(sr.max_abs))
 
 
 def describe_nonfinite(v: np.ndarray) -> str:
