@@ -549,11 +549,7 @@ def _early_detail(kind: str, h: SeriesHealth, i: int, ra: "RunAnalysis") -> str:
             fn, sr.sustain, first, int(s.steps[i]), number(d["mean"][i]), number(v[i, F["max"]]),
             format(int(v[i, F["zeros"]]), ","))
     if kind == "headroom":
-        dtype = s.info.compute_dtype or s.info.dtype
-        left = float(detectors.headroom_forecast(s, d, sr.growth_window)[i])
-        bits = np.log2(metadata.DTYPE_LIMITS[dtype][0] / d["max_abs"][i])
-        return "max |x| = %s, %.1f bits below the %s maximum: %s overflow in about %d steps at the current growth" % (
-            number(d["max_abs"][i]), bits, dtype, dtype, max(1, int(round(left))))
+        return _headroom_detail(s, d, i, sr.growth_window)
     if kind == "update_ratio":
         return "||w_new - w_old|| / ||w_old|| = %s, above %s: the update moved the weights by more than their size" % (
             number(v[i, F["max"]]), number(sr.update_ratio_max))
@@ -568,6 +564,19 @@ def _early_detail(kind: str, h: SeriesHealth, i: int, ra: "RunAnalysis") -> str:
     lo = max(0, i - sr.loss_window + 1)
     return "the loss changed direction at most records of the last %d (steps %d to %d), between %s and %s" % (
         sr.loss_window, int(s.steps[lo]), int(s.steps[i]), number(np.min(loss[lo : i + 1])), number(np.max(loss[lo : i + 1])))
+
+
+def _headroom_detail(s: TensorSeries, d: dict[str, np.ndarray], i: int, window: int) -> str:
+    """The headroom forecast of record ``i`` in words that hold at its step:
+    the growth it extrapolates (over which steps, how fast) and what of this
+    tensor it forecasts, whatever other tensors did at that step."""
+    dtype = s.info.compute_dtype or s.info.dtype
+    left = float(detectors.headroom_forecast(s, d, window)[i])
+    bits = float(np.log2(metadata.DTYPE_LIMITS[dtype][0] / d["max_abs"][i]))
+    return ("max |x| = %s, %.1f bits below the %s maximum; at its growth over steps %d to %d (×%s a step), "
+            "this tensor's %s overflow in about %d steps" % (
+                number(d["max_abs"][i]), bits, dtype, int(s.steps[i - window + 1]), int(s.steps[i]),
+                number(2.0 ** (bits / left)), dtype, max(1, int(round(left)))))
 
 
 def _depth_detail(h: SeriesHealth, i: int, ra: "RunAnalysis") -> str:
