@@ -63,7 +63,8 @@ def _seed(seed: int) -> np.random.RandomState:
     return np.random.RandomState(seed)
 
 
-def _built(layer: keras.layers.Layer, shape: tuple) -> keras.layers.Layer:
+def built(layer: keras.layers.Layer, shape: tuple) -> keras.layers.Layer:
+    """``layer``, built for inputs of ``shape`` (a custom loop builds its layers before tracing)."""
     layer.build(shape)
     return layer
 
@@ -73,7 +74,7 @@ def onehot_products(logdir: str) -> None:
     rs = _seed(10)
     x = rs.randn(256, 16).astype("float32")
     y = np.eye(4, dtype="float32")[np.argmax(x @ rs.randn(16, 4), 1)]
-    hidden, head = _built(keras.layers.Dense(32, activation="relu"), (None, 16)), _built(keras.layers.Dense(4), (None, 32))
+    hidden, head = built(keras.layers.Dense(32, activation="relu"), (None, 16)), built(keras.layers.Dense(4), (None, 32))
 
     def forward(x, y):
         h = hidden(x)
@@ -100,9 +101,9 @@ def attention_mask(logdir: str) -> None:
     rs = _seed(11)
     tokens = _padded_tokens(rs, 128, 12, 40)
     y = (tokens[:, 0] > 20).astype("int32")
-    embed = _built(keras.layers.Embedding(40, 16), (None, 12))
-    qkv = _built(keras.layers.Dense(48), (None, 12, 16))
-    head = _built(keras.layers.Dense(2), (None, 16))
+    embed = built(keras.layers.Embedding(40, 16), (None, 12))
+    qkv = built(keras.layers.Dense(48), (None, 12, 16))
+    head = built(keras.layers.Dense(2), (None, 16))
 
     def forward(tok, y):
         mask = tf.cast(tok > 0, tf.float32)
@@ -128,7 +129,7 @@ def padded_sequences(logdir: str) -> None:
     lengths = rs.randint(2, 5, size=128)
     x = rs.randn(128, 12, 4).astype("float32") * (np.arange(12)[None, :, None] < lengths[:, None, None])
     y = x.sum((1, 2))[:, None].astype("float32") / lengths[:, None]
-    step_fn, head = _built(keras.layers.Dense(16, activation="relu"), (None, 12, 4)), _built(keras.layers.Dense(1), (None, 16))
+    step_fn, head = built(keras.layers.Dense(16, activation="relu"), (None, 12, 4)), built(keras.layers.Dense(1), (None, 16))
     mask = (np.arange(12)[None, :] < lengths[:, None]).astype("float32")[:, :, None]
 
     def forward(x, y):
@@ -147,7 +148,7 @@ def sparse_features(logdir: str) -> None:
     rs = _seed(13)
     x = (rs.rand(256, 200) < 0.03).astype("float32") * rs.randint(1, 4, size=(256, 200))
     y = (x[:, :100].sum(1) > x[:, 100:].sum(1)).astype("float32")[:, None]
-    hidden, head = _built(keras.layers.Dense(16, activation="relu"), (None, 200)), _built(keras.layers.Dense(1), (None, 16))
+    hidden, head = built(keras.layers.Dense(16, activation="relu"), (None, 200)), built(keras.layers.Dense(1), (None, 16))
 
     def forward(x, y):
         tbn.log_numerics("features", x)
@@ -166,8 +167,8 @@ def mixed_float16(logdir: str) -> None:
     rs = _seed(14)
     x = rs.randn(256, 16).astype("float32")
     y = np.eye(4, dtype="float32")[np.argmax(x @ rs.randn(16, 4), 1)]
-    hidden = _built(keras.layers.Dense(32, activation="relu", dtype="mixed_float16"), (None, 16))
-    head = _built(keras.layers.Dense(4, dtype="mixed_float16"), (None, 32))
+    hidden = built(keras.layers.Dense(32, activation="relu", dtype="mixed_float16"), (None, 16))
+    head = built(keras.layers.Dense(4, dtype="mixed_float16"), (None, 32))
 
     def forward(x, y):
         h = hidden(x)

@@ -760,7 +760,25 @@ def _evidence(ra: RunAnalysis, cell, cause: dict[str, Any] | None, op: dict[str,
         before.setdefault(WARNING_KINDS[h.kinds[j] - 1], _warning_json(ra, (int(h.series.steps[j]), row, int(j))))
     if cause is not None:
         before[cause["kind"]] = cause
-    return hints.Evidence(h.series.tag, h.series.info, step, before, _loss_input(ra, row, step), op)
+    return hints.Evidence(h.series.tag, h.series.info, step, before, _loss_input(ra, row, step), op,
+                          _negative_loss(ra, step))
+
+
+def _negative_loss(ra: RunAnalysis, step: int) -> hints.NegativeLoss | None:
+    """The earliest record, at or before ``step``, of a cross-entropy loss
+    (by its function's name, or else its tag) whose value is below 0."""
+    best = None
+    for h in ra.health:
+        s = h.series
+        fn = s.info.activation
+        if s.info.role != "loss" or not hints.is_cross_entropy(fn or s.tag):
+            continue
+        with np.errstate(invalid="ignore"):
+            below = np.flatnonzero((s.steps <= step) & (derived(s.values)["mean"] < 0))
+        if below.size and (best is None or s.steps[below[0]] < best.step):
+            i = int(below[0])
+            best = hints.NegativeLoss(s.tag, fn, int(s.steps[i]), float(derived(s.values[i])["mean"][0]))
+    return best
 
 
 def _loss_input(ra: RunAnalysis, row: int, step: int) -> hints.LossInput | None:

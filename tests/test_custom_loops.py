@@ -31,10 +31,9 @@ def dead_relu_loop(logdir):
     rs = np.random.RandomState(20)
     x = rs.randn(128, 8).astype("float32")
     y = x.sum(1, keepdims=True)
-    hidden = keras.layers.Dense(16, activation="relu", bias_initializer=keras.initializers.Constant(-20.0))
-    hidden.build((None, 8))
-    head = keras.layers.Dense(1)
-    head.build((None, 16))
+    hidden = healthy_loops.built(
+        keras.layers.Dense(16, activation="relu", bias_initializer=keras.initializers.Constant(-20.0)), (None, 8))
+    head = healthy_loops.built(keras.layers.Dense(1), (None, 16))
 
     def forward(x, y):
         h = hidden(x)
@@ -50,8 +49,7 @@ def softmax_log_loop(logdir):
     rs = np.random.RandomState(21)
     x = rs.randn(128, 16).astype("float32")
     y = np.eye(4, dtype="float32")[np.argmax(x @ rs.randn(16, 4), 1)]
-    head = keras.layers.Dense(4)
-    head.build((None, 16))
+    head = healthy_loops.built(keras.layers.Dense(4), (None, 16))
 
     def forward(x, y):
         probs = tf.nn.softmax(head(x))
@@ -104,15 +102,51 @@ def float16_gradient_loop(logdir, eager=False):
     writer.close()
 
 
-def _first_false_step(logdir, run, tag):
-    """The first step at which the oracle scalar ``tag`` was 0, from the event files."""
+def vae_loop(logdir, scale):
+    """A small VAE with a binary cross-entropy on sparse pixels of 0..255;
+    the fault: the ``/255`` dropped (``scale=1``)."""
+    keras.utils.set_random_seed(0)
+    rs = np.random.RandomState(0)
+    x = (rs.rand(128, 64) < 0.3) * rs.randint(1, 256, size=(128, 64)).astype("float32") / scale
+    built = healthy_loops.built
+    enc = built(keras.layers.Dense(32, activation="relu", kernel_initializer=keras.initializers.RandomNormal(stddev=1e-3)),
+                (None, 64))
+    mean_l, log_var_l = built(keras.layers.Dense(4), (None, 32)), built(keras.layers.Dense(4), (None, 32))
+    dec, out = built(keras.layers.Dense(32, activation="relu"), (None, 4)), built(keras.layers.Dense(64), (None, 32))
+
+    def forward(x, _):
+        h = enc(x)
+        tbn.log_numerics("encoder/output", h)
+        mean, log_var = mean_l(h), log_var_l(h)
+        tbn.log_numerics("z_mean", mean)
+        tbn.log_numerics("z_log_var", log_var)
+        std = tf.exp(0.5 * log_var)
+        tbn.log_numerics("z_std", std)
+        logits = out(dec(mean + std * tf.random.normal(tf.shape(mean))))
+        tbn.log_numerics("decoder/logits", logits)
+        bce = tf.reduce_mean(tf.reduce_sum(tf.nn.sigmoid_cross_entropy_with_logits(x, logits), 1))
+        tbn.log_numerics("bce_loss", bce)
+        tf.summary.scalar("oracle/bce", bce)
+        return bce - 0.5 * tf.reduce_mean(tf.reduce_sum(1 + log_var - mean ** 2 - tf.exp(log_var), 1))
+
+    healthy_loops.train_loop(logdir, "vae_scale_%d" % scale, forward, [enc, mean_l, log_var_l, dec, out], (x, x),
+                             optimizer=keras.optimizers.Adam(3e-2), steps=8)
+
+
+def _first_step_where(logdir, run, tag, holds):
+    """The first step at which the oracle scalar ``tag`` satisfied ``holds``, from the event files."""
     steps = []
     for name in os.listdir(os.path.join(logdir, run)):
         for event in tf.compat.v1.train.summary_iterator(os.path.join(logdir, run, name)):
             for v in event.summary.value:
-                if v.tag == tag and float(tf.make_ndarray(v.tensor)) == 0.0:
+                if v.tag == tag and holds(float(tf.make_ndarray(v.tensor))):
                     steps.append(event.step)
     return min(steps)
+
+
+def _first_false_step(logdir, run, tag):
+    """The first step at which the oracle scalar ``tag`` was 0."""
+    return _first_step_where(logdir, run, tag, lambda v: v == 0.0)
 
 
 @pytest.fixture(scope="module")
@@ -124,6 +158,8 @@ def logdir(tmp_path_factory):
     softmax_log_loop(logdir)
     float16_gradient_loop(logdir)
     float16_gradient_loop(logdir, eager=True)
+    vae_loop(logdir, scale=1)
+    vae_loop(logdir, scale=255)
     return logdir
 
 
@@ -162,3 +198,16 @@ def test_a_float16_gradient_cast_to_float32_warns_ten_steps_before_it_overflows(
     assert (a["step"], a["tensor"]) == (bad, "gradients/Variable")
     assert w["tensor"] == "gradients/Variable" and w["step"] <= bad - 10
     assert "float16" in w["detail"] and "computed in float16" in w["detail"]
+
+
+def test_raw_pixels_under_a_cross_entropy_are_named_not_the_learning_rate(logdir, report):
+    """Issue 26 item 3: the VAE's targets leave [0, 1]; the hint says so with
+    the numbers, and says the learning rate is not the cause."""
+    a = report["vae_scale_1"]["first_anomaly"]
+    assert a is not None
+    negative = _first_step_where(logdir, "vae_scale_1", "oracle/bce", lambda v: v < 0)
+    assert negative < a["step"]
+    assert a["hint"].startswith("The loss bce_loss was negative at step %d" % negative)
+    assert "targets are outside that domain" in a["hint"] and "the learning rate is not the cause" in a["hint"]
+    # With the /255 the loss stays in its domain and the same training is healthy.
+    assert report["vae_scale_255"]["first_anomaly"] is None
