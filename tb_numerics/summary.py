@@ -269,12 +269,15 @@ def _graph_facts(x: tf.Tensor, dtype: str, compute_dtype: str | None) -> tuple[s
     """(activation, compute dtype) of ``x`` as the graph tells them: a
     ReLU-family op's function, and the dtype of a ``Cast`` from float16 or
     bfloat16 (a float16 MatMul's gradient cast to a float32 variable's
-    dtype), unless the caller named ``compute_dtype``; "" where unknown."""
+    dtype), unless the caller named ``compute_dtype``; "" where unknown or
+    not narrower than ``dtype``."""
     op = _producer(x)
     activation = _ACTIVATION_OPS.get(op.type, "") if op is not None else ""
     if compute_dtype is None and op is not None and op.type == "Cast" and op.inputs[0].dtype in _NARROW_DTYPES:
         compute_dtype = op.inputs[0].dtype.name
-    return activation, compute_dtype if compute_dtype and compute_dtype != dtype else ""
+    # Only a narrower range than the record's own holds the tensor tighter.
+    narrower = compute_dtype and metadata.DTYPE_LIMITS[compute_dtype][0] < metadata.DTYPE_LIMITS[dtype][0]
+    return activation, compute_dtype if narrower else ""
 
 
 def _check_compute_dtype(compute_dtype: str | None) -> str | None:

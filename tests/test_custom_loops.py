@@ -211,3 +211,8 @@ def test_raw_pixels_under_a_cross_entropy_are_named_not_the_learning_rate(logdir
     assert "targets are outside that domain" in a["hint"] and "the learning rate is not the cause" in a["hint"]
     # With the /255 the loss stays in its domain and the same training is healthy.
     assert report["vae_scale_255"]["first_anomaly"] is None
+
+
+def test_compute_dtype_must_be_a_float_dtype():
+    with pytest.raises(ValueError, match="compute_dtype must be one of"):
+        tbn.log_gradients([tf.ones(2)], [tf.Variable(tf.ones(2))], compute_dtype="int8")
