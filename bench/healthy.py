@@ -4,9 +4,12 @@
 
 Trains the demo's healthy run and the ordinary healthy Keras trainings of
 ``demo.healthy_keras`` (an MLP, a CNN, a GRU, an autoencoder, a BatchNorm
-model, masked self-attention under mixed_float16), all with the default
-safe range, and prints every warning and anomaly they raise: each one is a
-false positive. Exit status 1 when there is any.
+model, masked self-attention under mixed_float16) and the custom loops of
+``demo.healthy_loops`` (every intermediate logged with ``log_numerics``:
+one-hot label products, an attention padding mask, padded sequences,
+sparse features, a mixed_float16 loop), all with the default safe range,
+and prints every warning and anomaly they raise: each one is a false
+positive. Exit status 1 when there is any.
 """
 
 from __future__ import annotations
@@ -26,11 +29,11 @@ def main() -> int:
     args = p.parse_args()
     logdir = args.logdir or tempfile.mkdtemp(prefix="healthy_")
 
-    from demo import healthy_keras, stories
+    from demo import healthy_keras, healthy_loops, stories
     from tb_numerics import analysis, cli
 
     stories.run_story("healthy", logdir)
-    for _, train in healthy_keras.CASES:
+    for _, train in healthy_keras.CASES + healthy_loops.CASES:
         train(logdir)
     summaries, _ = cli.report(logdir, analysis.SafeRange())
     false_positives = 0

@@ -549,11 +549,7 @@ def _early_detail(kind: str, h: SeriesHealth, i: int, ra: "RunAnalysis") -> str:
             fn, sr.sustain, first, int(s.steps[i]), number(d["mean"][i]), number(v[i, F["max"]]),
             format(int(v[i, F["zeros"]]), ","))
     if kind == "headroom":
-        dtype = s.info.compute_dtype or s.info.dtype
-        left = float(detectors.headroom_forecast(s, d, sr.growth_window)[i])
-        bits = np.log2(metadata.DTYPE_LIMITS[dtype][0] / d["max_abs"][i])
-        return "max |x| = %s, %.1f bits below the %s maximum: %s overflow in about %d steps at the current growth" % (
-            number(d["max_abs"][i]), bits, dtype, dtype, max(1, int(round(left))))
+        return _headroom_detail(s, d, i, sr.growth_window)
     if kind == "update_ratio":
         return "||w_new - w_old|| / ||w_old|| = %s, above %s: the update moved the weights by more than their size" % (
             number(v[i, F["max"]]), number(sr.update_ratio_max))
@@ -568,6 +564,19 @@ def _early_detail(kind: str, h: SeriesHealth, i: int, ra: "RunAnalysis") -> str:
     lo = max(0, i - sr.loss_window + 1)
     return "the loss changed direction at most records of the last %d (steps %d to %d), between %s and %s" % (
         sr.loss_window, int(s.steps[lo]), int(s.steps[i]), number(np.min(loss[lo : i + 1])), number(np.max(loss[lo : i + 1])))
+
+
+def _headroom_detail(s: TensorSeries, d: dict[str, np.ndarray], i: int, window: int) -> str:
+    """The headroom forecast of record ``i`` in words that hold at its step:
+    the growth it extrapolates (over which steps, how fast) and what of this
+    tensor it forecasts, whatever other tensors did at that step."""
+    dtype = s.info.compute_dtype or s.info.dtype
+    left = float(detectors.headroom_forecast(s, d, window)[i])
+    bits = float(np.log2(metadata.DTYPE_LIMITS[dtype][0] / d["max_abs"][i]))
+    return ("max |x| = %s, %.1f bits below the %s maximum; at its growth over steps %d to %d (×%s a step), "
+            "this tensor's %s overflow in about %d steps" % (
+                number(d["max_abs"][i]), bits, dtype, int(s.steps[i - window + 1]), int(s.steps[i]),
+                number(2.0 ** (bits / left)), dtype, max(1, int(round(left)))))
 
 
 def _depth_detail(h: SeriesHealth, i: int, ra: "RunAnalysis") -> str:
@@ -592,12 +601,7 @@ def warning_detail(h: SeriesHealth, i: int, ra: "RunAnalysis") -> str:
     max_abs = float(derived(v)["max_abs"][0])
     dtype = h.series.info.dtype
     if kind == "overflow_risk":
-        if v[F["overflow"]] > 0:
-            return "%s of %s values beyond the %s margin %s (max |x| = %s)" % (
-                format(int(v[F["overflow"]]), ","), format(int(v[F["count"]]), ","), dtype,
-                number(metadata.overflow_margin(dtype)), number(max_abs),
-            )
-        return "max |x| = %s beyond the limit %s" % (number(max_abs), number(sr.max_abs))
+        return _overflow_detail(h.series.info, v, max_abs, sr)
     if kind == "exploding_gradient":
         return "global gradient norm %s beyond the limit %s" % (number(v[F["max"]]), number(sr.grad_norm_limit))
     if kind == "gradient_spike":
@@ -615,6 +619,24 @@ def warning_detail(h: SeriesHealth, i: int, ra: "RunAnalysis") -> str:
     return "%s of %s nonzero values below the %s smallest normal %s" % (
         format(int(v[F["underflow"]]), ","), format(int(nonzero), ","), dtype, number(metadata.smallest_normal(dtype)),
     )
+
+
+def _overflow_detail(info: metadata.TensorInfo, v: np.ndarray, max_abs: float, sr: SafeRange) -> str:
+    """Words for an overflow risk, naming the rule that held: the recorded
+    dtype's margin, the margin of the dtype it was computed in, or the
+    user's limit."""
+    dtype = info.dtype
+    if v[F["overflow"]] > 0:
+        return "%s of %s values beyond the %s margin %s (max |x| = %s)" % (
+            format(int(v[F["overflow"]]), ","), format(int(v[F["count"]]), ","), dtype,
+            number(metadata.overflow_margin(dtype)), number(max_abs),
+        )
+    compute = info.compute_dtype
+    if compute and compute != dtype and max_abs > metadata.overflow_margin(compute):
+        return "max |x| = %s beyond the %s margin %s: computed in %s (recorded as %s), whose largest value is %s" % (
+            number(max_abs), compute, number(metadata.overflow_margin(compute)), compute, dtype,
+            number(metadata.DTYPE_LIMITS[compute][0]))
+    return "max |x| = %s beyond the limit %s" % (number(max_abs), number(sr.max_abs))
 
 
 def describe_nonfinite(v: np.ndarray) -> str:
@@ -738,7 +760,25 @@ def _evidence(ra: RunAnalysis, cell, cause: dict[str, Any] | None, op: dict[str,
         before.setdefault(WARNING_KINDS[h.kinds[j] - 1], _warning_json(ra, (int(h.series.steps[j]), row, int(j))))
     if cause is not None:
         before[cause["kind"]] = cause
-    return hints.Evidence(h.series.tag, h.series.info, step, before, _loss_input(ra, row, step), op)
+    return hints.Evidence(h.series.tag, h.series.info, step, before, _loss_input(ra, row, step), op,
+                          _negative_loss(ra, step))
+
+
+def _negative_loss(ra: RunAnalysis, step: int) -> hints.NegativeLoss | None:
+    """The earliest record, at or before ``step``, of a cross-entropy loss
+    (by its function's name, or else its tag) whose value is below 0."""
+    best = None
+    for h in ra.health:
+        s = h.series
+        fn = s.info.activation
+        if s.info.role != "loss" or not hints.is_cross_entropy(fn or s.tag):
+            continue
+        with np.errstate(invalid="ignore"):
+            below = np.flatnonzero((s.steps <= step) & (derived(s.values)["mean"] < 0))
+        if below.size and (best is None or s.steps[below[0]] < best.step):
+            i = int(below[0])
+            best = hints.NegativeLoss(s.tag, fn, int(s.steps[i]), float(derived(s.values[i])["mean"][0]))
+    return best
 
 
 def _loss_input(ra: RunAnalysis, row: int, step: int) -> hints.LossInput | None:

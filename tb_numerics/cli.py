@@ -101,7 +101,7 @@ def anomaly_lines(a: dict, head: str = "first anomaly: ") -> list[str]:
     if a.get("tensor_description"):
         lines.append("  tensor: %s" % _safe_text(a["tensor_description"]))
     lines.extend(_op_lines(a))
-    lines.append("  last healthy step: %s" % a["last_healthy_step"])
+    lines.append(_last_steps_line(a))
     if a["hint"]:
         lines.append("  hint: %s" % a["hint"])
     c = a["likely_cause"]
@@ -109,6 +109,16 @@ def anomaly_lines(a: dict, head: str = "first anomaly: ") -> list[str]:
         lines.append("  likely cause: step %d, %s: %s (%s)" % (
             c["step"], _safe_text(c["tensor"]), c["kind"], c["detail"]))
     return lines
+
+
+def _last_steps_line(a: dict) -> str:
+    """The last healthy step and, where it differs, the last finite one, each
+    saying what it is (a warning is finite but not healthy)."""
+    line = "  last healthy step: %s" % a["last_healthy_step"]
+    finite = a.get("last_finite_step")
+    if finite is not None and finite != a["last_healthy_step"]:
+        line += " (no warning and no NaN/Inf in this tensor); last finite step: %d (a warning, but no NaN/Inf)" % finite
+    return line
 
 
 def _op_lines(a: dict) -> list[str]:

@@ -7,8 +7,9 @@ ICSE 2021; SageMaker Debugger's built-in rules), on statistics the records
 already hold, with defaults chosen to stay quiet on healthy training (the
 false-positive count is measured by ``bench/healthy.py``):
 
-* dead units: an activation's share of exact zeros at or above
-  ``dead_share`` (AUTOTRAINER: 70 %) for ``sustain`` records;
+* dead units: the output of a function known to be ReLU-like whose share
+  of exact zeros is at or above ``dead_share`` (AUTOTRAINER: 70 %) for
+  ``sustain`` records;
 * saturation: a sigmoid or tanh output pinned at its bounds, or a softmax
   emitting exact 0 or 1 (the classic precursor of log(0)), for ``sustain``
   records;
@@ -42,6 +43,7 @@ __all__ = [
     "headroom_forecast",
     "loss_not_decreasing",
     "loss_oscillating",
+    "relu_like",
     "saturation",
     "sustained",
     "update_ratio",
@@ -49,7 +51,9 @@ __all__ = [
 
 # Layers whose exact zeros are by design: dropout masks, padding, softmax.
 _ZEROS_BY_DESIGN = re.compile(r"dropout|embedding|softmax|attention|mask|pool|pad", re.I)
-_RELU_LIKE = re.compile(r"^(relu|relu6|leaky_relu|elu|selu|gelu|silu|swish|)$", re.I)
+_RELU_LIKE = re.compile(r"^(relu|relu6|leaky_relu|elu|selu|gelu|silu|swish)$", re.I)
+# Op types (graph ops, Keras layer classes) that are a ReLU-like function.
+_RELU_LIKE_OPS = frozenset({"relu", "relu6", "leakyrelu", "elu", "selu", "prelu"})
 
 
 def sustained(mask: np.ndarray, k: int) -> np.ndarray:
@@ -66,13 +70,23 @@ def _function(series: TensorSeries) -> str:
     return (series.info.activation or "").lower()
 
 
+def relu_like(info: metadata.TensorInfo) -> bool:
+    """Whether the tensor is known to come from a ReLU-like function: its
+    activation function, or else its op type (a ``ReLU`` layer, a ``Relu``
+    op). A tensor of unknown origin is not: one-hot products, masks, padded
+    sequences and sparse features are mostly exact zeros by design."""
+    if info.activation:
+        return bool(_RELU_LIKE.match(info.activation))
+    return info.op_type.lower().replace("_", "") in _RELU_LIKE_OPS
+
+
 def dead_units(series: TensorSeries, d: dict[str, np.ndarray], share: float, k: int) -> np.ndarray:
     """Activations whose share of exact zeros stays at or above ``share``."""
     no = np.zeros(len(series.steps), dtype=bool)
     info = series.info
     if info.role != "activation" or _ZEROS_BY_DESIGN.search(info.op_type + " " + series.tag):
         return no
-    if not _RELU_LIKE.match(_function(series)):
+    if not relu_like(info):
         return no
     v = series.values
     count = v[:, F["count"]].astype(np.float64)

@@ -7,12 +7,15 @@ whose evidence is in the records:
    Poisson) whose input, the tensor logged just before it, holds exact
    zeros or negative values at the anomaly's step (the fix is at the
    model's output, even where a replay names an op inside the loss);
-2. the op: its type (from op-level records or a replay), the layer's
+2. the data: a cross-entropy loss below 0 at or before the anomaly's step
+   (its targets are outside [0, 1], e.g. raw pixels), whatever op overflowed;
+3. the op: its type (from op-level records or a replay), the layer's
    activation function, or a token of the tag (sqrt, log, division, exp,
    pow) says how a NaN or an Inf is made;
-3. the trend: warnings in the steps before (growth, a jump, a gradient
-   spike, values beyond the safe range) point at divergence;
-4. otherwise no hint, and the text says what was checked: a wrong hint
+4. the trend: warnings in the steps before (growth, a jump, a gradient
+   spike, values beyond the safe range) point at divergence, and the hint
+   says that growth is its only evidence;
+5. otherwise no hint, and the text says what was checked: a wrong hint
    sends a user to change the wrong thing, which is worse than none.
 """
 
@@ -25,7 +28,7 @@ from typing import Any
 
 from tb_numerics import metadata
 
-__all__ = ["Evidence", "LossInput", "choose", "input_range", "number", "op_family", "percent", "warning_hint",
+__all__ = ["Evidence", "LossInput", "NegativeLoss", "choose", "is_cross_entropy", "input_range", "number", "op_family", "percent", "warning_hint",
            "NO_HINT_PREFIX"]
 
 NO_HINT_PREFIX = "no hint: "
@@ -76,6 +79,9 @@ _OP_HINTS = {
     "away from 0.",
 }
 
+# Tags of quantities learnt in log space, not made by a log op.
+_LOG_PARAMETER = re.compile(r"log_?(var|variance|sigma|std|scale)(?![A-Za-z])", re.I)
+
 # Loss functions that take the log of (or divide by the sum of) their input.
 _LOG_LOSS = re.compile(r"crossentropy|cross_entropy|kl_?div|kld|poisson|nll|log_?loss", re.I)
 
@@ -94,6 +100,27 @@ class LossInput:
 
 
 @dataclasses.dataclass(frozen=True)
+class NegativeLoss:
+    """The first record, at or before an anomaly's step, of a cross-entropy
+    loss below 0: impossible while its targets are in [0, 1]."""
+
+    tag: str
+    function: str  # the loss function's name, "" where only the tag says it
+    step: int
+    value: float
+
+
+# Cross-entropies are never below 0 for targets in [0, 1] (a loss function's
+# name, or a token of a loss's tag such as "bce_loss").
+_CROSS_ENTROPY = re.compile(r"crossentropy|cross_entropy|(^|[^a-z])(bce|xent)([^a-z]|$)", re.I)
+
+
+def is_cross_entropy(name: str) -> bool:
+    """Whether a loss function's name or a loss's tag names a cross-entropy."""
+    return bool(_CROSS_ENTROPY.search(name))
+
+
+@dataclasses.dataclass(frozen=True)
 class Evidence:
     """What the records say about a first anomaly, for choosing its hint."""
 
@@ -107,11 +134,16 @@ class Evidence:
     # The exact op where a replay or op-level records name one:
     # {"name", "type", "source", "phase", "inputs": [{"min", "max", "zeros", "count"}]}.
     op: dict[str, Any] | None = None
+    # A cross-entropy loss that went below 0 before the anomaly: its targets
+    # are outside its domain.
+    negative_loss: "NegativeLoss | None" = None
 
 
 def op_family(tag: str, op_type: str, activation: str = "") -> str | None:
     """sqrt / log / div / exp / pow where the op type, the activation
     function or a token of the tag names one, else None."""
+    # A log-parameterised quantity (z_log_var) names no log op.
+    tag = _LOG_PARAMETER.sub(" ", tag)
     for token in [op_type, activation] + re.split(r"[^A-Za-z0-9]+", tag)[::-1]:
         key = token.lower().removesuffix("grad").rstrip("_")
         if key in _HINT_TOKENS:
@@ -124,7 +156,9 @@ def choose(ev: Evidence) -> str:
     # A loss's input evidence first: a NaN inside a library loss function
     # (Keras's cross-entropy normalising an all-zero row) is fixed at the
     # model's output, not inside the loss.
-    for rule in (_by_loss_input, _by_op, _by_trend):
+    # A cross-entropy below 0 says the data are wrong before anything grows:
+    # it comes before the op that overflowed and the growth that led there.
+    for rule in (_by_loss_input, _by_negative_loss, _by_op, _by_trend):
         text = rule(ev)
         if text:
             return text
@@ -188,13 +222,27 @@ def _by_loss_input(ev: Evidence) -> str:
     return ""
 
 
+def _by_negative_loss(ev: Evidence) -> str:
+    n = ev.negative_loss
+    if n is None:
+        return ""
+    what = "%s (%s)" % (n.tag, n.function) if n.function else n.tag
+    return (
+        "The loss %s was negative at step %d (%s), before the first non-finite value: a cross-entropy is never "
+        "below 0 while its targets are in [0, 1], so its targets are outside that domain (e.g. raw 0..255 pixels "
+        "without the /255). The loss then has no lower bound and training grows values without end to lower it. "
+        "Scale the targets into [0, 1]; the learning rate is not the cause." % (what, n.step, number(n.value))
+    )
+
+
 def _by_trend(ev: Evidence) -> str:
     w = ev.warnings_before
     grew = [k for k in ("fast_growth", "growth", "headroom") if k in w]
     if grew:
         c = w[grew[0]]
         return (
-            "Values grew before the first non-finite value (%s, step %d: %s): something keeps scaling them "
+            "Values grew before the first non-finite value (%s, step %d: %s), and growth is the only evidence "
+            "the records hold (no op that makes NaN, no loss outside its domain): something keeps scaling them "
             "up, most often a too-large learning rate, also a loss that rewards growth or a layer that does "
             "not normalise. Lower the learning rate or clip gradients, and check the loss."
             % (c["tensor"], c["step"], c["detail"])

@@ -251,13 +251,53 @@ def _check_every_n(every_n_steps: int | None) -> int | None:
     return int(every_n_steps)
 
 
-def _info_for(x: tf.Tensor, role: str, description: str | None, dtype: str, neginf_ok: bool = False):
+# Graph ops whose output is a ReLU-like activation, by the function's name
+# (the dead-units rule calls only such outputs dead).
+_ACTIVATION_OPS = {"Relu": "relu", "Relu6": "relu6", "LeakyRelu": "leaky_relu", "Elu": "elu", "Selu": "selu"}
+_NARROW_DTYPES = (tf.float16, tf.bfloat16)
+
+
+def _producer(x: tf.Tensor):
+    """The graph op that made ``x``, through identities; None eagerly (an
+    eager tensor keeps no op)."""
+    op = getattr(x, "op", None)
+    for _ in range(4):
+        if op is None or op.type not in ("Identity", "IdentityN") or not op.inputs:
+            break
+        op = op.inputs[0].op
+    return op
+
+
+def _graph_facts(x: tf.Tensor, dtype: str, compute_dtype: str | None) -> tuple[str, str]:
+    """(activation, compute dtype) of ``x`` as the graph tells them: a
+    ReLU-family op's function, and the dtype of a ``Cast`` from float16 or
+    bfloat16 (a float16 MatMul's gradient cast to a float32 variable's
+    dtype), unless the caller named ``compute_dtype``; "" where unknown or
+    not narrower than ``dtype``."""
+    op = _producer(x)
+    activation = _ACTIVATION_OPS.get(op.type, "") if op is not None else ""
+    if compute_dtype is None and op is not None and op.type == "Cast" and op.inputs[0].dtype in _NARROW_DTYPES:
+        compute_dtype = op.inputs[0].dtype.name
+    # Only a narrower range than the record's own holds the tensor tighter.
+    narrower = compute_dtype and metadata.DTYPE_LIMITS[compute_dtype][0] < metadata.DTYPE_LIMITS[dtype][0]
+    return activation, compute_dtype if narrower else ""
+
+
+def _check_compute_dtype(compute_dtype: str | None) -> str | None:
+    if compute_dtype is not None and compute_dtype not in metadata.DTYPE_LIMITS:
+        raise ValueError("compute_dtype must be one of %s, got %r" % (", ".join(metadata.DTYPE_LIMITS), compute_dtype))
+    return compute_dtype
+
+
+def _info_for(x: tf.Tensor, role: str, description: str | None, dtype: str, neginf_ok: bool = False,
+              compute_dtype: str | None = None):
     shape = None if x.shape.rank is None else tuple(x.shape.as_list())
+    activation, compute = _graph_facts(x, dtype, compute_dtype)
 
     def make(order: int) -> metadata.TensorInfo:
         return metadata.TensorInfo(
             dtype=dtype, shape=shape, role=role, order=order, op_type="",
-            description=description or "", neginf_ok=neginf_ok,
+            description=description or "", neginf_ok=neginf_ok, activation=activation, compute_dtype=compute,
         )
 
     return make
@@ -424,6 +464,7 @@ def log_numerics(
     description: str | None = None,
     every_n_steps: int | None = None,
     allow_neginf: bool = False,
+    compute_dtype: str | None = None,
 ) -> bool | tf.Tensor:
     """Records the numerics of a float tensor under tag ``name``.
 
@@ -442,6 +483,11 @@ def log_numerics(
       allow_neginf: -Inf is intended in this tensor (an attention mask): it
         is no anomaly, and not the latch's first non-finite step. Kept in the
         tag's metadata, so every reader applies it. A NaN or +Inf still counts.
+      compute_dtype: the dtype the tensor was computed in, where it was cast
+        before the call (a float16 output cast to float32): the safe range
+        and headroom rules hold it to that dtype's range. By default the
+        input's dtype of a ``Cast`` from float16 or bfloat16 inside a
+        ``tf.function``, else the tensor's dtype.
 
     Returns:
       Whether a record was written; at the top level of a ``tf.function``
@@ -450,8 +496,10 @@ def log_numerics(
 
     Raises:
       TypeError: ``tensor`` is not float16, bfloat16, float32 or float64.
+      ValueError: ``compute_dtype`` is not one of those.
     """
     every_n = _check_every_n(every_n_steps)
+    compute_dtype = _check_compute_dtype(compute_dtype)
     if role is not None:
         _check_role(role)
     x = tf.convert_to_tensor(tensor)
@@ -463,7 +511,7 @@ def log_numerics(
     if role is None:
         after_gradients = _writer_state(writer).gradients_at == _position(step)
         role = "update" if after_gradients else default_role(name)
-    st = _tag_state(writer, name, _info_for(x, role, description, dtype, bool(allow_neginf)))
+    st = _tag_state(writer, name, _info_for(x, role, description, dtype, bool(allow_neginf), compute_dtype))
     record = _packed(writer, step, every_n, [(st, x, dtype)])
     if record is not None:
         return record
@@ -493,7 +541,10 @@ def gradient_tag(variable) -> str:
     return "gradients/" + path
 
 
-def log_gradients(grads: Sequence, variables: Sequence, step=None, *, every_n_steps: int | None = None) -> bool | tf.Tensor:
+def log_gradients(
+    grads: Sequence, variables: Sequence, step=None, *, every_n_steps: int | None = None,
+    compute_dtype: str | None = None,
+) -> bool | tf.Tensor:
     """Records each gradient's numerics and the global gradient norm.
 
     One record per non-``None`` gradient, tagged ``gradients/<variable
@@ -506,8 +557,14 @@ def log_gradients(grads: Sequence, variables: Sequence, step=None, *, every_n_st
     are those of its ``values`` (the rows it touches). Returns whether a record
     was written.
 
+    A gradient computed in float16 or bfloat16 and cast to its float32
+    variable's dtype (float16 compute without loss scaling) is held to the
+    range it was computed in: ``compute_dtype``, or by default, inside a
+    ``tf.function``, the input dtype of the ``Cast`` that made it.
+
     Raises:
-      ValueError: ``grads`` and ``variables`` differ in length.
+      ValueError: ``grads`` and ``variables`` differ in length, or
+        ``compute_dtype`` is not a supported float dtype.
       TypeError: a gradient is not a float tensor.
     """
     grads, variables = list(grads), list(variables)
@@ -516,6 +573,7 @@ def log_gradients(grads: Sequence, variables: Sequence, step=None, *, every_n_st
             "log_gradients got %d gradients for %d variables" % (len(grads), len(variables))
         )
     every_n = _check_every_n(every_n_steps)
+    compute_dtype = _check_compute_dtype(compute_dtype)
     pairs = []
     for g, v in reversed(list(zip(grads, variables))):
         if g is None:
@@ -529,7 +587,8 @@ def log_gradients(grads: Sequence, variables: Sequence, step=None, *, every_n_st
     if writer is None or not pairs:
         return tf.constant(False)
     step = _resolve_step(step)
-    states = [_tag_state(writer, tag, _info_for(g, "gradient", None, dt)) for tag, g, dt in pairs]
+    states = [_tag_state(writer, tag, _info_for(g, "gradient", None, dt, compute_dtype=compute_dtype))
+              for tag, g, dt in pairs]
     norm_dtype = "float64" if any(dt == "float64" for _, _, dt in pairs) else "float32"
     norm_state = _tag_state(
         writer,

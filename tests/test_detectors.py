@@ -208,6 +208,23 @@ def test_headroom_forecasts_a_float16_overflow_before_it_happens():
     assert w["step"] <= 33
 
 
+def test_warning_details_say_what_held_at_their_step():
+    """Issue 26 item 6: the headroom forecast names the growth it
+    extrapolates; a float32 record of a float16 computation names the
+    float16 margin it passed (not "the limit None")."""
+    info = metadata.TensorInfo(dtype="float32", compute_dtype="float16")
+    vals = [records.numpy_stats(np.float32([1.0, 1.3 ** s])) for s in range(40)]
+    ra = analysis.analyze_run("r", [records.make_series("h", info, range(40), vals)])
+    w = analysis.first_warning(ra)
+    # 1.3**s reaches 65504 at s = log_1.3(65504) = 42.3.
+    assert w["detail"].endswith("at its growth over steps %d to %d (×1.3 a step), this tensor's float16 overflow "
+                                "in about %d steps" % (w["step"] - 7, w["step"], round(np.log(65504) / np.log(1.3) - w["step"])))
+    over = [x for x in analysis.warnings_by_tensor(ra) if x["kind"] == "overflow_risk"]
+    assert over and over[0]["first_step"] == 27  # 1.3**27 = 1193 > 1023.5
+    assert over[0]["detail"] == ("max |x| = 1193 beyond the float16 margin 1024: computed in float16 (recorded as "
+                                 "float32), whose largest value is 6.55e4")
+
+
 def test_a_noisy_minibatch_loss_late_in_training_is_not_an_oscillation():
     """By chance a noisy loss turns at about 2/3 of its records, and late in
     training its batches can span a factor of 10 and more: no warning."""
