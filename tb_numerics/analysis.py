@@ -298,8 +298,9 @@ def _warning_masks(series: TensorSeries, v: np.ndarray, d: dict[str, np.ndarray]
         med = _rolling_median_before(norm, sr.spike_window)
         yield "gradient_spike", (med > 0) & (norm > sr.spike_factor * med)
     yield "fast_growth", _jump_flags(max_abs, sr)
-    yield "headroom", detectors.headroom(series, d, sr.growth_window, sr.headroom_steps, sr.growth_floor)
-    yield "growth", growth_flags(max_abs, sr)
+    if series.info.role != "input":  # data's range drifting over steps is no divergence of training
+        yield "headroom", detectors.headroom(series, d, sr.growth_window, sr.headroom_steps, sr.growth_floor)
+        yield "growth", growth_flags(max_abs, sr)
     if is_norm:
         yield "vanishing_gradient", norm < sr.vanishing_floor
     nonzero = d["finite"] - v[:, F["zeros"]]

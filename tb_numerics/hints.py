@@ -190,8 +190,8 @@ def _by_batch(ev: Evidence) -> str:
             "or a missing value read as NaN; tf.debugging.assert_all_finite in the pipeline finds the record."
             % (b.step, b.what, what, where, effect))
     return (
-        "The batch at step %d was already far out of range in %s (%s)%s, before the first non-finite value: "
-        "a corrupt or unscaled record, finite but large enough for a layer or the loss to overflow. Validate "
+        "The batch at step %d was already far out of range in %s, before the first non-finite value: %s%s. "
+        "A corrupt or unscaled record, finite but large enough for a layer or the loss to overflow: validate "
         "or clip the inputs in the data pipeline (a range check, normalisation)." % (b.step, what, b.what, where))
 
 
