@@ -822,7 +822,9 @@ class NumericsCallback(keras.callbacks.Callback):
         tensors: dict[str, list] = {}
         for r in range(_strategy(self.model).num_replicas_in_sync):
             batch = self._replay.batch(step, r)
-            for _, tag, ts in self._batch_plan.assign(batch) if batch is not None else ():
+            if batch is None:
+                continue
+            for _, tag, ts in self._batch_plan.assign(batch):
                 if tag in bad:
                     tensors.setdefault(tag, []).extend(ts)
         found = [f for f in (_keras_batch.bad_features(tag, ts, bad[tag]) for tag, ts in tensors.items()) if f]

@@ -14,7 +14,7 @@ import pytest
 import tensorflow as tf
 
 import tb_numerics as tbn
-from tb_numerics import analysis, event_reader, metadata
+from tb_numerics import analysis, event_reader, hints, metadata
 from tb_numerics.keras import NumericsCallback
 
 pytestmark = pytest.mark.e2e
@@ -158,3 +158,15 @@ def test_a_reader_of_the_previous_minor_version_reads_the_input_role_as_other(mo
     # A tag whose first event (and metadata) was lost: the callback's batch tags read as input.
     assert [metadata.info_from_tag(t).role for t in ("input", "target/0", "sample_weight", "input/output")] == [
         "input", "input", "input", "activation"]
+
+
+@pytest.mark.parametrize("where, words", [
+    ({"features": 8, "bad_features": 3, "by_feature": [{"feature": 5}, {"feature": 1}], "examples": 4,
+      "bad_examples": 2, "first_bad_example": 1}, ", in 3 features (of 8): 5, 1, ..., in 2 of its 4 examples (the first: 1):"),
+    ({"features": "8", "bad_features": -1, "by_feature": [7, {"feature": None}], "examples": 4.5}, ":"),
+    ([1, 2], ":"),
+])
+def test_where_a_batch_held_its_bad_values_is_read_as_untrusted_json(where, words):
+    ev = hints.Evidence("input", metadata.TensorInfo(role="input"), 3, {},
+                        batch=hints.BatchFault("input", 3, "2 NaN of 32 values", nonfinite=True, where=where))
+    assert hints.choose(ev).startswith("The batch at step 3 held 2 NaN of 32 values in input" + words)
