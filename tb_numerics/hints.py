@@ -182,8 +182,7 @@ def _by_batch(ev: Evidence) -> str:
     what = "the targets (%s)" % b.tag if b.tag.startswith("target") else b.tag
     where = _batch_where(b.where)
     if b.nonfinite:
-        effect = ("a loss of a NaN target is NaN whatever the model does" if b.tag.startswith("target") else
-                  "every layer after it only passed them on")
+        effect = _BATCH_EFFECT.get(b.tag.split("/")[0], _BATCH_EFFECT["input"])
         return (
             "The batch at step %d held %s in %s%s: it arrived so from the data pipeline, before any layer "
             "ran (%s). Check the preprocessing, e.g. a division by a zero std when normalising, a log of 0, "
@@ -193,6 +192,14 @@ def _by_batch(ev: Evidence) -> str:
         "The batch at step %d was already far out of range in %s, before the first non-finite value: %s%s. "
         "A corrupt or unscaled record, finite but large enough for a layer or the loss to overflow: validate "
         "or clip the inputs in the data pipeline (a range check, normalisation)." % (b.step, what, b.what, where))
+
+
+# What a non-finite value in each part of the batch does to the step.
+_BATCH_EFFECT = {
+    "input": "the layers after it did not make them",
+    "target": "the loss of a non-finite target is not finite, whatever the model does",
+    "sample_weight": "the loss weighs each example by it, so the loss is not finite",
+}
 
 
 def _batch_where(where: dict[str, Any] | None) -> str:
