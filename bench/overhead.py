@@ -460,6 +460,14 @@ def fit_callback(b: Bench):
     return _fit_loop(b, [NumericsCallback(b.logdir("fit_callback"))])
 
 
+@mode("fit_callback_no_inputs")
+def fit_callback_no_inputs(b: Bench):
+    """NumericsCallback(inputs=False): the defaults without the batch's records (input, target)."""
+    from tb_numerics.keras import NumericsCallback
+
+    return _fit_loop(b, [NumericsCallback(b.logdir("fit_callback_no_inputs"), inputs=False)])
+
+
 @mode("fit_callback_w1")
 def fit_callback_w1(b: Bench):
     """NumericsCallback(weights_every_n_steps=1): weights and update ratios every step too."""

@@ -28,10 +28,15 @@ function countOf(v) {
   return Number.isInteger(n) && n >= 0 ? n : null;
 }
 
+/** "forward pass", or for the batch as it arrived (phase "input"), "input batch". */
+function phaseWords(phase) {
+  return phase === "input" ? "input batch" : `${phase} pass`;
+}
+
 function opWords(item) {
   const parts = [];
   if (text(item.op_type)) parts.push(`op ${item.op_type}`);
-  if (text(item.phase)) parts.push(`${item.phase} pass`);
+  if (text(item.phase)) parts.push(phaseWords(item.phase));
   return parts.length ? ` (${parts.join(", ")})` : "";
 }
 
@@ -86,7 +91,7 @@ function opDetail(a) {
   if (!op) return null;
   const source = text(op.source);
   const name = text(op.name);
-  const kind = [text(op.type), text(op.phase) && `${op.phase} pass`].filter(Boolean).join(", ");
+  const kind = [text(op.type), text(op.phase) && phaseWords(op.phase)].filter(Boolean).join(", ");
   const parts = [];
   if (name || kind) {
     parts.push(el("span", { class: "cause-label" }, "Op: "), name && el("span", { class: "tensor-name op-name" }, name), kind && (name ? ` (${kind})` : kind));

@@ -10,8 +10,8 @@ Health of one record (one tensor at one step):
   * HEALTHY: otherwise.
 
 "First" means the earliest step; within a step, the earliest tensor in
-execution order: forward before backward before the update, then the order
-the writer recorded, then the tag.
+execution order: the input batch before forward before backward before the
+update, then the order the writer recorded, then the tag.
 """
 
 from __future__ import annotations
@@ -298,8 +298,9 @@ def _warning_masks(series: TensorSeries, v: np.ndarray, d: dict[str, np.ndarray]
         med = _rolling_median_before(norm, sr.spike_window)
         yield "gradient_spike", (med > 0) & (norm > sr.spike_factor * med)
     yield "fast_growth", _jump_flags(max_abs, sr)
-    yield "headroom", detectors.headroom(series, d, sr.growth_window, sr.headroom_steps, sr.growth_floor)
-    yield "growth", growth_flags(max_abs, sr)
+    if series.info.role != "input":  # data's range drifting over steps is no divergence of training
+        yield "headroom", detectors.headroom(series, d, sr.growth_window, sr.headroom_steps, sr.growth_floor)
+        yield "growth", growth_flags(max_abs, sr)
     if is_norm:
         yield "vanishing_gradient", norm < sr.vanishing_floor
     nonzero = d["finite"] - v[:, F["zeros"]]
@@ -363,6 +364,8 @@ class RunAnalysis:
     problems: list[str]
     # Replays' verdicts on a first non-finite step (``metadata.REPLAY_TAG``).
     replays: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    # Where a bad batch held its bad values, per feature (``metadata.BATCH_TAG``).
+    batches: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     def find(self, tag: str) -> SeriesHealth | None:
         for h in self.health:
@@ -450,11 +453,13 @@ def analyze_run(
     sr = sr or SafeRange()
     series = list(series)
     replays = [_replay_verdict(s) for s in series if s.tag == metadata.REPLAY_TAG]
-    ordered = sorted((s for s in series if s.tag != metadata.REPLAY_TAG), key=lambda s: s.sort_key)
+    batches = [_batch_verdict(s) for s in series if s.tag == metadata.BATCH_TAG]
+    ordered = sorted((s for s in series if s.tag not in metadata.VERDICT_TAGS), key=lambda s: s.sort_key)
     health = [series_health(s, sr) for s in ordered]
     _mark_by_depth(health, sr)
     _mark_skipped_steps(health)
-    return RunAnalysis(run, health, sr, list(problems), [r for r in replays if r is not None])
+    return RunAnalysis(run, health, sr, list(problems), [r for r in replays if r is not None],
+                       [b for b in batches if b is not None])
 
 
 def _replay_verdict(s: TensorSeries) -> dict[str, Any] | None:
@@ -468,6 +473,18 @@ def _replay_verdict(s: TensorSeries) -> dict[str, Any] | None:
     if not isinstance(verdict.get("reproduced"), bool):
         return None
     return verdict
+
+
+def _batch_verdict(s: TensorSeries) -> dict[str, Any] | None:
+    """Where a bad batch held its bad values, from its record's description
+    (untrusted JSON): {"step", "tensors": [{"tensor", ...}]}."""
+    try:
+        found = json.loads(s.info.description)
+    except ValueError:
+        return None
+    if not isinstance(found, dict) or type(found.get("step")) is not int or not isinstance(found.get("tensors"), list):
+        return None
+    return found
 
 
 def _json_safe(x: Any) -> Any:
@@ -720,7 +737,8 @@ def first_anomaly(ra: RunAnalysis) -> dict[str, Any] | None:
     v = h.series.values[i]
     index, of = h.series.occurrence(i)
     cause = likely_cause(ra, cell)
-    op, replay = _op_of(ra, step, row)
+    # A batch that arrived broken: no op of the step made its NaN.
+    op, replay = _op_of(ra, step, row) if h.series.info.phase != "input" else (None, None)
     return {
         "step": step,
         "tensor": h.series.tag,
@@ -761,7 +779,7 @@ def _evidence(ra: RunAnalysis, cell, cause: dict[str, Any] | None, op: dict[str,
     if cause is not None:
         before[cause["kind"]] = cause
     return hints.Evidence(h.series.tag, h.series.info, step, before, _loss_input(ra, row, step), op,
-                          _negative_loss(ra, step))
+                          negative_loss=_negative_loss(ra, step), batch=_batch_fault(ra, cell, cause))
 
 
 def _negative_loss(ra: RunAnalysis, step: int) -> hints.NegativeLoss | None:
@@ -779,6 +797,23 @@ def _negative_loss(ra: RunAnalysis, step: int) -> hints.NegativeLoss | None:
             i = int(below[0])
             best = hints.NegativeLoss(s.tag, fn, int(s.steps[i]), float(derived(s.values[i])["mean"][0]))
     return best
+
+
+def _batch_fault(ra: RunAnalysis, cell, cause: dict[str, Any] | None) -> hints.BatchFault | None:
+    """The batch's record that the anomaly at ``cell`` is, or its likely
+    cause is (an input out of its usual range), with where the batch held
+    its bad values where the writer counted them."""
+    step, row, i = cell
+    h = ra.health[row]
+    if h.series.info.role == "input":
+        tag, at, what = h.series.tag, step, describe_nonfinite(h.series.values[i])
+    elif cause is not None and cause.get("role") == "input":
+        tag, at, what = cause["tensor"], cause["step"], cause["detail"]
+    else:
+        return None
+    where = next((t for b in ra.batches if b["step"] == at for t in b["tensors"]
+                  if isinstance(t, dict) and t.get("tensor") == tag), None)
+    return hints.BatchFault(tag, at, what, nonfinite=h.series.info.role == "input", where=where)
 
 
 def _loss_input(ra: RunAnalysis, row: int, step: int) -> hints.LossInput | None:

@@ -88,6 +88,10 @@ def _safe_text(s: str) -> str:
     )
 
 
+# A phase in words where its name alone reads oddly ("step 2, input, input").
+_PHASE_WORDS = {"input": "input batch"}
+
+
 def anomaly_lines(a: dict, head: str = "first anomaly: ") -> list[str]:
     """A first anomaly (``analysis.first_anomaly``) in words, names escaped
     for a terminal: the report's lines, and the Keras callback's stop message."""
@@ -95,7 +99,7 @@ def anomaly_lines(a: dict, head: str = "first anomaly: ") -> list[str]:
     occurrence = ""
     if a.get("occurrence"):
         occurrence = " (record %d of %d in that step)" % (a["occurrence"]["index"], a["occurrence"]["of"])
-    phase = ", %s" % a["phase"] if a["phase"] else " (%s)" % a.get("source", "")
+    phase = ", %s" % _PHASE_WORDS.get(a["phase"], a["phase"]) if a["phase"] else " (%s)" % a.get("source", "")
     lines = ["%sstep %d, %s%s%s: %s%s" % (
         head, a["step"], _safe_text(a["tensor"]), op, phase, a["description"], occurrence)]
     if a.get("tensor_description"):

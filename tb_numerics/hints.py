@@ -3,6 +3,9 @@
 Part of the numpy-only analysis core. A hint is chosen by the first rule
 whose evidence is in the records:
 
+0. the batch: the anomaly is the input batch's own record (it arrived
+   holding NaN or Inf), or its likely cause is (an input far out of its
+   range): the fix is in the data pipeline, whatever op the NaN reached;
 1. the loss: a loss that takes a log (cross-entropies, KL divergence,
    Poisson) whose input, the tensor logged just before it, holds exact
    zeros or negative values at the anomaly's step (the fix is at the
@@ -28,7 +31,7 @@ from typing import Any
 
 from tb_numerics import metadata
 
-__all__ = ["Evidence", "LossInput", "NegativeLoss", "choose", "is_cross_entropy", "input_range", "number", "op_family", "percent", "warning_hint",
+__all__ = ["BatchFault", "Evidence", "LossInput", "NegativeLoss", "choose", "is_cross_entropy", "input_range", "number", "op_family", "percent", "warning_hint",
            "NO_HINT_PREFIX"]
 
 NO_HINT_PREFIX = "no hint: "
@@ -121,6 +124,20 @@ def is_cross_entropy(name: str) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
+class BatchFault:
+    """A record of the input batch that is the anomaly, or its likely cause."""
+
+    tag: str  # input, target, sample_weight (input/<key> in a dict or tuple)
+    step: int
+    what: str  # "128 NaN of 1,024 values", or the warning's detail
+    nonfinite: bool  # the batch's record is the anomaly itself
+    # Where the batch held its bad values, where the writer counted them
+    # (untrusted JSON): {"examples", "bad_examples", "first_bad_example",
+    # "features", "bad_features", "by_feature": [{"feature", "nan", ...}]}.
+    where: dict[str, Any] | None = None
+
+
+@dataclasses.dataclass(frozen=True)
 class Evidence:
     """What the records say about a first anomaly, for choosing its hint."""
 
@@ -137,6 +154,7 @@ class Evidence:
     # A cross-entropy loss that went below 0 before the anomaly: its targets
     # are outside its domain.
     negative_loss: "NegativeLoss | None" = None
+    batch: BatchFault | None = None
 
 
 def op_family(tag: str, op_type: str, activation: str = "") -> str | None:
@@ -156,9 +174,10 @@ def choose(ev: Evidence) -> str:
     # A loss's input evidence first: a NaN inside a library loss function
     # (Keras's cross-entropy normalising an all-zero row) is fixed at the
     # model's output, not inside the loss.
+    # A broken batch comes first: whatever it reaches, the data are the cause.
     # A cross-entropy below 0 says the data are wrong before anything grows:
     # it comes before the op that overflowed and the growth that led there.
-    for rule in (_by_loss_input, _by_negative_loss, _by_op, _by_trend):
+    for rule in (_by_batch, _by_loss_input, _by_negative_loss, _by_op, _by_trend):
         text = rule(ev)
         if text:
             return text
@@ -189,6 +208,64 @@ def _inputs_evidence(op: dict[str, Any] | None) -> str:
                 k, format(int(i["zeros"]), ","), format(int(i.get("count", 0)), ","), _num(i.get("min")),
                 _num(i.get("max"))))
     return (" At that step its " + "; ".join(parts) + ".") if parts else ""
+
+
+def _by_batch(ev: Evidence) -> str:
+    b = ev.batch
+    if b is None:
+        return ""
+    what = "the targets (%s)" % b.tag if b.tag.startswith("target") else b.tag
+    where = _batch_where(b.where)
+    if b.nonfinite:
+        effect = _BATCH_EFFECT.get(b.tag.split("/")[0], _BATCH_EFFECT["input"])
+        return (
+            "The batch at step %d held %s in %s%s: it arrived so from the data pipeline, before any layer "
+            "ran (%s). Check the preprocessing, e.g. a division by a zero std when normalising, a log of 0, "
+            "or a missing value read as NaN; tf.debugging.assert_all_finite in the pipeline finds the record."
+            % (b.step, b.what, what, where, effect))
+    return (
+        "The batch at step %d was already far out of range in %s, before the first non-finite value: %s%s. "
+        "A corrupt or unscaled record, finite but large enough for a layer or the loss to overflow: validate "
+        "or clip the inputs in the data pipeline (a range check, normalisation)." % (b.step, what, b.what, where))
+
+
+# What a non-finite value in each part of the batch does to the step.
+_BATCH_EFFECT = {
+    "input": "the layers after it did not make them",
+    "target": "the loss of a non-finite target is not finite, whatever the model does",
+    "sample_weight": "the loss weighs each example by it, so the loss is not finite",
+}
+
+
+def _batch_where(where: dict[str, Any] | None) -> str:
+    """Where the batch held its bad values, from untrusted JSON: e.g.
+    ", all in feature 3 (of 8), in 16 of its 16 examples"."""
+    if not isinstance(where, dict):
+        return ""
+    words = []
+    by_feature = where.get("by_feature")
+    shown = [f for f in by_feature if isinstance(f, dict) and _count(f.get("feature")) is not None] \
+        if isinstance(by_feature, list) else []
+    bad, of = _count(where.get("bad_features")), _count(where.get("features"))
+    if shown and bad is not None:
+        of_words = " (of %s)" % format(of, ",") if of is not None else ""
+        names = ", ".join(str(_count(f["feature"])) for f in shown)
+        if bad == 1:
+            words.append("all in feature %s%s" % (names, of_words))
+        else:
+            more = ", ..." if bad > len(shown) else ""
+            words.append("in %s features%s: %s%s" % (format(bad, ","), of_words, names, more))
+    examples, of_examples = _count(where.get("bad_examples")), _count(where.get("examples"))
+    if examples is not None and of_examples is not None:
+        first = _count(where.get("first_bad_example"))
+        words.append("in %s of its %s examples%s" % (format(examples, ","), format(of_examples, ","),
+                                                    " (the first: %d)" % first if first is not None else ""))
+    return ", " + ", ".join(words) if words else ""
+
+
+def _count(x: Any) -> int | None:
+    """A whole count from untrusted JSON, or None."""
+    return x if type(x) is int and x >= 0 else None
 
 
 def _by_loss_input(ev: Evidence) -> str:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
+import json
 import sys
 from typing import Any, Callable, Sequence
 
@@ -36,7 +37,7 @@ from tb_numerics import _requires
 tf = _requires.tensorflow(__name__)
 import keras  # noqa: E402 - after the check that says what to install
 
-from tb_numerics import _keras_replay, _tf_internal, analysis, cli, event_reader, latch, metadata, record_writer, records, stats, summary
+from tb_numerics import _keras_batch, _keras_replay, _tf_internal, analysis, cli, event_reader, latch, metadata, record_writer, records, stats, summary
 
 F = metadata.FIELD_INDEX
 _NONFINITE = slice(F["nan"], F["neginf"] + 1)
@@ -179,6 +180,13 @@ class NumericsCallback(keras.callbacks.Callback):
     ``optimizer.iterations``, plus the steps a ``LossScaleOptimizer`` skipped,
     which do not advance it):
 
+    * ``input``, ``target``, ``sample_weight`` (role and phase ``input``):
+      the batch as the step received it, before any layer ran, so a batch
+      that arrives holding NaN is the step's first anomaly (``input/<key>``
+      for each tensor of a dict or tuple; see ``_keras_batch``). At the first
+      bad step, where the batch holds NaN, Inf or values beyond the overflow
+      margin, the replay's kept batch is counted per feature once
+      (``metadata.BATCH_TAG``) for the hint;
     * ``<layer>/output`` (activation): every float output of each top-level
       layer, in the order the layers run;
     * ``loss``: the training loss, as ``optimizer.scale_loss`` receives it;
@@ -208,7 +216,7 @@ class NumericsCallback(keras.callbacks.Callback):
         a multiple of ``every_n_steps``, by default ``10 * every_n_steps``.
         ``1`` records them on every step, which about doubles the callback's
         cost on a model whose weights are as large as its activations.
-      activations, gradients, weights, update_ratios: what to record.
+      inputs, activations, gradients, weights, update_ratios: what to record.
       stop_on_anomaly: stop training at the first step with a non-finite
         record (an allowlisted -Inf, or gradients of a step the loss-scale
         optimizer skipped, do not count) and print the diagnosis.
@@ -244,6 +252,7 @@ class NumericsCallback(keras.callbacks.Callback):
         stop_on_anomaly: bool = False,
         allow_neginf: Sequence[str] = (),
         replay: bool = True,
+        inputs: bool = True,
     ):
         super().__init__()
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
@@ -263,6 +272,7 @@ class NumericsCallback(keras.callbacks.Callback):
         self.log_dir = log_dir
         self.every_n_steps = every_n_steps
         self.weights_every_n_steps = weights_every_n_steps
+        self.inputs = inputs
         self.activations = activations
         self.gradients = gradients
         self.weights = weights
@@ -303,6 +313,7 @@ class NumericsCallback(keras.callbacks.Callback):
         self._last_call = -1
         self._prev: tuple[int, list] | None = None  # the last step computed but not written
         self._latched = False
+        self._batch_noted = False
         self._infos: dict[str, metadata.TensorInfo] = {}
         self._writer = record_writer.NumericsRecordWriter(self.log_dir)
         # Records are built and written by one thread beside training, off the
@@ -325,6 +336,7 @@ class NumericsCallback(keras.callbacks.Callback):
         owner = _layer_of_variables(model)
         self._layer_names = [layer.name for layer in layers]
         self._rows: list[_Row] = []
+        self._plan_batch_rows(model)
         self._act_rows = {}
         if self.activations:
             for i, layer in enumerate(layers):
@@ -353,6 +365,14 @@ class NumericsCallback(keras.callbacks.Callback):
         if self.weights:
             for v in self._vars:
                 self._rows.append(_Row(v.path, "weight", str(v.dtype), tuple(v.shape), present=True))
+
+    def _plan_batch_rows(self, model: keras.Model) -> None:
+        """The batch's rows (model inputs, targets, sample weights), first:
+        the input phase comes before the layers'."""
+        self._batch_plan = _keras_batch.BatchPlan.for_model(model)
+        self._batch_row0 = len(self._rows)
+        if self.inputs:
+            self._rows += [_Row(tag, "input") for tag in self._batch_plan.tags()]
 
     def _make_step_state(self, model: keras.Model) -> None:
         """The variables the step stores its records in, one slot per step of
@@ -504,6 +524,7 @@ class NumericsCallback(keras.callbacks.Callback):
         """The records computed before the weights': each layer's outputs, the
         loss and each gradient (None where absent), in row order."""
         rows: list[tf.Tensor | None] = [None] * self._weight_row0
+        self._batch_records(trace, rows)
         graph = tf.compat.v1.get_default_graph()
         for i, tensors in trace.outputs.items():
             # Outputs of this step's graph only: a subclassed model's first call
@@ -533,6 +554,19 @@ class NumericsCallback(keras.callbacks.Callback):
                     g = g / tf.cast(scale, g.dtype)
                 rows[r], trace.grad_sums[j] = stats.tensor_stats_and_sum(g, self._rows[r].tag)
         return rows
+
+    def _batch_records(self, trace: _Trace, rows: list) -> None:
+        """The records of the step's batch, in place in ``rows``: each row's
+        tag, dtype and shape from the tensors the step received."""
+        if not self.inputs or trace.data is None:
+            return
+        for i, tag, tensors in self._batch_plan.assign(trace.data):
+            r = self._batch_row0 + i
+            t = tf.convert_to_tensor(tensors[0])
+            row = self._rows[r]
+            row.tag, row.dtype, row.present = tag, t.dtype.base_dtype.name, True
+            row.shape = tuple(t.shape.as_list()) if len(tensors) == 1 and t.shape.rank is not None else None
+            rows[r] = _merged_stats([tf.convert_to_tensor(x) for x in tensors], tag)
 
     def _step_is_bad(self, head: tf.Tensor) -> tf.Tensor:
         """Whether a record of the step is not finite (an intended -Inf aside):
@@ -767,6 +801,7 @@ class NumericsCallback(keras.callbacks.Callback):
         self._latched = bool(decision.latched)
         if not anomaly:
             return False
+        self._note_bad_batch(step, step_records)
         if self._replay is not None and self.replay_verdict is None:
             self._writer.flush()
             self.replay_verdict = self._replay.replay(step, self.model.train_step, self._bad_replica())
@@ -774,6 +809,31 @@ class NumericsCallback(keras.callbacks.Callback):
             return False
         self._stop()
         return True
+
+    def _note_bad_batch(self, step: int, step_records: list) -> None:
+        """Once, at the first bad step: where the batch the replay kept holds
+        the bad values of the batch's bad records, per feature and example
+        (``metadata.BATCH_TAG``, for the hint). Every replica's kept part is
+        counted; a replica whose records were finite kept none and holds none."""
+        if self._batch_noted or self._replay is None or self._replay.why_not:
+            return
+        self._batch_noted = True
+        bad = {tag: info.dtype for tag, v, info in step_records
+               if info.role == "input" and (records.nonfinite_count(v) > 0 or v[F["overflow"]] > 0)}
+        if not bad:
+            return
+        tensors: dict[str, list] = {}
+        for r in range(_strategy(self.model).num_replicas_in_sync):
+            batch = self._replay.batch(step, r)
+            if batch is None:
+                continue
+            for _, tag, ts in self._batch_plan.assign(batch):
+                if tag in bad:
+                    tensors.setdefault(tag, []).extend(ts)
+        found = [f for f in (_keras_batch.bad_features(tag, ts, bad[tag]) for tag, ts in tensors.items()) if f]
+        if found:
+            info = metadata.TensorInfo(role="other", op_type="Batch", description=json.dumps({"step": step, "tensors": found}))
+            self._writer.write(metadata.BATCH_TAG, step, records.numpy_stats(np.zeros(0, np.float32)), info)
 
     def _bad_replica(self) -> int | None:
         """Under several replicas, the replica whose records of the last step

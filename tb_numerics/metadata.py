@@ -58,7 +58,7 @@ PLUGIN_NAME = "numerics"
 # Major version: a reader refuses records of a newer major version. Minor
 # version: additions that older readers may ignore.
 FORMAT_VERSION = 3
-FORMAT_MINOR_VERSION = 1
+FORMAT_MINOR_VERSION = 2
 # The version per-tensor records are written with (their layout is version 1's).
 RECORD_VERSION = 1
 
@@ -78,13 +78,20 @@ FIELDS = (
 NUM_FIELDS = len(FIELDS)
 FIELD_INDEX = {name: i for i, name in enumerate(FIELDS)}
 
-ROLES = ("activation", "loss", "gradient", "global_norm", "weight", "other", "loss_scale", "update")
-PHASES = ("forward", "backward", "update")
+# Minor version 2 added the role "input": a reader of minor version 1 reads
+# a role it does not know as "other" (phase forward), so there an input's
+# records are forward ones, ordered before the layers' by their order.
+ROLES = ("activation", "loss", "gradient", "global_norm", "weight", "other", "loss_scale", "update", "input")
+PHASES = ("input", "forward", "backward", "update")
 PHASE_RANK = {p: i for i, p in enumerate(PHASES)}
 
 # The phase of the training step a role belongs to, for "forward before
 # backward" ordering and for the words the dashboard and CLI print.
 ROLE_PHASE = {
+    # The batch as it arrived (a model input, the targets, the sample
+    # weights): before any layer ran, so a batch that arrives broken is the
+    # first anomaly, not the first layer that reads it.
+    "input": "input",
     "activation": "forward",
     "loss": "forward",
     "other": "forward",
@@ -210,6 +217,9 @@ def create_later_metadata() -> summary_pb2.SummaryMetadata:
     )
 
 
+# The first component of the Keras callback's tags of the batch.
+BATCH_TAG_HEADS = ("input", "target", "sample_weight")
+
 # The order given to a tensor whose TensorInfo was lost: after every tensor
 # of its phase whose order is known.
 UNKNOWN_ORDER = 2**31 - 1
@@ -219,10 +229,14 @@ def info_from_tag(tag: str) -> TensorInfo:
     """What a numerics record's tag tells of its tensor, for a record whose
     tag lost its ``TensorInfo`` with its first event: the role from the
     writers' tag names (``gradients/global_norm``, ``gradients/<variable>``,
-    a last component naming a loss, else an activation), dtype float32 (a
-    reader that has the values may know better), the order unknown."""
+    the Keras callback's ``input``, ``target`` and ``sample_weight`` and
+    their ``input/<name>``, a last component naming a loss, else an
+    activation), dtype float32 (a reader that has the values may know
+    better), the order unknown."""
     parts = tag.split("/")
-    if tag == "gradients/global_norm":
+    if parts[0] in BATCH_TAG_HEADS and (len(parts) == 1 or parts[-1] != "output"):
+        role = "input"
+    elif tag == "gradients/global_norm":
         role = "global_norm"
     elif parts[0] == "gradients" and len(parts) > 1:
         role = "gradient"
@@ -266,6 +280,11 @@ def _summary_metadata(content: dict[str, Any], description: str) -> summary_pb2.
 # The record that holds a replay's verdict on the first non-finite step (its
 # description is the JSON of ``first_anomaly.replay``); not a tensor.
 REPLAY_TAG = "replay/first_anomaly"
+# The record that holds where a batch that went bad held its bad values,
+# per feature (its description is JSON, see ``keras``); not a tensor.
+BATCH_TAG = "batch/first_anomaly"
+# Records that carry a verdict in their description, not a tensor's statistics.
+VERDICT_TAGS = frozenset({REPLAY_TAG, BATCH_TAG})
 
 # A packed block's table: (tag, info) of each row index, in index order.
 BlockTable = tuple[tuple[str, TensorInfo], ...]

@@ -476,6 +476,7 @@ def log_numerics(
         where the tag is first logged after ``log_gradients`` in the same
         step (a clipped norm in the optimizer's update), else "loss" when
         the last component of ``name`` contains "loss", else "activation".
+        "input" for the batch as it arrived (phase input, before every layer).
       description: shown with the tensor.
       every_n_steps: write a record at steps that are multiples of N, and
         also at the first step where the tensor is non-finite and the step

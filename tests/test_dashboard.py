@@ -505,6 +505,20 @@ def test_op_input_ranges_replay_and_new_kinds_render_as_text(open_page, tb_more)
     assert p.dialogs == []
 
 
+def _input_batch(summary):
+    """A first anomaly in the batch as it arrived (phase input), with no op."""
+    summary["first_anomaly"].update(tensor="input", phase="input", role="input", op_type=None, op=None, replay=None)
+
+
+def test_an_anomaly_in_the_input_batch_says_so(open_page, tb_more):
+    p = open_page()
+    p.page.route("**/summary?*", _with_fields(_input_batch))
+    p.page.goto(tb_more.url + ENTRY + "#run=ops")
+    anomaly = banner_row(p.page, data.OPS_RUN).locator(".banner.anomaly")
+    expect(anomaly).to_contain_text("input (input batch): ")
+    expect(anomaly.locator(".op")).to_have_count(0)
+
+
 def _malformed(summary):
     summary["first_anomaly"].update(op="Log", replay=[1], occurrence=7, likely_cause="x", last_finite_step={})
     summary.update(info="none", problems=None)

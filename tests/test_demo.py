@@ -57,7 +57,7 @@ HINT_WORDS = {
     "gru_sqrt_loss": "gradient of sqrt is infinite at 0",
     "softmax_log": "softmax_cross_entropy_with_logits",
     "cosine_zero_tower": "inside the norm",
-    "bad_input": "(input, step 20",
+    "bad_input": "The batch at step 20 was already far out of range in input",
 }
 
 

@@ -140,8 +140,16 @@ def test_steps_per_execution_keeps_every_steps_records(tmp_path, jit_compile):
     model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[NumericsCallback(str(tmp_path))])
     ra = _analysis(tmp_path)
     assert ra.find("d/output").series.steps.tolist() == list(range(8))
+    _assert_the_nan_batch_is_first(ra)
+
+
+def _assert_the_nan_batch_is_first(ra: analysis.RunAnalysis) -> dict:
+    """Batch 5's NaN is the input's (the batch as it arrived), then the layer's (4 units)."""
     a = analysis.first_anomaly(ra)
-    assert (a["step"], a["tensor"], a["nan"]) == (5, "d/output", 4)
+    assert (a["step"], a["tensor"], a["phase"], a["nan"]) == (5, "input", "input", 1)
+    d = ra.find("d/output")
+    assert d.series.values[d.series.steps.tolist().index(5), 1] == 4
+    return a
 
 
 def test_a_replay_holds_back_the_update_of_a_nonfinite_step(tmp_path):
@@ -171,8 +179,8 @@ def test_records_compiled_for_a_gpu_are_the_uncompiled_ones(tmp_path, monkeypatc
         got = compiled.find(h.series.tag).series
         np.testing.assert_array_equal(got.steps, h.series.steps)
         np.testing.assert_allclose(got.values, h.series.values, rtol=1e-6, equal_nan=True, err_msg=h.series.tag)
-    want, got = analysis.first_anomaly(plain), analysis.first_anomaly(compiled)
-    assert (got["step"], got["tensor"], got["nan"]) == (want["step"], want["tensor"], want["nan"]) == (5, "d/output", 4)
+    want, got = _assert_the_nan_batch_is_first(plain), _assert_the_nan_batch_is_first(compiled)
+    assert (got["step"], got["tensor"], got["nan"]) == (want["step"], want["tensor"], want["nan"])
 
 
 def test_weights_are_recorded_every_weights_every_n_steps_and_at_a_bad_step(tmp_path):
@@ -203,9 +211,7 @@ def test_weights_every_n_steps_must_be_a_multiple_of_every_n_steps(tmp_path, eve
 def test_every_n_steps_keeps_first_bad_step_and_the_step_before(tmp_path):
     ra = _fit_with_nan_in_batch_5(tmp_path, every_n_steps=4)
     assert ra.find("d/output").series.steps.tolist() == [0, 4, 5]
-    a = analysis.first_anomaly(ra)
-    assert (a["step"], a["tensor"], a["nan"]) == (5, "d/output", 4)
-    assert a["last_healthy_step"] == 4
+    assert _assert_the_nan_batch_is_first(ra)["last_healthy_step"] == 4
 
 
 def _diverging_model() -> keras.Model:
@@ -280,9 +286,10 @@ def test_allowlisted_neginf_is_not_an_anomaly_but_nan_in_it_is(tmp_path, capsys,
     cb = NumericsCallback(str(tmp_path), every_n_steps=every_n_steps, stop_on_anomaly=True,
                           allow_neginf=["mask/output"])
     model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[cb])
-    # Steps 0-2 carried the intended -inf and went on; the NaN at step 3 stopped it.
-    assert (cb.anomaly["step"], cb.anomaly["tensor"], cb.anomaly["nan"]) == (3, "mask/output", 1)
-    assert "stopping training at step 3, mask/output" in capsys.readouterr().err
+    # Steps 0-2 carried the intended -inf and went on; the NaN at step 3
+    # stopped it, the batch's NaN (before the mask's, below).
+    assert (cb.anomaly["step"], cb.anomaly["tensor"], cb.anomaly["nan"]) == (3, "input", 1)
+    assert "stopping training at step 3, input" in capsys.readouterr().err
     mask = _analysis(tmp_path).find("mask/output")
     # The N-th steps, and the NaN step with the step before it: the -Inf did not latch.
     written = [0, 1, 2, 3] if every_n_steps == 1 else [0, 2, 3]

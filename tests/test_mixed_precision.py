@@ -48,12 +48,14 @@ def test_skipped_step_and_loss_scale_drop_are_recorded_as_warnings(tmp_path, mix
     assert summary["skipped_steps"] == [2]
     assert summary["first_anomaly"] is None
     # A skip that later steps recover from is information, not the run's first
-    # warning; the batch of 3e3 targets that caused it is (the loss jumped).
+    # warning; the batch of 3e3 targets that caused it is (the targets, as
+    # the batch arrived, jumped; so did the loss).
     (info,) = summary["info"]
     assert (info["step"], info["kind"], info["phase"]) == (2, "skipped_step", "backward")
     assert "LossScaleOptimizer skipped" in info["detail"]
     w = summary["first_warning"]
-    assert (w["step"], w["tensor"], w["kind"]) == (2, "loss", "fast_growth")
+    assert (w["step"], w["tensor"], w["kind"], w["phase"]) == (2, "target", "fast_growth", "input")
+    assert any((x["first_step"], x["tensor"], x["kind"]) == (2, "loss", "fast_growth") for x in summary["warnings"])
 
 
 def test_gradients_of_float32_master_weights_are_held_to_float16s_range(tmp_path, mixed_float16):

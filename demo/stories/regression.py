@@ -10,9 +10,9 @@
 * ``bad_input``: the sane run, but one record of the data set holds 1e38 in
   one feature. 1e38 is finite, and so is every layer's output, but the
   prediction for that record is so large that its squared error overflows:
-  the first anomaly is the loss (+Inf), and its likely cause is the input,
-  already beyond the safe range (1/64 of the float32 maximum) in the same
-  step.
+  the first anomaly is the loss (+Inf), and its likely cause is the input
+  (logged with role "input"), already beyond the safe range (1/64 of the
+  float32 maximum) in the same step.
   Cause: a corrupt record. Fix: validate or clip the inputs
   (``tf.debugging.assert_all_finite``, a range check in the input pipeline).
 """
@@ -56,7 +56,7 @@ def train(logdir: str, name: str, learning_rate: float, corrupt: bool = False) -
 
     @tf.function
     def train_step(x, y):
-        tbn.log_numerics("input", x)
+        tbn.log_numerics("input", x, role="input")  # the batch as it arrived, before any layer
         with tf.GradientTape() as tape:
             h = x
             for layer in layers:
