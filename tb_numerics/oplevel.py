@@ -79,6 +79,7 @@ import re
 import threading
 from typing import Any, Callable, Collection, NamedTuple, TypeVar
 
+import numpy as np
 import tensorflow as tf
 
 from tb_numerics import _tf_internal, metadata, stats, summary
@@ -405,9 +406,9 @@ class OpNumerics:
         else:
             role = "weight" if st.backward_seen else "activation"
         if op.name is not None:  # a graph op: its name is unique in its graph
-            if st.graph is None:  # in a function an eager step calls: say which
-                return _Described(role, where, "%s/%s" % (_function_label(op.graph), op.name), backward)
-            return _Described(role, where, op.name, backward)
+            # In a function the step calls: say which (and which it called).
+            label = "" if own_graph else _function_label(op.graph, st.graph)
+            return _Described(role, where, "%s/%s" % (label, op.name) if label else op.name, backward)
         scope = _tf_internal.eager_scope_name()
         if fwd is not None:
             scope = "gradient_tape/%s/" % OpTags.op_name(fwd.tag)
@@ -498,12 +499,19 @@ class OpNumerics:
             summary.write_stats(tag, vec, step=st.step, info=info)
 
 
-def _function_label(graph: Any) -> str:
-    """The name of the function an eager step called that ``graph`` belongs to;
-    for its backward graph (``__backward_<name>_<uid>``), that function's name."""
-    name = _tf_internal.outermost_function_name(graph)
-    m = re.match(r"^__backward_(.+)_\d+$", name)
-    return m.group(1) if m else name
+def _function_label(graph: Any, step_graph: Any = None) -> str:
+    """The names of the functions that ``graph`` belongs to, below ``step_graph``
+    (the traced step; None for an eager step), outermost first: ``outer/inner``
+    for a function that a called function calls. A backward graph
+    (``__backward_<name>_<uid>``) is named for its function."""
+    graphs = _tf_internal.function_graphs(graph)
+    if step_graph is not None and step_graph in graphs:
+        graphs = graphs[graphs.index(step_graph) + 1:]
+    names = []
+    for g in graphs:
+        m = re.match(r"^__backward_(.+)_\d+$", g.name)
+        names.append(m.group(1) if m else g.name)
+    return "/".join(names)
 
 
 def _check_arguments(flight_recorder: Any, dtypes: Collection[str]) -> None:
@@ -523,6 +531,11 @@ def _xla_error() -> ValueError:
         "with jit_compile=False while looking for the op, or use log_numerics on the tensors "
         "you name, writing the statistics outside the compiled function."
     )
+
+
+def _as_tensor(x: Any) -> Any:
+    """A numpy array or scalar as the tensor a ``tf.function`` call makes of it."""
+    return tf.convert_to_tensor(x) if isinstance(x, (np.ndarray, np.generic)) else x
 
 
 # The documented spelling, ``tbn.op_numerics(flight_recorder=8)``: the class itself.
@@ -571,6 +584,10 @@ def replay_step(
     step_before = recorder._step_arg  # noqa: SLF001 - this call's step
     if step is not None:
         recorder._step_arg = step  # noqa: SLF001
+    if isinstance(fn, tf.types.experimental.PolymorphicFunction):
+        # As its trace would have: run eagerly, numpy arrays would stay numpy
+        # and their arithmetic happen outside TensorFlow, unrecorded.
+        args, kwargs = tf.nest.map_structure(_as_tensor, (args, kwargs))
     eager_before = tf.config.functions_run_eagerly()
     tf.config.run_functions_eagerly(True)
     recorder._inspect_inputs = True  # noqa: SLF001
