@@ -44,7 +44,11 @@ step with a non-finite op record, a mark naming the first of them in exact
 execution order (``_op_record``). ``OpNumerics.first_bad`` is that record of
 the last eager step, and ``replay_step`` runs a step function once this way
 and returns it. A function traced before the recorder was first active has
-no record ops (a warning names it: trace it inside the block). Gradient
+no record ops (a warning names it: trace it inside the block); its outputs
+are recorded instead, under its name, with the op type of its call
+(``__inference_<name>_<uid>``), so a value it made is pinned on it and not on
+the op after it. A function a called function calls files its ops under
+both names (``ops/outer/inner/Log``). Gradient
 bodies of ``tf.while_loop`` (a Keras RNN's backward pass) are not recorded:
 they may only capture values of the forward loop.
 
@@ -328,11 +332,12 @@ class OpNumerics:
         # Eager ops run through execute() report their type as bytes.
         op_type = op_type.decode() if isinstance(op_type, bytes) else op_type
         if graph is None and _tf_internal.is_function_call(op_type):
-            # A whole traced function ran: its ops were seen when it was traced.
+            # A whole traced function ran: its ops were seen when it was traced,
+            # unless that was outside any block; then its outputs are recorded.
             st.function_ran = True
             st.backward_seen |= op_type.startswith("__backward_")
-            self._check_traced_here(op_type)
-            return None
+            if self._check_traced_here(op_type):
+                return None
         if graph is not None and st.graph is None:
             self._traced_here.add(_tf_internal.outermost_function_name(graph))
         if op_type in self._skip or (self._op_types is not None and op_type not in self._op_types):
@@ -351,16 +356,19 @@ class OpNumerics:
         finally:
             self._local.busy = False
 
-    def _check_traced_here(self, op_type: str) -> None:
-        """Warns once per function called in an eager block but traced outside
-        any: its graph has no record ops, so its ops go unrecorded."""
+    def _check_traced_here(self, op_type: str) -> bool:
+        """Whether the ops of a function called in an eager block are recorded
+        (it was traced inside a block); warns once per function that was not."""
         name = _tf_internal.called_function_name(op_type)
-        if name is None or name in self._traced_here or name in self._warned:
-            return
-        self._warned.add(name)
-        _log.warning(
-            "op_numerics: tf.function %r was traced before the recorder was active, so its ops "
-            "are not recorded; call it first inside the recorder's block (or trace it anew)", name)
+        if name is None or name in self._traced_here:
+            return True
+        if name not in self._warned:
+            self._warned.add(name)
+            _log.warning(
+                "op_numerics: tf.function %r was traced before the recorder was active, so its ops "
+                "are not recorded, only its outputs (as op %s); call it first inside the recorder's "
+                "block (or trace it anew)", name, op_type)
+        return False
 
     def _record(self, st: _Step, op: _Op, picked) -> list | None:
         """Records the picked outputs of ``op``; returns the op's new outputs, if any."""
@@ -410,11 +418,12 @@ class OpNumerics:
             label = "" if own_graph else _function_label(op.graph, st.graph)
             return _Described(role, where, "%s/%s" % (label, op.name) if label else op.name, backward)
         scope = _tf_internal.eager_scope_name()
+        kind = _tf_internal.called_function_name(op.type) or op.type  # a call: its function's name
         if fwd is not None:
             scope = "gradient_tape/%s/" % OpTags.op_name(fwd.tag)
         elif backward:
             scope = "gradient_tape/" + scope
-        return _Described(role, where, scope + op.type, backward)
+        return _Described(role, where, scope + kind, backward)
 
     def _info(self, tag: str, tensor, op_type: str, role: str, where: str) -> metadata.TensorInfo:
         info = self._infos.get(tag)
@@ -527,9 +536,10 @@ def _check_arguments(flight_recorder: Any, dtypes: Collection[str]) -> None:
 def _xla_error() -> ValueError:
     return ValueError(
         "op_numerics cannot run inside tf.function(jit_compile=True): summary ops cannot run "
-        "inside XLA, and XLA fuses ops, so per-op outputs do not exist there. Run the step "
-        "with jit_compile=False while looking for the op, or use log_numerics on the tensors "
-        "you name, writing the statistics outside the compiled function."
+        "inside XLA, and XLA fuses ops, so per-op outputs do not exist there. Record the "
+        "compiled step with log_numerics (or tb_numerics.xla.CompiledStats) and, at its first "
+        "non-finite step, call tb_numerics.oplevel.replay_step(step_fn, *inputs): it runs that "
+        "step once without XLA and names the op."
     )
 
 
@@ -559,7 +569,9 @@ def replay_step(
     inputs at hand. The op records are written to ``writer`` (else the default
     writer, if any) at ``step``. The caller owns what the step changes (its
     variables' updates, an optimizer's iteration count): replay it on a copy
-    or restore the state afterwards.
+    or restore the state afterwards. Numpy arrays passed to a ``tf.function``
+    ``fn`` become tensors, as its trace would make them (run eagerly, their
+    arithmetic would happen in numpy, unrecorded).
 
     Args:
       fn: the step function, e.g. a forward pass and ``tape.gradient``.
