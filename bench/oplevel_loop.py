@@ -106,6 +106,7 @@ def main() -> None:
     for _ in range(args.repeat):
         for m in modes:
             runs[m].append(_in_fresh_process(m, args.iterations))
+            print("  %s: %s" % (m, json.dumps({k: round(v, 2) for k, v in runs[m][-1].items()})), flush=True)
     med = {m: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for m, rs in runs.items()}
     print("%d-iteration tf.while_loop, median of %d fresh processes (seconds)" % (args.iterations, args.repeat))
     print("%-15s %8s %8s %8s" % ("mode", "first", "second", "process"))
