@@ -140,6 +140,23 @@ def outermost_function_name(graph: Any) -> str:
         graph = outer
 
 
+def function_graphs(graph: Any) -> list[Any]:
+    """The function graphs ``graph`` is nested in, outermost first, ``graph``
+    too where it is one: those of ``tf.function`` traces and their gradients,
+    not the ``tf.cond`` branches and ``tf.while_loop`` bodies between them."""
+    from tensorflow.python.ops import control_flow_v2_func_graphs as cf
+
+    bodies = tuple(getattr(cf, c) for c in ("CondBranchFuncGraph", "WhileCondFuncGraph", "WhileBodyFuncGraph")
+                   if hasattr(cf, c))
+    out = []
+    while graph is not None and getattr(graph, "building_function", False):
+        if not isinstance(graph, bodies):
+            out.append(graph)
+        ref = getattr(graph, "_weak_outer_graph", None)
+        graph = ref() if ref is not None else None
+    return out[::-1]
+
+
 _CALLED = re.compile(r"^__(?:inference|forward)_(.+)_\d+$")
 
 

@@ -44,7 +44,11 @@ step with a non-finite op record, a mark naming the first of them in exact
 execution order (``_op_record``). ``OpNumerics.first_bad`` is that record of
 the last eager step, and ``replay_step`` runs a step function once this way
 and returns it. A function traced before the recorder was first active has
-no record ops (a warning names it: trace it inside the block). Gradient
+no record ops (a warning names it: trace it inside the block); its outputs
+are recorded instead, under its name, with the op type of its call
+(``__inference_<name>_<uid>``), so a value it made is pinned on it and not on
+the op after it. A function a called function calls files its ops under
+both names (``ops/outer/inner/Log``). Gradient
 bodies of ``tf.while_loop`` (a Keras RNN's backward pass) are not recorded:
 they may only capture values of the forward loop.
 
@@ -78,6 +82,8 @@ import logging
 import re
 import threading
 from typing import Any, Callable, Collection, NamedTuple, TypeVar
+
+import numpy as np
 
 from tb_numerics import _requires
 
@@ -329,11 +335,12 @@ class OpNumerics:
         # Eager ops run through execute() report their type as bytes.
         op_type = op_type.decode() if isinstance(op_type, bytes) else op_type
         if graph is None and _tf_internal.is_function_call(op_type):
-            # A whole traced function ran: its ops were seen when it was traced.
+            # A whole traced function ran: its ops were seen when it was traced,
+            # unless that was outside any block; then its outputs are recorded.
             st.function_ran = True
             st.backward_seen |= op_type.startswith("__backward_")
-            self._check_traced_here(op_type)
-            return None
+            if self._check_traced_here(op_type):
+                return None
         if graph is not None and st.graph is None:
             self._traced_here.add(_tf_internal.outermost_function_name(graph))
         if op_type in self._skip or (self._op_types is not None and op_type not in self._op_types):
@@ -352,16 +359,19 @@ class OpNumerics:
         finally:
             self._local.busy = False
 
-    def _check_traced_here(self, op_type: str) -> None:
-        """Warns once per function called in an eager block but traced outside
-        any: its graph has no record ops, so its ops go unrecorded."""
+    def _check_traced_here(self, op_type: str) -> bool:
+        """Whether the ops of a function called in an eager block are recorded
+        (it was traced inside a block); warns once per function that was not."""
         name = _tf_internal.called_function_name(op_type)
-        if name is None or name in self._traced_here or name in self._warned:
-            return
-        self._warned.add(name)
-        _log.warning(
-            "op_numerics: tf.function %r was traced before the recorder was active, so its ops "
-            "are not recorded; call it first inside the recorder's block (or trace it anew)", name)
+        if name is None or name in self._traced_here:
+            return True
+        if name not in self._warned:
+            self._warned.add(name)
+            _log.warning(
+                "op_numerics: tf.function %r was traced before the recorder was active, so its ops "
+                "are not recorded, only its outputs (as op %s); call it first inside the recorder's "
+                "block (or trace it anew)", name, op_type)
+        return False
 
     def _record(self, st: _Step, op: _Op, picked) -> list | None:
         """Records the picked outputs of ``op``; returns the op's new outputs, if any."""
@@ -407,15 +417,16 @@ class OpNumerics:
         else:
             role = "weight" if st.backward_seen else "activation"
         if op.name is not None:  # a graph op: its name is unique in its graph
-            if st.graph is None:  # in a function an eager step calls: say which
-                return _Described(role, where, "%s/%s" % (_function_label(op.graph), op.name), backward)
-            return _Described(role, where, op.name, backward)
+            # In a function the step calls: say which (and which it called).
+            label = "" if own_graph else _function_label(op.graph, st.graph)
+            return _Described(role, where, "%s/%s" % (label, op.name) if label else op.name, backward)
         scope = _tf_internal.eager_scope_name()
+        kind = _tf_internal.called_function_name(op.type) or op.type  # a call: its function's name
         if fwd is not None:
             scope = "gradient_tape/%s/" % OpTags.op_name(fwd.tag)
         elif backward:
             scope = "gradient_tape/" + scope
-        return _Described(role, where, scope + op.type, backward)
+        return _Described(role, where, scope + kind, backward)
 
     def _info(self, tag: str, tensor, op_type: str, role: str, where: str) -> metadata.TensorInfo:
         info = self._infos.get(tag)
@@ -500,12 +511,19 @@ class OpNumerics:
             summary.write_stats(tag, vec, step=st.step, info=info)
 
 
-def _function_label(graph: Any) -> str:
-    """The name of the function an eager step called that ``graph`` belongs to;
-    for its backward graph (``__backward_<name>_<uid>``), that function's name."""
-    name = _tf_internal.outermost_function_name(graph)
-    m = re.match(r"^__backward_(.+)_\d+$", name)
-    return m.group(1) if m else name
+def _function_label(graph: Any, step_graph: Any = None) -> str:
+    """The names of the functions that ``graph`` belongs to, below ``step_graph``
+    (the traced step; None for an eager step), outermost first: ``outer/inner``
+    for a function that a called function calls. A backward graph
+    (``__backward_<name>_<uid>``) is named for its function."""
+    graphs = _tf_internal.function_graphs(graph)
+    if step_graph is not None and step_graph in graphs:
+        graphs = graphs[graphs.index(step_graph) + 1:]
+    names = []
+    for g in graphs:
+        m = re.match(r"^__backward_(.+)_\d+$", g.name)
+        names.append(m.group(1) if m else g.name)
+    return "/".join(names)
 
 
 def _check_arguments(flight_recorder: Any, dtypes: Collection[str]) -> None:
@@ -521,10 +539,16 @@ def _check_arguments(flight_recorder: Any, dtypes: Collection[str]) -> None:
 def _xla_error() -> ValueError:
     return ValueError(
         "op_numerics cannot run inside tf.function(jit_compile=True): summary ops cannot run "
-        "inside XLA, and XLA fuses ops, so per-op outputs do not exist there. Run the step "
-        "with jit_compile=False while looking for the op, or use log_numerics on the tensors "
-        "you name, writing the statistics outside the compiled function."
+        "inside XLA, and XLA fuses ops, so per-op outputs do not exist there. Record the "
+        "compiled step with log_numerics (or tb_numerics.xla.CompiledStats) and, at its first "
+        "non-finite step, call tb_numerics.oplevel.replay_step(step_fn, *inputs): it runs that "
+        "step once without XLA and names the op."
     )
+
+
+def _as_tensor(x: Any) -> Any:
+    """A numpy array or scalar as the tensor a ``tf.function`` call makes of it."""
+    return tf.convert_to_tensor(x) if isinstance(x, (np.ndarray, np.generic)) else x
 
 
 # The documented spelling, ``tbn.op_numerics(flight_recorder=8)``: the class itself.
@@ -548,7 +572,9 @@ def replay_step(
     inputs at hand. The op records are written to ``writer`` (else the default
     writer, if any) at ``step``. The caller owns what the step changes (its
     variables' updates, an optimizer's iteration count): replay it on a copy
-    or restore the state afterwards.
+    or restore the state afterwards. Numpy arrays passed to a ``tf.function``
+    ``fn`` become tensors, as its trace would make them (run eagerly, their
+    arithmetic would happen in numpy, unrecorded).
 
     Args:
       fn: the step function, e.g. a forward pass and ``tape.gradient``.
@@ -573,6 +599,10 @@ def replay_step(
     step_before = recorder._step_arg  # noqa: SLF001 - this call's step
     if step is not None:
         recorder._step_arg = step  # noqa: SLF001
+    if isinstance(fn, tf.types.experimental.PolymorphicFunction):
+        # As its trace would have: run eagerly, numpy arrays would stay numpy
+        # and their arithmetic happen outside TensorFlow, unrecorded.
+        args, kwargs = tf.nest.map_structure(_as_tensor, (args, kwargs))
     eager_before = tf.config.functions_run_eagerly()
     tf.config.run_functions_eagerly(True)
     recorder._inspect_inputs = True  # noqa: SLF001
