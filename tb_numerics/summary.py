@@ -48,6 +48,8 @@ only) describes the values of every replica.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import json
 import os
@@ -67,12 +69,39 @@ __all__ = [
     "default_role",
     "global_norm_record",
     "gradient_tag",
+    "gradients_squared_by",
     "log_gradients",
     "log_numerics",
+    "not_logged",
     "write_stats",
 ]
 
 F = metadata.FIELD_INDEX
+# Set by a step guard around the user's step (see ``step_guard``).
+_squared_by: contextvars.ContextVar[str] = contextvars.ContextVar("tb_numerics_squared_by", default="")
+_not_logged: contextvars.ContextVar[bool] = contextvars.ContextVar("tb_numerics_not_logged", default=False)
+
+
+@contextlib.contextmanager
+def gradients_squared_by(optimizer_name: str):
+    """Gradient tags first logged inside say that ``optimizer_name`` squares
+    them (``TensorInfo.squared_by``, for the square-overflow warning)."""
+    token = _squared_by.set(optimizer_name)
+    try:
+        yield
+    finally:
+        _squared_by.reset(token)
+
+
+@contextlib.contextmanager
+def not_logged():
+    """``log_numerics`` and ``log_gradients`` write nothing inside: a step
+    replayed at op level already has its layer-level records."""
+    token = _not_logged.set(True)
+    try:
+        yield
+    finally:
+        _not_logged.reset(token)
 
 
 def _compact_metadata(info: metadata.TensorInfo) -> bytes:
@@ -248,13 +277,14 @@ def _check_every_n(every_n_steps: int | None) -> int | None:
     return int(every_n_steps)
 
 
-def _info_for(x: tf.Tensor, role: str, description: str | None, dtype: str, neginf_ok: bool = False):
+def _info_for(x: tf.Tensor, role: str, description: str | None, dtype: str, neginf_ok: bool = False,
+              squared_by: str = ""):
     shape = None if x.shape.rank is None else tuple(x.shape.as_list())
 
     def make(order: int) -> metadata.TensorInfo:
         return metadata.TensorInfo(
             dtype=dtype, shape=shape, role=role, order=order, op_type="",
-            description=description or "", neginf_ok=neginf_ok,
+            description=description or "", neginf_ok=neginf_ok, squared_by=squared_by,
         )
 
     return make
@@ -454,7 +484,7 @@ def log_numerics(
     x = tf.convert_to_tensor(tensor)
     dtype = stats.check_dtype(x, name)
     writer = _default_writer()
-    if writer is None:
+    if writer is None or _not_logged.get():
         return tf.constant(False)
     step = _resolve_step(step)
     if role is None:
@@ -523,10 +553,11 @@ def log_gradients(grads: Sequence, variables: Sequence, step=None, *, every_n_st
         g = tf.convert_to_tensor(g)
         pairs.append((tag, g, stats.check_dtype(g, tag)))
     writer = _default_writer()
-    if writer is None or not pairs:
+    if writer is None or not pairs or _not_logged.get():
         return tf.constant(False)
     step = _resolve_step(step)
-    states = [_tag_state(writer, tag, _info_for(g, "gradient", None, dt)) for tag, g, dt in pairs]
+    squared_by = _squared_by.get()
+    states = [_tag_state(writer, tag, _info_for(g, "gradient", None, dt, squared_by=squared_by)) for tag, g, dt in pairs]
     norm_dtype = "float64" if any(dt == "float64" for _, _, dt in pairs) else "float32"
     norm_state = _tag_state(
         writer,
