@@ -372,15 +372,15 @@ def variable_writes_undone():
     step leaves state as it found it, whoever owns the variables.
 
     Every write goes through these methods of TensorFlow's resource variable
-    class (Keras 3 variables wrap one), so the values before a variable's
+    classes (Keras 3 variables wrap one), so the values before a variable's
     first write are kept as they come. Eager writes only: a replay runs
     every function eagerly.
     """
     from tensorflow.python.ops import resource_variable_ops
 
-    cls = resource_variable_ops.BaseResourceVariable
+    classes = (resource_variable_ops.BaseResourceVariable, resource_variable_ops.ResourceVariable)
     before: dict[int, tuple[Any, Any]] = {}
-    originals = {name: getattr(cls, name) for name in _WRITES}
+    originals = [(cls, name, vars(cls)[name]) for cls in classes for name in _WRITES if name in vars(cls)]
 
     def keeping(original):
         def write(self, *args, **kwargs):
@@ -390,12 +390,12 @@ def variable_writes_undone():
 
         return write
 
-    for name, original in originals.items():
+    for cls, name, original in originals:
         setattr(cls, name, keeping(original))
     try:
         yield
     finally:
-        for name, original in originals.items():
+        for cls, name, original in originals:
             setattr(cls, name, original)
         for var, value in before.values():
             var.assign(value)

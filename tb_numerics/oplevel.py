@@ -404,7 +404,7 @@ class OpNumerics:
                 where = "%s%s%s" % (fwd.where, GRADIENT_OF, fwd.tag)
         else:
             role = "weight" if st.backward_seen else "activation"
-        if op.name is not None:  # a graph op: its name is unique in its graph
+        if op.name is not None and op.graph is not None:  # a graph op: its name is unique in its graph
             if st.graph is None:  # in a function an eager step calls: say which
                 return _Described(role, where, "%s/%s" % (_function_label(op.graph), op.name), backward)
             return _Described(role, where, op.name, backward)

@@ -18,9 +18,9 @@ as it would. Where it is not, the rare branch looks closer:
   guard checks that state (``update_check``; non-finite, the previous
   step's update made it, and that is written as the anomaly), else replays
   the step once, eagerly, under ``oplevel.replay_step``, with the update
-  suppressed, the step's own ``log_numerics`` calls silent, and every
+  suppressed, and every
   variable the replay wrote put back (BatchNorm's moving statistics, a seed
-  generator's state): the report's ``first_anomaly.op`` names the op and
+  generator's state), the step's own summaries not written again: the report's ``first_anomaly.op`` names the op and
   the line of your code;
 * every gradient is finite but a square overflows (a gradient beyond about
   1.8e19 in float32): the update runs, and after the call the guard checks
@@ -170,9 +170,8 @@ class StepGuard:
         """Runs the step again at op level (see the module) and writes the verdict."""
         verdict: dict[str, Any] = {"step": step}
         try:
-            with self._apply_as(lambda apply: lambda *a, **k: None), summary.not_logged(), \
-                    _tf_internal.variable_writes_undone():
-                found = oplevel.replay_step(self._fn, *args, step=step, **kwargs)
+            with self._apply_as(lambda apply: lambda *a, **k: None), _tf_internal.variable_writes_undone():
+                found = oplevel.replay_step(_unrecorded(self._fn), *args, step=step, **kwargs)
         except Exception as e:  # noqa: BLE001 - a replay must never stop training
             found, verdict["why"] = None, "the replay raised %s: %s" % (type(e).__name__, e)
         if found is None:
@@ -183,6 +182,18 @@ class StepGuard:
         info = metadata.TensorInfo(role="other", op_type="Replay", description=json.dumps(verdict, default=str))
         _write([(metadata.REPLAY_TAG, records.numpy_stats(np.zeros(0, np.float32)), info)], step)
         return verdict
+
+
+def _unrecorded(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` with its own summaries (``log_numerics``, ``tf.summary.scalar``)
+    not written: they are on disk from the step's own run. The op records
+    of a replay are written as its recorder closes, outside this."""
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with tf.summary.record_if(False):
+            return fn(*args, **kwargs)
+
+    return run
 
 
 def _write(recs: list[update_check.Record], step: int) -> None:

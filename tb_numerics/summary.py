@@ -72,14 +72,12 @@ __all__ = [
     "gradients_squared_by",
     "log_gradients",
     "log_numerics",
-    "not_logged",
     "write_stats",
 ]
 
 F = metadata.FIELD_INDEX
 # Set by a step guard around the user's step (see ``step_guard``).
 _squared_by: contextvars.ContextVar[str] = contextvars.ContextVar("tb_numerics_squared_by", default="")
-_not_logged: contextvars.ContextVar[bool] = contextvars.ContextVar("tb_numerics_not_logged", default=False)
 
 
 @contextlib.contextmanager
@@ -91,17 +89,6 @@ def gradients_squared_by(optimizer_name: str):
         yield
     finally:
         _squared_by.reset(token)
-
-
-@contextlib.contextmanager
-def not_logged():
-    """``log_numerics`` and ``log_gradients`` write nothing inside: a step
-    replayed at op level already has its layer-level records."""
-    token = _not_logged.set(True)
-    try:
-        yield
-    finally:
-        _not_logged.reset(token)
 
 
 def _compact_metadata(info: metadata.TensorInfo) -> bytes:
@@ -484,7 +471,7 @@ def log_numerics(
     x = tf.convert_to_tensor(tensor)
     dtype = stats.check_dtype(x, name)
     writer = _default_writer()
-    if writer is None or _not_logged.get():
+    if writer is None:
         return tf.constant(False)
     step = _resolve_step(step)
     if role is None:
@@ -553,7 +540,7 @@ def log_gradients(grads: Sequence, variables: Sequence, step=None, *, every_n_st
         g = tf.convert_to_tensor(g)
         pairs.append((tag, g, stats.check_dtype(g, tag)))
     writer = _default_writer()
-    if writer is None or not pairs or _not_logged.get():
+    if writer is None or not pairs:
         return tf.constant(False)
     step = _resolve_step(step)
     squared_by = _squared_by.get()
