@@ -124,6 +124,7 @@ class StepGuard:
         if not self._gates:
             return apply
 
+        @tf.autograph.experimental.do_not_convert  # explicit conds: nothing for autograph to convert
         def gated(grads, trainable_variables=None):
             grads = list(grads)
             variables = list(trainable_variables if trainable_variables is not None

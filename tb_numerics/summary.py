@@ -400,6 +400,7 @@ def _emit(records: list[tuple[_TagState, tf.Tensor]], step: tf.Tensor, every_n: 
     return ctx.merge_call(merged, args=tuple(v for _, v in records))
 
 
+@tf.autograph.experimental.do_not_convert  # explicit conds; autograph's conversion of this module cost seconds per trace
 def write_stats(
     name: str,
     stats_vec,
@@ -429,6 +430,7 @@ def write_stats(
     return _emit([(st, vec)], step, every_n)
 
 
+@tf.autograph.experimental.do_not_convert  # explicit conds; autograph's conversion of this module cost seconds per trace
 def log_numerics(
     name: str,
     tensor,
@@ -507,6 +509,7 @@ def gradient_tag(variable) -> str:
     return "gradients/" + path
 
 
+@tf.autograph.experimental.do_not_convert  # explicit conds; autograph's conversion of this module cost seconds per trace
 def log_gradients(grads: Sequence, variables: Sequence, step=None, *, every_n_steps: int | None = None) -> bool | tf.Tensor:
     """Records each gradient's numerics and the global gradient norm.
 
