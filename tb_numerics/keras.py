@@ -158,17 +158,6 @@ def _layer_of_variables(model: keras.Model) -> dict[int, int]:
     return owner
 
 
-def _sq_norm(x: tf.Tensor) -> tf.Tensor:
-    """||x||^2 as float64, from one dot product (a single pass over x).
-
-    Half-precision inputs are widened first so that the sum cannot overflow.
-    """
-    flat = tf.reshape(x, [1, -1])
-    if flat.dtype in (tf.float16, tf.bfloat16):
-        flat = tf.cast(flat, tf.float32)
-    return tf.cast(tf.matmul(flat, flat, transpose_b=True)[0, 0], tf.float64)
-
-
 class NumericsCallback(keras.callbacks.Callback):
     """Logs per-layer activations, gradients, weights and update ratios during ``fit``.
 
@@ -592,8 +581,8 @@ class NumericsCallback(keras.callbacks.Callback):
             for j, (s, v) in enumerate(zip(self._snapshots, self._vars)):
                 old = s.read_value()
                 # ||w_old||^2 is the weights record's sum of squares when there is one.
-                w2 = weight_rows[j, F["sum_sq"]] if self._num_weight_rows else _sq_norm(old)
-                out += [_sq_norm(tf.convert_to_tensor(v) - old), w2]
+                w2 = weight_rows[j, F["sum_sq"]] if self._num_weight_rows else stats.sq_norm(old)
+                out += [stats.sq_norm(tf.convert_to_tensor(v) - old), w2]
             return tf.stack(out)
 
         return tf.cond(due, norms, lambda: tf.zeros([2 * nv], tf.float64))

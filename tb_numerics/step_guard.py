@@ -44,7 +44,7 @@ from typing import Any, Callable
 import numpy as np
 import tensorflow as tf
 
-from tb_numerics import _tf_internal, metadata, oplevel, records, summary, update_check
+from tb_numerics import _tf_internal, metadata, oplevel, records, stats, summary, update_check
 
 __all__ = ["StepGuard", "guard"]
 
@@ -62,13 +62,9 @@ def guard(optimizer: Any, *, replay: bool = True) -> Callable[[Callable[..., Any
 
 
 def _sq_sum(g: Any) -> tf.Tensor:
-    """sum(g * g) in float32 (wider for float64), one pass: not finite where
-    an element is not, or where a square or the sum overflows."""
-    g = g.values if isinstance(g, tf.IndexedSlices) else tf.convert_to_tensor(g)
-    flat = tf.reshape(g, [1, -1])
-    if flat.dtype in (tf.float16, tf.bfloat16):
-        flat = tf.cast(flat, tf.float32)
-    return tf.cast(tf.matmul(flat, flat, transpose_b=True)[0, 0], tf.float64)
+    """sum(g * g), one pass: not finite where an element is not, or where a
+    square or the sum overflows (float32 for half-precision gradients)."""
+    return stats.sq_norm(g.values if isinstance(g, tf.IndexedSlices) else tf.convert_to_tensor(g))
 
 
 def _current_step() -> int | None:
