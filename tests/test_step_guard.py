@@ -6,9 +6,9 @@ callback, through real training and ``tb-numerics report --json``.
   ``tbn.guard(optimizer)`` makes ``first_anomaly.op`` the ``Log`` at this
   file's line, eagerly and in a ``tf.function`` step. Truth: the injected
   batch's step as a ``tf.summary.scalar`` beside it writes it, the op and
-  line as ``tf.debugging.enable_check_numerics`` names them, and the state
-  (BatchNorm's moving statistics, the seed generator, the weights) of a
-  twin run whose guard does not replay.
+  line as ``tf.debugging.enable_check_numerics`` names them, and, eagerly,
+  the state (weights, BatchNorm's moving statistics, the dropout seed) that
+  the bad step's own run left, which the replay must not change.
 * Adam with one loss scaled by 1e25 (a finite gradient whose square is
   not): the anomaly is that step, phase ``update``, naming a velocity
   slot, in a custom loop and in ``model.fit`` with the callback, with the
