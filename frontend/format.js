@@ -37,6 +37,7 @@ const KIND_WORDS = {
   saturation: "saturated activations",
   update_ratio: "update ratio out of range",
   headroom: "headroom running out",
+  square_overflow: "gradient's square overflows",
 };
 
 /** A warning kind in words: "saturation" -> "saturated activations". */

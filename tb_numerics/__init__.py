@@ -3,6 +3,7 @@
     import tb_numerics as tbn
     tbn.log_numerics("dense1/output", h)
     tbn.log_gradients(grads, model.trainable_variables)
+    train_step = tbn.guard(optimizer)(train_step)  # a custom loop's first bad step, at op level
 
 The summary API needs TensorFlow and is imported on first use, so that
 TensorBoard can load the plugin (``tb_numerics.plugin``) without importing
@@ -15,6 +16,7 @@ _LAZY = {
     "log_numerics": "tb_numerics.summary",
     "log_gradients": "tb_numerics.summary",
     "op_numerics": "tb_numerics.oplevel",
+    "guard": "tb_numerics.step_guard",
 }
 
 # Submodules the README documents as ``tb_numerics.<name>``: imported on

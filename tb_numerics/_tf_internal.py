@@ -15,7 +15,8 @@ privately, the same ones its own ``enable_check_numerics`` and
   the forward op ``tf.gradients``' helper is differentiating, whether a
   graph is a ``tf.while_loop``'s gradient body, and the function graph an
   eager function call runs;
-* the eager name scope, and variables that bypass ``tf.function``'s
+* the eager name scope; the variable class's ``assign`` methods, to put
+  back what a replayed step wrote (``variable_writes_undone``); and variables that bypass ``tf.function``'s
   "variables only on the first trace" rule (ring buffers made per trace).
 
 ``check_supported()`` verifies the TensorFlow version and that each hook is
@@ -24,6 +25,7 @@ present, and raises ``UnsupportedTensorFlowError`` saying what is missing.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
 from typing import Any, Callable
@@ -374,3 +376,43 @@ def current_forward_op() -> tuple[str, Any, Any] | None:
     Inputs or outputs are None where the op's gradient does not need them.
     """
     return getattr(_forward, "op", None)
+
+
+_WRITES = ("assign", "assign_add", "assign_sub")
+
+
+@contextlib.contextmanager
+def variable_writes_undone():
+    """Puts back, on exit, every variable an eager ``assign``,
+    ``assign_add`` or ``assign_sub`` wrote inside (BatchNorm's moving
+    statistics, a Keras seed generator's state, a step counter): a replayed
+    step leaves state as it found it, whoever owns the variables.
+
+    Every write goes through these methods of TensorFlow's resource variable
+    classes (Keras 3 variables wrap one), so the values before a variable's
+    first write are kept as they come. Eager writes only: a replay runs
+    every function eagerly.
+    """
+    from tensorflow.python.ops import resource_variable_ops
+
+    classes = (resource_variable_ops.BaseResourceVariable, resource_variable_ops.ResourceVariable)
+    before: dict[int, tuple[Any, Any]] = {}
+    originals = [(cls, name, vars(cls)[name]) for cls in classes for name in _WRITES if name in vars(cls)]
+
+    def keeping(original):
+        def write(self, *args, **kwargs):
+            if tf.executing_eagerly() and id(self) not in before:
+                before[id(self)] = (self, tf.identity(self.read_value()))
+            return original(self, *args, **kwargs)
+
+        return write
+
+    for cls, name, original in originals:
+        setattr(cls, name, keeping(original))
+    try:
+        yield
+    finally:
+        for cls, name, original in originals:
+            setattr(cls, name, original)
+        for var, value in before.values():
+            var.assign(value)

@@ -42,6 +42,8 @@ WARNING_KINDS = (
     "overflow_risk",
     "exploding_gradient",
     "gradient_spike",
+    # A gradient whose square, which the optimizer computes, overflows.
+    "square_overflow",
     # max |x| many times its previous record's in one step: fast divergence,
     # before the spike and growth rules have enough history.
     "fast_growth",
@@ -63,7 +65,7 @@ _KIND_CODE = {k: i + 1 for i, k in enumerate(WARNING_KINDS)}
 # The kinds the early-warning detectors (``detectors``) raise.
 _EARLY_KINDS = frozenset({
     "headroom", "exploding_by_depth", "vanishing_by_depth", "dead_units", "saturation", "update_ratio",
-    "loss_not_decreasing", "loss_oscillating",
+    "loss_not_decreasing", "loss_oscillating", "square_overflow",
 })
 
 
@@ -297,6 +299,7 @@ def _warning_masks(series: TensorSeries, v: np.ndarray, d: dict[str, np.ndarray]
     if is_norm:
         med = _rolling_median_before(norm, sr.spike_window)
         yield "gradient_spike", (med > 0) & (norm > sr.spike_factor * med)
+    yield "square_overflow", detectors.square_overflow(series, d)
     yield "fast_growth", _jump_flags(max_abs, sr)
     if series.info.role != "input":  # data's range drifting over steps is no divergence of training
         yield "headroom", detectors.headroom(series, d, sr.growth_window, sr.headroom_steps, sr.growth_floor)
@@ -567,6 +570,9 @@ def _early_detail(kind: str, h: SeriesHealth, i: int, ra: "RunAnalysis") -> str:
             format(int(v[i, F["zeros"]]), ","))
     if kind == "headroom":
         return _headroom_detail(s, d, i, sr.growth_window)
+    if kind == "square_overflow":
+        return "max |x| = %s: its square, which %s computes, is beyond the %s maximum %s" % (
+            number(d["max_abs"][i]), s.info.squared_by, s.info.dtype, number(metadata.DTYPE_LIMITS[s.info.dtype][0]))
     if kind == "update_ratio":
         return "||w_new - w_old|| / ||w_old|| = %s, above %s: the update moved the weights by more than their size" % (
             number(v[i, F["max"]]), number(sr.update_ratio_max))

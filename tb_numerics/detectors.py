@@ -21,6 +21,10 @@ false-positive count is measured by ``bench/healthy.py``):
   an update larger than the weights themselves is divergence);
 * headroom: max |x| still finite, but at its recent growth it reaches the
   largest value of the dtype it is computed in within ``headroom_steps``;
+* square overflow: a finite gradient that an optimizer squares (Adam's
+  second moment, RMSprop, Adagrad), beyond the square root of its dtype's
+  largest value: its square is infinite, and the weights go NaN a step or
+  two later with every gradient finite;
 * loss trouble: a loss that never went below its first value in its first
   ``loss_window`` records, or that changed direction at nearly every record
   of the last ``loss_window`` while spanning a factor of 10.
@@ -45,6 +49,9 @@ __all__ = [
     "loss_oscillating",
     "relu_like",
     "saturation",
+    "square_limit",
+    "square_overflow",
+    "square_overflows",
     "sustained",
     "update_ratio",
 ]
@@ -161,6 +168,28 @@ def update_ratio(series: TensorSeries, ratio_max: float) -> np.ndarray:
         return np.zeros(len(series.steps), dtype=bool)
     with np.errstate(invalid="ignore"):
         return series.values[:, F["max"]].astype(np.float64) > ratio_max
+
+
+def square_limit(dtype: str) -> float:
+    """The largest |x| whose square ``dtype`` holds: sqrt of its largest value
+    (about 1.8e19 for float32)."""
+    return float(np.sqrt(metadata.DTYPE_LIMITS[dtype][0]))
+
+
+def square_overflows(max_abs: np.ndarray, dtype: str) -> np.ndarray:
+    """Where ``max_abs`` squared exceeds the largest value of ``dtype`` (the
+    dtype the square is computed in)."""
+    with np.errstate(invalid="ignore"):
+        return np.abs(np.asarray(max_abs, np.float64)) > square_limit(dtype)
+
+
+def square_overflow(series: TensorSeries, d: dict[str, np.ndarray]) -> np.ndarray:
+    """Gradients whose optimizer squares them (``TensorInfo.squared_by``)
+    with a square beyond their dtype's range."""
+    info = series.info
+    if info.role != "gradient" or not info.squared_by:
+        return np.zeros(len(series.steps), dtype=bool)
+    return square_overflows(d["max_abs"], info.dtype)
 
 
 def _loss_values(series: TensorSeries, d: dict[str, np.ndarray]) -> np.ndarray | None:

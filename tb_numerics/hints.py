@@ -380,6 +380,9 @@ _WARNING_HINTS = {
     "rate, initialise biases at 0 (not negative), or use LeakyReLU/ELU.",
     "saturation": "The activation is pinned at its bounds, where its gradient vanishes (and a softmax of "
     "exact 0 makes log(0)). Normalise the inputs, lower the learning rate, or compute the loss from logits.",
+    "square_overflow": "The optimizer squares this gradient (a second moment) and the square overflows: "
+    "its state becomes infinite and the weights NaN within a step or two. Clip gradients (clipnorm=), "
+    "or find what made them this large (an unscaled loss, a bad batch).",
     "update_ratio": "One update moved the weights by more than their own size: the learning rate is far "
     "too large for this layer.",
     "loss_not_decreasing": "The loss is not going down: check the learning rate (too small or too large), "

@@ -37,7 +37,7 @@ from tb_numerics import _requires
 tf = _requires.tensorflow(__name__)
 import keras  # noqa: E402 - after the check that says what to install
 
-from tb_numerics import _keras_batch, _keras_replay, _tf_internal, analysis, cli, event_reader, latch, metadata, record_writer, records, stats, summary
+from tb_numerics import _keras_batch, _keras_replay, _tf_internal, analysis, cli, detectors, event_reader, latch, metadata, record_writer, records, stats, summary, update_check
 
 F = metadata.FIELD_INDEX
 _NONFINITE = slice(F["nan"], F["neginf"] + 1)
@@ -160,17 +160,6 @@ def _layer_of_variables(model: keras.Model) -> dict[int, int]:
         for v in layer.weights:
             owner.setdefault(id(v), i)
     return owner
-
-
-def _sq_norm(x: tf.Tensor) -> tf.Tensor:
-    """||x||^2 as float64, from one dot product (a single pass over x).
-
-    Half-precision inputs are widened first so that the sum cannot overflow.
-    """
-    flat = tf.reshape(x, [1, -1])
-    if flat.dtype in (tf.float16, tf.bfloat16):
-        flat = tf.cast(flat, tf.float32)
-    return tf.cast(tf.matmul(flat, flat, transpose_b=True)[0, 0], tf.float64)
 
 
 class NumericsCallback(keras.callbacks.Callback):
@@ -306,6 +295,7 @@ class NumericsCallback(keras.callbacks.Callback):
         self._lso = isinstance(opt, keras.optimizers.LossScaleOptimizer)
         layers = list(model.layers)
         self._plan_rows(model, layers)
+        self._plan_update_check(opt)
         self._replay = _keras_replay.StepReplay(model, self.log_dir) if self.replay else None
         if self._replay is not None:
             self._replay.why_not = _why_no_replay(model)
@@ -373,6 +363,15 @@ class NumericsCallback(keras.callbacks.Callback):
         self._batch_row0 = len(self._rows)
         if self.inputs:
             self._rows += [_Row(tag, "input") for tag in self._batch_plan.tags()]
+
+    def _plan_update_check(self, opt) -> None:
+        """Where the update check looks (``update_check``): the gradient rows
+        an optimizer that squares them could overflow, and their limits."""
+        self._squared_by = update_check.squares_gradients(opt)
+        rows = sorted(self._grad_rows.items(), key=lambda jr: jr[1]) if self._squared_by else []
+        self._square_rows = np.array([r for _, r in rows], np.int64)
+        self._square_limits = np.array([detectors.square_limit(str(self._vars[j].dtype)) for j, _ in rows])
+        self._update_found: int | None = None  # the step whose update made the state non-finite
 
     def _make_step_state(self, model: keras.Model) -> None:
         """The variables the step stores its records in, one slot per step of
@@ -619,8 +618,8 @@ class NumericsCallback(keras.callbacks.Callback):
             for j, (s, v) in enumerate(zip(self._snapshots, self._vars)):
                 old = s.read_value()
                 # ||w_old||^2 is the weights record's sum of squares when there is one.
-                w2 = weight_rows[j, F["sum_sq"]] if self._num_weight_rows else _sq_norm(old)
-                out += [_sq_norm(tf.convert_to_tensor(v) - old), w2]
+                w2 = weight_rows[j, F["sum_sq"]] if self._num_weight_rows else stats.sq_norm(old)
+                out += [stats.sq_norm(tf.convert_to_tensor(v) - old), w2]
             return tf.stack(out)
 
         return tf.cond(due, norms, lambda: tf.zeros([2 * nv], tf.float64))
@@ -695,6 +694,7 @@ class NumericsCallback(keras.callbacks.Callback):
         if not steps:
             return
         self._collect_writes(block=len(self._pending) >= _MAX_PENDING_WRITES)
+        self._check_squares(steps)
         replay_due = self._replay is not None and self.replay_verdict is None
         if (self.stop_on_anomaly or replay_due) and any(_may_be_anomaly(st, aux) for st, aux in steps):
             # Inline, before the next step changes the weights the replay needs.
@@ -702,6 +702,33 @@ class NumericsCallback(keras.callbacks.Callback):
             self._write_steps(steps)
         else:
             self._pending.append(self._pool.submit(self._write_steps, steps))
+
+    def _check_squares(self, steps: list[tuple[np.ndarray, np.ndarray]]) -> None:
+        """After a step whose gradients' squares overflow (an optimizer that
+        squares them): the state its update left, written as the update's
+        records where non-finite. Inline, before the next step changes it."""
+        if self._update_found is not None or not self._square_rows.size:
+            return
+        for step_stats, aux in steps:
+            g = step_stats[self._square_rows]
+            max_abs = np.maximum(np.abs(g[:, F["min"]]), np.abs(g[:, F["max"]]))
+            if (np.nan_to_num(max_abs) > self._square_limits).any():
+                self._wait_for_writes()
+                if self._write_nonfinite_state(int(aux[1])) and self.stop_on_anomaly:
+                    self._stop()
+                return
+
+    def _write_nonfinite_state(self, step: int) -> bool:
+        """Writes the variables and optimizer slots that are not finite now,
+        as the state the update of ``step`` left; whether there were any."""
+        found = update_check.nonfinite_state(self.model.optimizer, self._vars, step) if step >= 0 else []
+        for tag, vec, info in found:
+            self._writer.write_many(step, [(tag, vec, self._info(tag, "update", info.dtype, info.shape,
+                                                                  description=info.description))])
+        if found:
+            self._writer.flush()
+            self._update_found = step
+        return bool(found)
 
     def on_epoch_end(self, epoch, logs=None) -> None:
         if self._writer is not None:
@@ -735,6 +762,7 @@ class NumericsCallback(keras.callbacks.Callback):
                 dtype=dtype, shape=shape, role=role, order=len(self._infos), op_type=op_type,
                 description=description, activation=activation,
                 compute_dtype=compute_dtype if compute_dtype in metadata.DTYPE_LIMITS and compute_dtype != dtype else "",
+                squared_by=self._squared_by if role == "gradient" else "",
                 # Written into the run, so every reader applies it.
                 neginf_ok=analysis.neginf_intended(tag, metadata.TensorInfo(), self.safe_range),
             )
@@ -802,6 +830,8 @@ class NumericsCallback(keras.callbacks.Callback):
         if not anomaly:
             return False
         self._note_bad_batch(step, step_records)
+        if self._replay is not None and self.replay_verdict is None and self._born_in_update(step):
+            self.replay_verdict = {"step": step, "reproduced": False, "update_of_step": self._update_found}
         if self._replay is not None and self.replay_verdict is None:
             self._writer.flush()
             self.replay_verdict = self._replay.replay(step, self.model.train_step, self._bad_replica())
@@ -834,6 +864,15 @@ class NumericsCallback(keras.callbacks.Callback):
         if found:
             info = metadata.TensorInfo(role="other", op_type="Batch", description=json.dumps({"step": step, "tensors": found}))
             self._writer.write(metadata.BATCH_TAG, step, records.numpy_stats(np.zeros(0, np.float32)), info)
+
+    def _born_in_update(self, step: int) -> bool:
+        """At the first anomaly, whose update is held back: whether an earlier
+        update made the weights or slots non-finite (then the step's replay
+        could only read them). Found before, or now, before this step's
+        update: the previous step's update made them."""
+        if self._update_found is not None:
+            return True
+        return not self._lso and self._write_nonfinite_state(step - 1)
 
     def _bad_replica(self) -> int | None:
         """Under several replicas, the replica whose records of the last step

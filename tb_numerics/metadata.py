@@ -155,6 +155,9 @@ class TensorInfo:
     # The dtype the tensor was computed in where it differs from ``dtype``
     # (a float16 layer's output recorded after a cast), for headroom.
     compute_dtype: str = ""
+    # For a gradient: the optimizer that squares it ("Adam": its second
+    # moment), so a gradient whose square overflows is a warning; "" otherwise.
+    squared_by: str = ""
 
     @property
     def phase(self) -> str:
@@ -172,6 +175,7 @@ class TensorInfo:
             "neginf_ok": self.neginf_ok,
             "activation": self.activation,
             "compute_dtype": self.compute_dtype or self.dtype,
+            "squared_by": self.squared_by,
         }
 
 
@@ -262,6 +266,8 @@ def _info_fields(info: TensorInfo) -> dict[str, Any]:
         fields["activation"] = info.activation
     if info.compute_dtype and info.compute_dtype != info.dtype:
         fields["compute_dtype"] = info.compute_dtype
+    if info.squared_by:
+        fields["squared_by"] = info.squared_by
     return fields
 
 
@@ -398,6 +404,9 @@ def _parse_info(raw: dict[str, Any], description: str, version: int) -> TensorIn
     compute_dtype = raw.get("compute_dtype") or ""
     if compute_dtype and compute_dtype not in DTYPE_LIMITS:
         raise FormatError("numerics metadata names an unsupported compute dtype: %r" % (compute_dtype,))
+    squared_by = raw.get("squared_by") or ""
+    if not isinstance(squared_by, str):
+        raise FormatError("numerics metadata has a non-string squared_by")
     return TensorInfo(
         dtype=dtype,
         shape=shape,
@@ -409,4 +418,5 @@ def _parse_info(raw: dict[str, Any], description: str, version: int) -> TensorIn
         neginf_ok=raw.get("neginf_ok") is True,
         activation=activation,
         compute_dtype=compute_dtype,
+        squared_by=squared_by,
     )

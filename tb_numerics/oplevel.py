@@ -416,7 +416,7 @@ class OpNumerics:
                 where = "%s%s%s" % (fwd.where, GRADIENT_OF, fwd.tag)
         else:
             role = "weight" if st.backward_seen else "activation"
-        if op.name is not None:  # a graph op: its name is unique in its graph
+        if op.name is not None and op.graph is not None:  # a graph op: its name is unique in its graph
             # In a function the step calls: say which (and which it called).
             label = "" if own_graph else _function_label(op.graph, st.graph)
             return _Described(role, where, "%s/%s" % (label, op.name) if label else op.name, backward)

@@ -45,6 +45,7 @@ __all__ = [
     "merge_stats",
     "op_stats",
     "replica_context",
+    "sq_norm",
     "tensor_stats",
     "tensor_stats_and_sum",
 ]
@@ -822,3 +823,14 @@ def _segment_stats(tensors: list[tf.Tensor], dtypes: list[str], acc: tf.DType) -
          sums[:, 6], sums[:, 7], sums[:, 3], sums[:, 4], sums[:, 5]],
         axis=1,
     )
+
+
+def sq_norm(x: tf.Tensor) -> tf.Tensor:
+    """||x||^2 as float64, from one dot product (a single pass over x).
+
+    Half-precision inputs are widened first so that the sum cannot overflow.
+    """
+    flat = tf.reshape(x, [1, -1])
+    if flat.dtype in (tf.float16, tf.bfloat16):
+        flat = tf.cast(flat, tf.float32)
+    return tf.cast(tf.matmul(flat, flat, transpose_b=True)[0, 0], tf.float64)

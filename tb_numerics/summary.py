@@ -48,6 +48,8 @@ only) describes the values of every replica.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import json
 import os
@@ -70,12 +72,26 @@ __all__ = [
     "default_role",
     "global_norm_record",
     "gradient_tag",
+    "gradients_squared_by",
     "log_gradients",
     "log_numerics",
     "write_stats",
 ]
 
 F = metadata.FIELD_INDEX
+# Set by a step guard around the user's step (see ``step_guard``).
+_squared_by: contextvars.ContextVar[str] = contextvars.ContextVar("tb_numerics_squared_by", default="")
+
+
+@contextlib.contextmanager
+def gradients_squared_by(optimizer_name: str):
+    """Gradient tags first logged inside say that ``optimizer_name`` squares
+    them (``TensorInfo.squared_by``, for the square-overflow warning)."""
+    token = _squared_by.set(optimizer_name)
+    try:
+        yield
+    finally:
+        _squared_by.reset(token)
 
 
 def _compact_metadata(info: metadata.TensorInfo) -> bytes:
@@ -290,7 +306,7 @@ def _check_compute_dtype(compute_dtype: str | None) -> str | None:
 
 
 def _info_for(x: tf.Tensor, role: str, description: str | None, dtype: str, neginf_ok: bool = False,
-              compute_dtype: str | None = None):
+              compute_dtype: str | None = None, squared_by: str = ""):
     shape = None if x.shape.rank is None else tuple(x.shape.as_list())
     activation, compute = _graph_facts(x, dtype, compute_dtype)
 
@@ -298,6 +314,7 @@ def _info_for(x: tf.Tensor, role: str, description: str | None, dtype: str, negi
         return metadata.TensorInfo(
             dtype=dtype, shape=shape, role=role, order=order, op_type="",
             description=description or "", neginf_ok=neginf_ok, activation=activation, compute_dtype=compute,
+            squared_by=squared_by,
         )
 
     return make
@@ -426,6 +443,7 @@ def _emit(records: list[tuple[_TagState, tf.Tensor]], step: tf.Tensor, every_n: 
     return ctx.merge_call(merged, args=tuple(v for _, v in records))
 
 
+@tf.autograph.experimental.do_not_convert  # explicit conds; autograph's conversion of this module cost seconds per trace
 def write_stats(
     name: str,
     stats_vec,
@@ -455,6 +473,7 @@ def write_stats(
     return _emit([(st, vec)], step, every_n)
 
 
+@tf.autograph.experimental.do_not_convert  # explicit conds; autograph's conversion of this module cost seconds per trace
 def log_numerics(
     name: str,
     tensor,
@@ -542,6 +561,7 @@ def gradient_tag(variable) -> str:
     return "gradients/" + path
 
 
+@tf.autograph.experimental.do_not_convert  # explicit conds; autograph's conversion of this module cost seconds per trace
 def log_gradients(
     grads: Sequence, variables: Sequence, step=None, *, every_n_steps: int | None = None,
     compute_dtype: str | None = None,
@@ -588,7 +608,8 @@ def log_gradients(
     if writer is None or not pairs:
         return tf.constant(False)
     step = _resolve_step(step)
-    states = [_tag_state(writer, tag, _info_for(g, "gradient", None, dt, compute_dtype=compute_dtype))
+    squared_by = _squared_by.get()
+    states = [_tag_state(writer, tag, _info_for(g, "gradient", None, dt, compute_dtype=compute_dtype, squared_by=squared_by))
               for tag, g, dt in pairs]
     norm_dtype = "float64" if any(dt == "float64" for _, _, dt in pairs) else "float32"
     norm_state = _tag_state(

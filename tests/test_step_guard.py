@@ -1,0 +1,244 @@
+"""The step guard (issue 25, items 2 and 4) and the update check of the
+callback, through real training and ``tb-numerics report --json``.
+
+* A hand-written loop in the README's quick-start pattern, with a loss
+  ``-sum(y * log(p))`` whose ``p`` meets an exact 0 at one injected batch:
+  ``tbn.guard(optimizer)`` makes ``first_anomaly.op`` the ``Log`` at this
+  file's line, eagerly and in a ``tf.function`` step. Truth: the injected
+  batch's step as a ``tf.summary.scalar`` beside it writes it, the op and
+  line as ``tf.debugging.enable_check_numerics`` names them, and, eagerly,
+  the state (weights, BatchNorm's moving statistics, the dropout seed) that
+  the bad step's own run left, which the replay must not change.
+* Adam with one loss scaled by 1e25 (a finite gradient whose square is
+  not): the anomaly is that step, phase ``update``, naming a velocity
+  slot, in a custom loop and in ``model.fit`` with the callback, with the
+  square-overflow warning on the gradients; the step's truth is the
+  ``tf.summary.scalar`` of the scale beside it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import pathlib
+import re
+import traceback
+
+import keras
+import numpy as np
+import pytest
+import tensorflow as tf
+
+import tb_numerics as tbn
+from op_records import line_of
+from tb_numerics import cli
+from tb_numerics.keras import NumericsCallback
+
+pytestmark = pytest.mark.e2e
+
+BAD = 2  # the injected batch
+STEPS = BAD + 1  # the bad step is found and written at once
+
+
+def _report(logdir) -> dict:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        cli.main(["report", "--json", str(logdir)])
+    (run,) = json.loads(out.getvalue())["runs"]
+    return run
+
+
+def _oracle_steps(logdir, tag: str, above: float) -> list[int]:
+    """The steps at which ``tf.summary.scalar(tag)`` wrote a value above ``above``."""
+    steps = []
+    for path in sorted(pathlib.Path(logdir).glob("events.out.tfevents.*")):
+        for event in tf.compat.v1.train.summary_iterator(str(path)):
+            for v in event.summary.value:
+                if v.tag == tag and float(tf.make_ndarray(v.tensor)) > above:
+                    steps.append(int(event.step))
+    return steps
+
+
+def _classifier(stateful: bool):
+    """Dense and a softmax head; ``stateful``: with dropout, and a BatchNorm
+    beside them whose moving statistics a replay must not move (it does not
+    normalise the injected scale away)."""
+    keras.utils.set_random_seed(1)
+    inp = keras.Input((4,))
+    h = keras.layers.Dense(8)(inp)
+    if stateful:
+        h = keras.layers.Dropout(0.2)(h)
+        h = keras.layers.Concatenate()([h, keras.layers.BatchNormalization()(h)])
+    return keras.Model(inp, keras.layers.Dense(3, activation="softmax")(h))
+
+
+def _quick_start(logdir, compiled: bool):
+    """The README's quick start, its step a function under the guard; batch
+    BAD scaled by 1e4, so that the softmax meets exact zeros."""
+    model = _classifier(stateful=not compiled)  # the state is checked eagerly
+    optimizer = keras.optimizers.Adam(1e-3)
+    writer = tf.summary.create_file_writer(str(logdir))
+    body_ends = []  # eagerly: the state at the end of each run of the step's body
+
+    def step_fn(x, y):
+        with tf.GradientTape() as tape:
+            p = model(x, training=True)
+            tbn.log_numerics("probs", p)
+            tf.summary.scalar("oracle/input_max", tf.reduce_max(tf.abs(x)))
+            loss = -tf.reduce_sum(y * tf.math.log(p))  # QUICK_START_LOG
+            tbn.log_numerics("loss", loss)
+        grads = tape.gradient(loss, model.trainable_variables)
+        tbn.log_gradients(grads, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        if tf.executing_eagerly():
+            body_ends.append([v.numpy().copy() for v in model.variables])
+        return loss
+
+    train_step = tbn.guard(optimizer)(tf.function(step_fn) if compiled else step_fn)
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(STEPS, 16, 4)).astype(np.float32)
+    x[BAD] *= 1e4
+    y = np.eye(3, dtype=np.float32)[rng.integers(0, 3, size=(STEPS, 16))]
+    # Eagerly the README's own loop; a traced step needs a variable step (TRAPS).
+    step = tf.Variable(0, dtype=tf.int64) if compiled else 0
+    after, verdicts, iterations = [], [], []
+    with writer.as_default(step=step):
+        for i in range(STEPS):
+            step.assign(i) if compiled else tf.summary.experimental.set_step(i)
+            train_step(tf.constant(x[i]), tf.constant(y[i]))
+            after.append([v.numpy().copy() for v in model.variables])
+            verdicts.append(train_step.verdict)
+            iterations.append(int(optimizer.iterations.numpy()))
+    writer.close()
+    return dict(logdir=logdir, compiled=compiled, step_fn=step_fn, batch=(tf.constant(x[BAD]), tf.constant(y[BAD])), after=after,
+                body_ends=body_ends, verdicts=verdicts, iterations=iterations)
+
+
+def _check_numerics_names(step_fn, batch) -> tuple[str, list[int]]:
+    """(op type, [line of this file]) of the first non-finite op, as TensorFlow's own check names them."""
+    tf.debugging.enable_check_numerics()
+    try:
+        step_fn(*batch)
+    except tf.errors.InvalidArgumentError as e:
+        message = str(e)
+        # Eagerly the check raises from the op's call: the traceback's frames in this file.
+        frames = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == __file__]
+    else:
+        raise AssertionError("check_numerics found no NaN or Inf")
+    finally:
+        tf.debugging.disable_check_numerics()
+    op_type = re.search(r'op "(\w+)"', message).group(1)
+    return op_type, frames[-1:]
+
+
+@pytest.fixture(scope="module", params=["eager", "function"])
+def quick_start(request, tmp_path_factory):
+    logdir = tmp_path_factory.mktemp("quick_start_" + request.param)
+    return _quick_start(logdir, compiled=request.param == "function")
+
+
+def test_quick_start_names_the_log_and_this_line(quick_start):
+    run = _report(quick_start["logdir"])
+    a = run["first_anomaly"]
+    assert a["step"] == BAD and _oracle_steps(quick_start["logdir"], "oracle/input_max", 1e3) == [BAD]
+    # The op and line TensorFlow's own check names, on the same batch (state no longer matters).
+    op_type, lines = _check_numerics_names(quick_start["step_fn"], quick_start["batch"])
+    line = line_of(__file__, "# QUICK_START_LOG")
+    assert op_type == "Log" and line in lines
+    assert a["op"]["type"] == op_type and a["op"]["phase"] == "forward"
+    assert a["op"]["source"].endswith("test_step_guard.py:%d (step_fn)" % line), a["op"]
+    assert a["replay"]["reproduced"] is True
+    # Quiet before it: every update applied, nothing escalated, no warning.
+    assert quick_start["verdicts"][:BAD] == [None] * BAD and quick_start["verdicts"][BAD]["step"] == BAD
+    assert quick_start["iterations"][:BAD + 1] == list(range(1, BAD + 1)) + [BAD]  # BAD's update held back
+    assert run["first_warning"] is None or run["first_warning"]["step"] >= BAD
+
+
+def test_the_replay_leaves_state_as_the_step_left_it(quick_start):
+    """Eagerly, the state after the guarded bad step (weights, BatchNorm's
+    moving statistics, the dropout seed) is the state its own run left; the
+    replay's run, which moved them again, is undone."""
+    if quick_start["compiled"]:
+        pytest.skip("a traced step's body runs in Python only when traced")
+    real, replayed = quick_start["body_ends"][BAD], quick_start["body_ends"][BAD + 1]
+    for a, b in zip(quick_start["after"][BAD], real):
+        np.testing.assert_array_equal(a, b)
+    assert any(not np.array_equal(a, b) for a, b in zip(real, replayed))
+
+
+def _adam_regression():
+    keras.utils.set_random_seed(2)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)])
+    rng = np.random.default_rng(0)
+    return model, rng.normal(size=(16, 4)).astype(np.float32), rng.normal(size=(16, 1)).astype(np.float32)
+
+
+def _adam_loop(logdir, compiled: bool) -> None:
+    """A custom loop whose loss is scaled by 1e25 at step BAD."""
+    model, x, y = _adam_regression()
+    optimizer = keras.optimizers.Adam(1e-3)
+
+    def step_fn(x, y, scale):
+        tf.summary.scalar("oracle/scale", scale)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(x, training=True) - y)) * scale
+            tbn.log_numerics("loss", loss)
+        grads = tape.gradient(loss, model.trainable_variables)
+        tbn.log_gradients(grads, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+    train_step = tbn.guard(optimizer)(tf.function(step_fn) if compiled else step_fn)
+    writer = tf.summary.create_file_writer(str(logdir))
+    step = tf.Variable(0, dtype=tf.int64)
+    with writer.as_default(step=step):
+        for i in range(STEPS):
+            step.assign(i)
+            train_step(x, y, tf.constant(1e25 if i == BAD else 1.0))
+    writer.close()
+
+
+class _ScaleProbe(keras.callbacks.Callback):
+    """Writes each batch's largest sample weight at the step fit trains it at."""
+
+    def __init__(self, logdir, weights, batch_size):
+        super().__init__()
+        self._writer = tf.summary.create_file_writer(str(logdir), filename_suffix=".oracle")
+        self._weights, self._batch = weights, batch_size
+
+    def on_train_batch_begin(self, batch, logs=None):
+        w = self._weights[batch * self._batch : (batch + 1) * self._batch]
+        with self._writer.as_default():
+            tf.summary.scalar("oracle/scale", float(w.max()), step=int(self.model.optimizer.iterations.numpy()))
+
+    def on_train_end(self, logs=None):
+        self._writer.close()
+
+
+def _adam_fit(logdir) -> None:
+    """model.fit with the callback; batch BAD's sample weights 1e25."""
+    model, x, y = _adam_regression()
+    model.compile(keras.optimizers.Adam(1e-3), "mse")
+    weights = np.ones(16 * STEPS, np.float32)
+    weights[16 * BAD : 16 * (BAD + 1)] = 1e25
+    model.fit(np.tile(x, (STEPS, 1)), np.tile(y, (STEPS, 1)), sample_weight=weights, batch_size=16,
+              shuffle=False, verbose=0, callbacks=[_ScaleProbe(logdir, weights, 16), NumericsCallback(str(logdir))])
+
+
+# (The traced gate is the quick start's "function" case; its overflow branch is the eager one's code.)
+@pytest.mark.parametrize("where", ["eager_loop", "fit"])
+def test_an_overflowing_square_is_the_anomaly_of_its_update(where, tmp_path):
+    if where == "fit":
+        _adam_fit(tmp_path)
+    else:
+        _adam_loop(tmp_path, compiled=where == "function_loop")
+    logdir = tmp_path
+    (truth,) = _oracle_steps(logdir, "oracle/scale", 1e20)
+    run = _report(logdir)
+    a = run["first_anomaly"]
+    assert (a["step"], a["phase"], a["role"]) == (truth, "update", "update"), a
+    assert re.fullmatch(r"update/adam\w*/\w+_velocity", a["tensor"]) and a["posinf"] + a["nan"] > 0
+    # The warning before it: the gradients' squares overflow float32, at that step.
+    squares = [w for w in run["warnings"] if w["kind"] == "square_overflow"]
+    assert squares and all(w["tensor"].startswith("gradients/") and w["first_step"] == truth for w in squares)
+    assert "Adam" in squares[0]["detail"]
