@@ -6,13 +6,14 @@ NaN or an Inf, with its source line, phase and, where the recorder saw them,
 its inputs' ranges ("Log of an input whose min is exactly 0").
 
 It is also what an eager block or a replay writes beside its op records at
-a step where one is non-finite (a format addition, read by no older
-reader): one event under tag ``MARK_TAG`` and plugin ``MARK_PLUGIN_NAME``
-whose string tensor is ``OpRecord.to_json()``, naming the op and which of
-its tag's records at that step (``occurrence``) ran first. Execution order
-across the iterations of a loop (an op whose record of iteration 3 went bad
-because of an op after it in iteration 2) is known only there: a tag's
-``TensorInfo.order`` is where the op first ran. ``parse_mark`` reads one.
+a step where one is non-finite: one numerics record under
+``metadata.OP_MARK_TAG`` whose description is ``OpRecord.to_json()``,
+naming the op and which of its tag's records at that step (``occurrence``)
+ran first (``mark_record``). Execution order across the iterations of a
+loop (an op whose record of iteration 3 went bad because of an op after it
+in iteration 2) is known only there: a tag's ``TensorInfo.order`` is where
+the op first ran. The analysis reads it (older readers show an empty row);
+``parse_mark`` checks one.
 """
 
 from __future__ import annotations
@@ -26,22 +27,16 @@ from tensorboard.compat.proto import summary_pb2
 
 from tb_numerics import metadata
 from tb_numerics._op_tags import OpTags
-from tb_numerics.records import F, nonfinite_count
+from tb_numerics.records import F, nonfinite_count, numpy_stats
 
 __all__ = [
     "GRADIENT_OF",
-    "MARK_PLUGIN_NAME",
-    "MARK_TAG",
     "OpRecord",
     "first_bad",
-    "mark_metadata",
+    "mark_record",
     "op_record",
     "parse_mark",
 ]
-
-MARK_PLUGIN_NAME = "numerics_first_op"
-MARK_TAG = "ops/.first_nonfinite"
-MARK_VERSION = 1
 
 # A gradient op's description: "<forward op's line>, gradient of <its tag>".
 GRADIENT_OF = ", gradient of "
@@ -144,13 +139,10 @@ def first_bad(recs: Sequence[tuple[str, Any, metadata.TensorInfo]], step: int | 
     return None
 
 
-def mark_metadata() -> summary_pb2.SummaryMetadata:
-    """The summary metadata of a first-non-finite-op mark."""
-    meta = summary_pb2.SummaryMetadata()
-    meta.plugin_data.plugin_name = MARK_PLUGIN_NAME
-    meta.plugin_data.content = json.dumps({"version": MARK_VERSION}).encode()
-    meta.data_class = summary_pb2.DATA_CLASS_TENSOR
-    return meta
+def mark_record(op: OpRecord) -> tuple[np.ndarray, summary_pb2.SummaryMetadata]:
+    """The statistics (of no values) and metadata of the mark naming ``op``."""
+    info = metadata.TensorInfo(role="other", op_type="OpMark", description=json.dumps(op.to_json()))
+    return numpy_stats(np.zeros(0, np.float32)), metadata.create_summary_metadata(info)
 
 
 def parse_mark(text: bytes | str) -> dict[str, Any]:

@@ -369,6 +369,9 @@ class RunAnalysis:
     replays: list[dict[str, Any]] = dataclasses.field(default_factory=list)
     # Where a bad batch held its bad values, per feature (``metadata.BATCH_TAG``).
     batches: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    # The op that went bad first at a step, in execution order, as an op-level
+    # block saw it (``metadata.OP_MARK_TAG``): {"step", "tag", "occurrence", ...}.
+    op_marks: list[dict[str, Any]] = dataclasses.field(default_factory=list)
 
     def find(self, tag: str) -> SeriesHealth | None:
         for h in self.health:
@@ -457,12 +460,13 @@ def analyze_run(
     series = list(series)
     replays = [_replay_verdict(s) for s in series if s.tag == metadata.REPLAY_TAG]
     batches = [_batch_verdict(s) for s in series if s.tag == metadata.BATCH_TAG]
+    marks = [_op_mark(s) for s in series if s.tag == metadata.OP_MARK_TAG]
     ordered = sorted((s for s in series if s.tag not in metadata.VERDICT_TAGS), key=lambda s: s.sort_key)
     health = [series_health(s, sr) for s in ordered]
     _mark_by_depth(health, sr)
     _mark_skipped_steps(health)
     return RunAnalysis(run, health, sr, list(problems), [r for r in replays if r is not None],
-                       [b for b in batches if b is not None])
+                       [b for b in batches if b is not None], [m for m in marks if m is not None])
 
 
 def _replay_verdict(s: TensorSeries) -> dict[str, Any] | None:
@@ -488,6 +492,39 @@ def _batch_verdict(s: TensorSeries) -> dict[str, Any] | None:
     if not isinstance(found, dict) or type(found.get("step")) is not int or not isinstance(found.get("tensors"), list):
         return None
     return found
+
+
+def _op_mark(s: TensorSeries) -> dict[str, Any] | None:
+    """The op an op-level block marked as the first to go bad, at the step
+    of its record, from the record's description (untrusted JSON)."""
+    try:
+        mark = json.loads(s.info.description)
+    except ValueError:
+        return None
+    if not isinstance(mark, dict) or not isinstance(mark.get("tag"), str) or not s.steps.size:
+        return None
+    occurrence = mark.get("occurrence")
+    if not (isinstance(occurrence, list) and occurrence and type(occurrence[0]) is int):
+        return None
+    return {**mark, "step": int(s.steps[0])}
+
+
+def _marked_cell(ra: RunAnalysis, cell: tuple[int, int, int]) -> tuple[int, int, int]:
+    """The first anomaly's cell, moved to the op record its step's mark names
+    where the anomaly is an op's: which of a step's op records went bad first
+    is known there only (a loop's iterations), not from the tags' order."""
+    step, row, _ = cell
+    if not is_op_level(ra.health[row].series.tag):
+        return cell
+    for mark in ra.op_marks:
+        if mark["step"] != step:
+            continue
+        for r, h in enumerate(ra.health):
+            at = np.flatnonzero(h.series.steps == step) if h.series.tag == mark["tag"] else ()
+            k = mark["occurrence"][0] - 1
+            if 0 <= k < len(at) and h.codes[at[k]] == NONFINITE:
+                return step, r, int(at[k])
+    return cell
 
 
 def _json_safe(x: Any) -> Any:
@@ -738,6 +775,7 @@ def first_anomaly(ra: RunAnalysis) -> dict[str, Any] | None:
     cell = _first_cell(ra, NONFINITE, rows=_layer_rows(ra))
     if cell is None:
         return None
+    cell = _marked_cell(ra, cell)
     step, row, i = cell
     h = ra.health[row]
     v = h.series.values[i]

@@ -289,8 +289,13 @@ REPLAY_TAG = "replay/first_anomaly"
 # The record that holds where a batch that went bad held its bad values,
 # per feature (its description is JSON, see ``keras``); not a tensor.
 BATCH_TAG = "batch/first_anomaly"
+# The record an op-level block writes at a step where an op record is not
+# finite: the op that went bad first in execution order (its description is
+# ``OpRecord.to_json()``), which the tags' order cannot tell across the
+# iterations of a loop; not a tensor.
+OP_MARK_TAG = "oplevel/first_anomaly"
 # Records that carry a verdict in their description, not a tensor's statistics.
-VERDICT_TAGS = frozenset({REPLAY_TAG, BATCH_TAG})
+VERDICT_TAGS = frozenset({REPLAY_TAG, BATCH_TAG, OP_MARK_TAG})
 
 # A packed block's table: (tag, info) of each row index, in index order.
 BlockTable = tuple[tuple[str, TensorInfo], ...]

@@ -77,7 +77,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import json
 import logging
 import re
 import threading
@@ -92,7 +91,7 @@ tf = _requires.tensorflow(__name__)
 from tb_numerics import _tf_internal, metadata, stats, summary  # noqa: E402
 from tb_numerics._op_flight import EagerFlight, GraphFlight, Record
 from tb_numerics._op_nested import NestedRecords
-from tb_numerics._op_record import GRADIENT_OF, MARK_PLUGIN_NAME, MARK_TAG, OpRecord, mark_metadata, op_record, parse_mark
+from tb_numerics._op_record import GRADIENT_OF, OpRecord, mark_record, op_record, parse_mark
 from tb_numerics._op_record import first_bad as first_bad_of
 from tb_numerics._op_source import ForwardIndex, ForwardOp, SourceLocator
 from tb_numerics._op_tags import TAG_PREFIX, OpTags, eager_site, graph_site
@@ -101,8 +100,6 @@ from tb_numerics.records import nonfinite_count
 
 __all__ = [
     "DEFAULT_SKIP_OP_TYPES",
-    "MARK_PLUGIN_NAME",
-    "MARK_TAG",
     "OpNumerics",
     "OpRecord",
     "TAG_PREFIX",
@@ -494,8 +491,8 @@ class OpNumerics:
             self._step_writer.write(recs, st.step)
         if written and self.first_bad is not None and st.step is not None:
             # Which record ran first, where the tags' order cannot say (loops).
-            tf.summary.write(MARK_TAG, tf.constant(json.dumps(self.first_bad.to_json())),
-                             step=st.step, metadata=mark_metadata())
+            vec, meta = mark_record(self.first_bad)
+            tf.summary.write(metadata.OP_MARK_TAG, vec, step=st.step, metadata=meta)
 
     def _finish_traced(self, st: _Step) -> None:
         recs: list[Record] = [(tag, vec, info) for tag, (vec, info) in st.records.items()]

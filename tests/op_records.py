@@ -7,7 +7,7 @@ import pathlib
 
 import tensorflow as tf
 
-from tb_numerics import oplevel
+from tb_numerics import metadata, oplevel
 
 __all__ = ["line_of", "marks"]
 
@@ -27,6 +27,6 @@ def marks(logdir) -> list[dict]:
     for path in sorted(pathlib.Path(logdir).glob("events.out.tfevents.*")):
         for event in tf.compat.v1.train.summary_iterator(str(path)):
             for value in event.summary.value:
-                if value.metadata.plugin_data.plugin_name == oplevel.MARK_PLUGIN_NAME:
-                    out.append(dict(oplevel.parse_mark(value.tensor.string_val[0]), step=event.step))
+                if value.tag == metadata.OP_MARK_TAG:
+                    out.append(dict(oplevel.parse_mark(value.metadata.summary_description), step=event.step))
     return out
