@@ -69,6 +69,7 @@ __all__ = [
     "gradient_tag",
     "log_gradients",
     "log_numerics",
+    "read_step",
     "write_stats",
 ]
 
@@ -219,6 +220,21 @@ def _position(step: tf.Tensor) -> tuple:
     return ("graph", weakref.ref(graph))
 
 
+def read_step(step) -> tf.Tensor:
+    """``step`` (an int, a tensor, a ``tf.Variable`` or a Keras variable) as
+    an int64 tensor read here, where the call is, as ``tf.summary.write``
+    reads it.
+
+    A variable step is read at the call, ordered by automatic control
+    dependencies before a later ``assign_add`` in the same step function;
+    what is computed later from the returned tensor (a packed record made
+    when the trace ends) keeps the value the call saw. ``tf.cast`` alone
+    returns an int64 variable unchanged, to be read wherever it is used:
+    one step late.
+    """
+    return tf.cast(tf.convert_to_tensor(step), tf.int64)
+
+
 def _resolve_step(step) -> tf.Tensor:
     if step is None:
         step = tf.summary.experimental.get_step()
@@ -226,7 +242,7 @@ def _resolve_step(step) -> tf.Tensor:
             raise ValueError(
                 "No step set. Pass step= or call tf.summary.experimental.set_step()"
             )
-    return tf.cast(step, tf.int64)
+    return read_step(step)
 
 
 def default_role(name: str) -> str:

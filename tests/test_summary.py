@@ -14,6 +14,7 @@ import tb_numerics as tbn
 from tb_numerics import cli, event_reader, metadata, records, stats, summary
 from tb_numerics.records import numpy_stats
 
+import step_oracle
 import two_replicas
 
 pytestmark = pytest.mark.e2e
@@ -323,12 +324,33 @@ _DISTRIBUTED = """
         "h": numpy_stats(np.concatenate([p.reshape(-1) for p in parts])).tolist(),
         "gradients/v": numpy_stats(np.concatenate([p[0] for p in parts])).tolist(),
     }
+
+    # A tf.Variable step incremented after strategy.run, with tf.summary's
+    # own scalar beside the call as the oracle of the step (step_oracle).
+    counter = tf.Variable(0, dtype=tf.int64)
+    steps_writer = tf.summary.create_file_writer(sys.argv[1] + "/steps")
+
+    def stepped(x):
+        tbn.log_numerics("t", x, step=counter)
+        tf.summary.scalar("oracle", tf.reduce_max(x), step=counter)
+
+    @tf.function
+    def counted_step(x):
+        strategy.run(stepped, (x,))
+        counter.assign_add(1)
+
+    with steps_writer.as_default():
+        for i in range(3):
+            counted_step(strategy.experimental_distribute_values_from_function(
+                lambda ctx: tf.constant([float(i), -1.0 - ctx.replica_id_in_sync_group])))
+    steps_writer.close()
     print(json.dumps({"got": got, "want": want}))
     """
 
 
 def test_mirrored_strategy_combines_replicas_into_one_record(tmp_path):
     res = two_replicas.run(_DISTRIBUTED, str(tmp_path))
+    step_oracle.assert_steps_agree(str(tmp_path / "steps"))
     for tag in ("h", "gradients/v"):
         steps, values = res["got"][tag]
         assert steps == [0], (tag, steps)  # one record, not one per replica
