@@ -30,9 +30,10 @@ Per writer and tag, small state lives in TensorFlow variables (created under
   again in a step (micro-batches, a loop body) writes the step's further
   records as repeats (``_write_repeat``), since TensorBoard's Rust data
   server keeps one event per tag and step;
-* for ``every_n_steps``: the previous step and its statistics, and whether
-  this tag already had a non-finite record (``latch.decide``), so that the
-  first non-finite step and the last step before it are written whatever N is.
+* for ``every_n_steps``: the previous step and its statistics, and the kinds
+  of non-finite values (NaN, +Inf, -Inf) this tag's records held so far
+  (``latch.decide``), so that the first step of each kind and the step
+  before it are written whatever N is.
 
 The position of a tag in the step's execution order is the order in which
 tags are first seen by a writer, at trace time inside ``tf.function``
@@ -276,11 +277,13 @@ def _info_for(x: tf.Tensor, role: str, description: str | None, dtype: str, negi
     return make
 
 
-def _nonfinite(vec: tf.Tensor, neginf_ok: bool) -> tf.Tensor:
-    """Whether a record holds a NaN or an Inf that is not intended (as
-    ``records.nonfinite_count``)."""
-    fields = ["nan", "posinf"] + ([] if neginf_ok else ["neginf"])
-    return tf.reduce_sum(tf.gather(vec, [F[k] for k in fields])) > 0
+def _kinds(vec: tf.Tensor, neginf_ok: bool) -> tf.Tensor:
+    """The int64 mask (``latch.KIND_BITS``) of the kinds of non-finite
+    values a record holds that are not intended: the TensorFlow twin of
+    ``latch.kinds``."""
+    bits = {k: b for k, b in latch.KIND_BITS.items() if not (neginf_ok and k == "neginf")}
+    present = tf.cast(tf.gather(vec, [F[k] for k in bits]) > 0, tf.int64)
+    return tf.reduce_sum(present * tf.constant(list(bits.values()), tf.int64))
 
 
 def _write(st: _TagState, stats_vec: tf.Tensor, step: tf.Tensor) -> tf.Tensor:
@@ -353,16 +356,15 @@ def _record(st: _TagState, stats_vec: tf.Tensor, step: tf.Tensor, every_n: int |
         return _write(st, stats_vec, step)
     prev_step = st.var("prev_step", np.int64(latch.NO_PREVIOUS_STEP))
     prev_stats = st.var("prev_stats", np.zeros(metadata.NUM_FIELDS, np.float64))
-    latched = st.var("latched", False)
+    seen = st.var("kinds_seen", np.int64(latch.NO_KINDS))
     p_step, p_stats = prev_step.read_value(), prev_stats.read_value()
-    nonfinite = _nonfinite(stats_vec, st.info.neginf_ok)
-    d = latch.decide(step, p_step, nonfinite, latched.read_value(), every_n)
+    d = latch.decide(step, p_step, _kinds(stats_vec, st.info.neginf_ok), seen.read_value(), every_n)
     no = lambda: tf.constant(False)  # noqa: E731
     wrote_prev = tf.cond(d.write_prev, lambda: _write(st, p_stats, p_step), no)
     with tf.control_dependencies([wrote_prev]):
         wrote_now = tf.cond(d.write_now, lambda: _write(st, stats_vec, step), no)
     with tf.control_dependencies([wrote_now]):
-        updates = [prev_step.assign(step), prev_stats.assign(stats_vec), latched.assign(d.latched)]
+        updates = [prev_step.assign(step), prev_stats.assign(stats_vec), seen.assign(d.seen)]
     with tf.control_dependencies(updates):
         return tf.logical_or(wrote_prev, wrote_now)
 

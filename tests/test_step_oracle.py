@@ -21,7 +21,8 @@ from hypothesis import strategies as hs
 
 import tb_numerics as tbn
 
-from step_oracle import assert_steps_agree
+from step_oracle import assert_steps_agree, record_steps
+from test_summary import cli_json
 
 pytestmark = pytest.mark.e2e
 
@@ -154,7 +155,9 @@ def test_replay_records_at_the_default_step_it_was_called_at(tmp_path):
 
 
 class _Probe(keras.layers.Layer):
-    """Passes its input on, writing the oracle at ``optimizer.iterations``, as fit's step."""
+    """Writes the oracle at ``optimizer.iterations`` (fit's step) and passes
+    its input on with a -Inf column beside it (intended, but only the
+    reader is told) and a NaN column at the batch that holds ``NAN_AT``."""
 
     def __init__(self, optimizer, **kwargs):
         super().__init__(**kwargs)
@@ -162,17 +165,39 @@ class _Probe(keras.layers.Layer):
 
     def call(self, x):
         tf.summary.scalar("oracle", tf.reduce_max(x), step=self._optimizer.iterations)
-        return x
+        col = tf.ones_like(x[:, :1])
+        return tf.concat([x, -np.inf * col, tf.where(tf.equal(x[:, :1], NAN_AT), np.nan, 0.0 * col)], 1)
 
 
-def test_callback_records_at_the_step_fit_gives_tf_summary(tmp_path):
+NAN_AT = 4
+
+
+@pytest.fixture(scope="module")
+def fit_logdir(tmp_path_factory):
+    """A fit of 6 one-sample batches (batch i holds i), callback every 3 steps."""
+    logdir = str(tmp_path_factory.mktemp("fit"))
     optimizer = keras.optimizers.SGD(0.01)
-    model = keras.Sequential([keras.Input((2,)), _Probe(optimizer, name="probe"), keras.layers.Dense(1)])
+    model = keras.Sequential([
+        keras.Input((2,)), _Probe(optimizer, name="probe"), keras.layers.Lambda(lambda t: t[:, :2]), keras.layers.Dense(1),
+    ])
     model.compile(optimizer, "mse")
-    x = np.repeat(np.arange(4, dtype=np.float32), 2).reshape(4, 2)  # batch i holds i
-    writer = tf.summary.create_file_writer(str(tmp_path / "oracle"))
-    callback = tbn.keras.NumericsCallback(str(tmp_path / "oracle"), every_n_steps=2)
+    x = np.repeat(np.arange(6, dtype=np.float32), 2).reshape(6, 2)
+    writer = tf.summary.create_file_writer(logdir)
+    callback = tbn.keras.NumericsCallback(logdir, every_n_steps=3, replay=False)
     with writer.as_default():
-        model.fit(x, np.zeros((4, 1)), batch_size=1, shuffle=False, verbose=0, callbacks=[callback])
+        model.fit(x, np.zeros((6, 1)), batch_size=1, shuffle=False, verbose=0, callbacks=[callback])
     writer.close()
-    assert_steps_agree(str(tmp_path / "oracle"), "probe/output")
+    return logdir
+
+
+def test_callback_records_at_the_step_fit_gives_tf_summary(fit_logdir):
+    assert_steps_agree(fit_logdir, "probe/output")
+
+
+def test_callback_writes_a_new_kind_of_nonfinite_value_whatever_n(fit_logdir):
+    # -Inf from step 0 on closed the old latch: the NaN at step 4 was never written.
+    steps = sorted(s for s, in record_steps(fit_logdir, "probe/output").values())
+    assert steps == [0, 3, 4]
+    status, runs = cli_json(fit_logdir, "--allow-neginf", "probe/*")
+    a = runs[0]["first_anomaly"]
+    assert status == 1 and (a["step"], a["tensor"], a["last_healthy_step"]) == (NAN_AT, "probe/output", 3)

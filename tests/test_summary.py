@@ -363,14 +363,14 @@ def test_mirrored_strategy_combines_replicas_into_one_record(tmp_path):
     assert np.array(res["got"]["h"][1][0])[F["count"]] == 16
 
 
-def cli_json(logdir):
-    """``tb-numerics report --json LOGDIR``, run in-process: (exit status, runs)."""
+def cli_json(logdir, *flags):
+    """``tb-numerics report --json [FLAGS] LOGDIR``, run in-process: (exit status, runs)."""
     import contextlib
     import io
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        status = cli.main(["report", "--json", str(logdir)])
+        status = cli.main(["report", "--json", *flags, str(logdir)])
     return status, json.loads(out.getvalue())["runs"]
 
 
@@ -400,6 +400,26 @@ def test_intended_neginf_is_not_the_latchs_first_nonfinite_step(tmp_path, graph)
     assert steps == [0, 2, 3, 5, 10]
     bad = records.nonfinite_count(np.asarray(values), info.neginf_ok) > 0
     assert [s for s, b in zip(steps, bad) if b] == [3]
+
+
+def test_a_new_kind_of_nonfinite_value_is_written_whatever_n(tmp_path):
+    # -Inf that only the CLI is told about (--allow-neginf), a NaN at step 3, +Inf at step 7.
+    @tf.function
+    def body(x, step):
+        return tbn.log_numerics("attn/mask", x, step=step, every_n_steps=5)
+
+    writer = tf.summary.create_file_writer(str(tmp_path))
+    with writer.as_default():
+        for s in range(12):
+            m = _mask(s)
+            m[0] = np.inf if s == 7 else 0.0
+            body(tf.constant(m), tf.constant(s, tf.int64))
+    writer.close()
+    _, steps, _ = read(tmp_path)["attn/mask"]
+    assert steps == [0, 2, 3, 5, 6, 7, 10]  # each new kind with the step before it
+    status, runs = cli_json(tmp_path, "--allow-neginf", "attn/*")
+    a = runs[0]["first_anomaly"]
+    assert status == 1 and (a["step"], a["nan"], a["last_healthy_step"]) == (3, 1, 2)
 
 
 def test_write_stats_latch_applies_the_infos_intended_neginf(tmp_path):
