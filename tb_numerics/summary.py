@@ -7,14 +7,15 @@ tensor inside ``tf.function``, as ``tf.summary.write`` does), honour an outer
 same records. As with every ``tf.summary`` op, a ``tf.function`` captures the
 default writer when it is traced: create the writer before the first call.
 
-Inside a ``tf.function``, calls at the function's top level (not in a
-``tf.cond`` or loop body, not under a ``tf.distribute`` replica context,
-without ``every_n_steps``) only note their tensor: when the trace ends, the
-step's records are computed together and written packed, many steps per
-event, by ``step_buffer`` (one write per step, a few kernels for all small
-tensors; a step with a NaN or an Inf is on disk at once). Such a call returns
-whether summaries are recorded. The other calls write their record at once,
-one event per record, as follows.
+Inside a ``tf.function``, calls at the function's top level (not under a
+``tf.distribute`` replica context, without ``every_n_steps``) only note
+their tensor: when the trace ends, the step's records are computed together
+and written packed, many steps per event, by ``step_buffer`` (one write per
+step, a few kernels for all small tensors; a step with a NaN or an Inf is
+on disk at once). Calls in a ``tf.cond`` or loop body are packed too, each
+committed where it is (``step_buffer.StepBuffer.add_in_body``). Such a call
+returns whether summaries are recorded. The other calls write their record
+at once, one event per record, as follows.
 
 Per writer and tag, small state lives in TensorFlow variables (created under
 ``tf.init_scope``, so a traced step can update them on every call):
@@ -177,18 +178,22 @@ def _packed(writer, step: tf.Tensor, every_n: int | None, items: list, norm=None
     if every_n is not None or stats.replica_context() is not None:
         return None
     graph = step_buffer.traced_step_graph()
-    if graph is None and not tf.executing_eagerly():
+    body = None if graph is not None else step_buffer.traced_body_graph()
+    if graph is None and body is None and not tf.executing_eagerly():
         return None
     record = tf.summary.should_record_summaries()
     buf = _step_buffer(writer)
     index = [buf.index_of(st.tag, st.info) for st, _, _ in items]
     norm_index = None if norm is None else buf.index_of(norm[0].tag, norm[0].info)
-    if graph is not None:
+    if graph is not None or body is not None:
         entries = [step_buffer.Entry(i, step, record, x=x, dtype=dt) for i, (_, x, dt) in zip(index, items)]
         if norm is not None:
             combine = lambda vecs: global_norm_record(vecs, norm[1])  # noqa: E731
             entries.append(step_buffer.Entry(norm_index, step, record, parts=tuple(range(len(items))), combine=combine))
-        buf.add(graph, entries)
+        if graph is not None:
+            buf.add(graph, entries)
+        else:
+            buf.add_in_body(entries)
         return record
     if not bool(record):
         return record
