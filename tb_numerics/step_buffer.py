@@ -283,7 +283,9 @@ def _rows_of(entries: list[Entry], neginf_ok: np.ndarray) -> tuple[tf.Tensor, tf
 def _records(entries: list[Entry]) -> tf.Tensor:
     """The records ``[k, NUM_FIELDS]`` of a trace's entries."""
     vecs: list[tf.Tensor | None] = [None] * len(entries)
-    small = [i for i, e in enumerate(entries) if e.x is not None and stats.is_small(e.x)]
+    # A lone tensor (a call in a loop body) is one cached tensor_stats call:
+    # many_stats' segment reduction costs more to trace at every such call.
+    small = [i for i, e in enumerate(entries) if e.x is not None and stats.is_small(e.x)] if len(entries) > 1 else []
     if small:
         many = stats.many_stats([entries[i].x for i in small], [entries[i].dtype for i in small])
         for j, i in enumerate(small):
