@@ -1,10 +1,11 @@
 """How fast TensorBoard shows the first anomaly of a run written by ``log_numerics``.
 
-    python bench/log_numerics_load.py [--steps 10000] [--tensors 50] [--load-fast true]
+    python bench/log_numerics_load.py [--steps 10000] [--tensors 50] [--load-fast true] [--loop]
 
 Writes a run with ``log_numerics`` on ``--tensors`` tensors of 64 floats in
 a ``tf.function`` step (a NaN in one at step 7,777 of 10,000, scaled to
-``--steps``), and the same records again with ``NumericsRecordWriter.write_many``
+``--steps``; with ``--loop`` the whole loop of steps in one ``tf.function``,
+``tf.range`` around the step, as TPU-style loops do), and the same records again with ``NumericsRecordWriter.write_many``
 (what the Keras callback writes). For each run alone, starts a real
 ``tensorboard`` and times how long after its start the plugin's /summary
 holds every record and the first anomaly. Prints both and their ratio
@@ -37,15 +38,14 @@ __all__ = ["main"]
 TARGET = 1.5
 
 
-def write_log_numerics(run_dir: str, steps: int, n: int, nan_step: int) -> None:
+def write_log_numerics(run_dir: str, steps: int, n: int, nan_step: int, loop: bool) -> None:
     rng = np.random.default_rng(0)
     ws = [tf.constant(rng.uniform(0.5, 1.5, 64).astype(np.float32)) for _ in range(n)]
     x = tf.constant(rng.standard_normal(64).astype(np.float32))
     writer = tf.summary.create_file_writer(run_dir)
     step = tf.Variable(0, dtype=tf.int64)
 
-    @tf.function
-    def run():
+    def one_step():
         h = x
         for i, w in enumerate(ws):
             h = tf.tanh(h * w + 0.1)
@@ -54,9 +54,18 @@ def write_log_numerics(run_dir: str, steps: int, n: int, nan_step: int) -> None:
             tbn.log_numerics("layer_%02d/output" % i, h)
         step.assign_add(1)
 
+    @tf.function
+    def run_loop():
+        for _ in tf.range(steps):
+            one_step()
+
     with writer.as_default(step=step):
-        for _ in range(steps):
-            run()
+        if loop:
+            run_loop()
+        else:
+            run = tf.function(one_step)
+            for _ in range(steps):
+                run()
     writer.close()
 
 
@@ -88,12 +97,13 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=10_000)
     p.add_argument("--tensors", type=int, default=50)
     p.add_argument("--load-fast", choices=("true", "false"), default="true")
+    p.add_argument("--loop", action="store_true", help="the whole loop of steps in one tf.function")
     args = p.parse_args(argv)
     nan_step = int(args.steps * 0.7777)
     root = tempfile.mkdtemp(prefix="tbn_load_")
     try:
         t = time.monotonic()
-        write_log_numerics(os.path.join(root, "a", "log_numerics"), args.steps, args.tensors, nan_step)
+        write_log_numerics(os.path.join(root, "a", "log_numerics"), args.steps, args.tensors, nan_step, args.loop)
         print("wrote %d steps x %d tensors with log_numerics in %.1f s" % (args.steps, args.tensors, time.monotonic() - t))
         records = rewrite_packed(os.path.join(root, "a"), os.path.join(root, "b", "write_many"))
         out = {}

@@ -19,10 +19,13 @@ _LAZY = {
     "guard": "tb_numerics.step_guard",
 }
 
-# Submodules the README documents as ``tb_numerics.<name>``: imported on
+# Submodules the README and http_api.md spell as ``tb_numerics.<name>`` (tests/
+# test_docs_spelling.py checks every spelling): imported on
 # first access too, so ``tb_numerics.keras.NumericsCallback`` works after a
 # plain ``import tb_numerics``.
-_SUBMODULES = ("keras", "xla", "analysis", "records", "record_writer", "event_reader", "cli", "metadata")
+_SUBMODULES = (
+    "keras", "xla", "oplevel", "analysis", "records", "record_writer", "event_reader", "cli", "metadata", "frontend",
+)
 
 __all__ = sorted(_LAZY) + sorted(_SUBMODULES)
 

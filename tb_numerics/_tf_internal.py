@@ -292,6 +292,32 @@ def traced_step_graph() -> Any:
     return graph if type(graph) is func_graph.FuncGraph else None
 
 
+def traced_body_graph() -> Any:
+    """The graph of a ``tf.cond`` branch or a loop body being traced inside
+    a ``tf.function``, where stateful ops run in program order (automatic
+    control dependencies); else None. Not a loop's gradient body, and not a
+    graph without those dependencies (a called function's backward graph)."""
+    from tensorflow.python.framework import func_graph
+
+    graph = tf.compat.v1.get_default_graph()
+    if type(graph) is func_graph.FuncGraph or not isinstance(graph, func_graph.FuncGraph):
+        return None
+    if not adds_control_dependencies(graph) or in_loop_gradient(graph):
+        return None
+    return graph
+
+
+def enclosing_step_graph() -> Any:
+    """The ``tf.function`` graph (``traced_step_graph``'s kind) that the
+    ``tf.cond`` branch or loop body being traced is nested in."""
+    from tensorflow.python.framework import func_graph
+
+    graph = tf.compat.v1.get_default_graph()
+    while type(graph) is not func_graph.FuncGraph and isinstance(graph, func_graph.FuncGraph):
+        graph = graph.outer_graph
+    return graph
+
+
 def wall_clock() -> tf.Tensor:
     """Seconds since the epoch, float64: ``tf.timestamp``, which TensorFlow
     refuses under ``enable_op_determinism``; there the host's clock."""

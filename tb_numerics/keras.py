@@ -302,7 +302,7 @@ class NumericsCallback(keras.callbacks.Callback):
         self._make_step_state(model)
         self._last_call = -1
         self._prev: tuple[int, list] | None = None  # the last step computed but not written
-        self._latched = False
+        self._seen = latch.NO_KINDS  # the kinds of non-finite values written so far (latch)
         self._batch_noted = False
         self._infos: dict[str, metadata.TensorInfo] = {}
         self._writer = record_writer.NumericsRecordWriter(self.log_dir)
@@ -816,17 +816,21 @@ class NumericsCallback(keras.callbacks.Callback):
         nonfinite = any(records.nonfinite_count(v, info.neginf_ok) > 0 for _, v, info in step_records)
         scale = float(aux[2]) if self._lso else None
         # A LossScaleOptimizer's skip does not close the latch (it is written anyway, below).
-        anomaly = any(analysis.record_is_anomaly(tag, v, info, self.safe_range, scale) for tag, v, info in step_records)
+        bad = [r for r in step_records if analysis.record_is_anomaly(*r, self.safe_range, scale)]
+        anomaly = bool(bad)
+        vals = np.array([r[1] for r in bad], np.float64).reshape(-1, metadata.NUM_FIELDS)
+        ok = [analysis.neginf_intended(tag, info, self.safe_range) for tag, _, info in bad]
+        kinds = latch.kinds(vals[:, F["nan"]], vals[:, F["posinf"]], vals[:, F["neginf"]], np.array(ok, bool))
         # _prev: the last step computed but not written (None once written).
         prev_step = self._prev[0] if self._prev is not None else latch.NO_PREVIOUS_STEP
-        decision = latch.decide(step, prev_step, anomaly, self._latched, self.every_n_steps)
+        decision = latch.decide(step, prev_step, kinds, self._seen, self.every_n_steps)
         if decision.write_prev:
             self._writer.write_many(*self._prev)
         written = bool(decision.write_now) or (nonfinite and self._lso)
         if written:
             self._writer.write_many(step, step_records)
         self._prev = None if written else (step, step_records)
-        self._latched = bool(decision.latched)
+        self._seen = int(decision.seen)
         if not anomaly:
             return False
         self._note_bad_batch(step, step_records)

@@ -322,7 +322,8 @@ class OpNumerics:
             )
         if graph is None and step is not None:  # the block owns the value of this call's step
             return int(step.numpy()) if hasattr(step, "numpy") else int(step)
-        return step
+        # A traced step's value where the step starts, not where its records are written.
+        return step if step is None else summary.read_step(step)
 
     def _callback(self, op_type, inputs, attrs, outputs, op_name=None, graph=None):
         """The op callback: picks the outputs to record and records them."""

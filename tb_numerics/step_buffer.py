@@ -27,9 +27,18 @@ An event's step is its last row's step, or one more than the block's
 previous event's where that is larger: TensorBoard's Rust data server keeps
 one event per tag and step, and the rows hold the true steps.
 
-Not taken here (the caller writes those per call): calls inside a
-``tf.cond`` or loop body, under a ``tf.distribute`` replica context, with
-``every_n_steps``, and eager calls.
+Calls inside a ``tf.cond`` branch or a loop body of a traced step (a whole
+training loop in one ``tf.function``, ``tf.range`` or ``tf.while_loop``
+around the step) cannot wait for the trace's end, which runs once per call
+of the function, not once per iteration: ``add_in_body`` computes and
+commits their rows where the call is, each iteration's at the step it read,
+and a buffered step is counted once however many commits hold its rows.
+The trace's end commit is then ordered by hand after the function's
+stateful ops, since it is made after their automatic control dependencies.
+
+Eager calls go through ``add_eager``. Not taken here (the caller writes
+those per call): calls under a ``tf.distribute`` replica context, with
+``every_n_steps``, and in a loop's gradient body.
 """
 
 from __future__ import annotations
@@ -45,11 +54,12 @@ import tensorflow as tf
 
 from tb_numerics import _tf_internal, metadata, packed, record_writer, stats
 
-__all__ = ["Entry", "StepBuffer", "traced_step_graph"]
+__all__ = ["Entry", "StepBuffer", "traced_body_graph", "traced_step_graph"]
 
 F = metadata.FIELD_INDEX
 _NONFINITE = [2 + F["nan"], 2 + F["posinf"], 2 + F["neginf"]]
 traced_step_graph = _tf_internal.traced_step_graph
+traced_body_graph = _tf_internal.traced_body_graph
 
 
 @dataclasses.dataclass
@@ -77,6 +87,8 @@ class StepBuffer:
         self.table: list[tuple[str, metadata.TensorInfo]] = []
         self._index: dict[str, int] = {}
         self._open: dict[int, list[Entry]] = {}
+        # Traced steps (ids of their graphs) with calls in loop or cond bodies.
+        self._bodies: set[int] = set()
         self._rows = _tf_internal.untracked_variable(
             np.zeros([0, packed.COLUMNS]), "tb_numerics_rows", shape=tf.TensorShape([None, packed.COLUMNS])
         )
@@ -117,34 +129,50 @@ class StepBuffer:
             at = len(noted)
             noted.extend([dataclasses.replace(e, parts=tuple(p + at for p in e.parts)) for e in entries])
         if first:
-            _tf_internal.at_trace_end(graph, lambda: self._finish(key))
+            _tf_internal.at_trace_end(graph, lambda: self._finish(graph))
+
+    def add_in_body(self, entries: list[Entry]) -> None:
+        """Commits ``entries`` of a call in a loop or ``tf.cond`` body of a
+        traced step where the call is: each loop iteration appends its own
+        rows, at the step read in that iteration, and one holding a NaN or
+        an Inf is written at once."""
+        writer = self._writer()
+        if writer is None:
+            return
+        with writer.as_default(), tf.summary.record_if(True):
+            rows, bad = _rows_of(entries, self._neginf_ok)
+            self._commit(writer, rows, bad, force=False)
+        with self._lock:
+            self._bodies.add(id(_tf_internal.enclosing_step_graph()))
 
     @tf.autograph.experimental.do_not_convert
-    def _finish(self, key: int) -> list:
+    def _finish(self, graph) -> list:
         """The ops of one trace's records: computed, buffered, written when due."""
         with self._lock:
-            entries = self._open.pop(key)
+            entries = self._open.pop(id(graph))
+            in_bodies = id(graph) in self._bodies
+            self._bodies.discard(id(graph))
         writer = self._writer()
         if writer is None or not entries:
             return []
+        # Made after the trace's automatic control dependencies: ordered by
+        # hand after the loops and conds whose calls committed rows.
+        after = [op for op in graph.get_operations() if op._is_stateful] if in_bodies else []  # noqa: SLF001
         # Rows are kept where summaries were recorded at their call; once
         # kept, they are written whatever record_if says at the end.
-        with writer.as_default(), tf.summary.record_if(True):
-            vecs = _records(entries)
-            index = np.array([e.index for e in entries])
-            steps = tf.cast(tf.stack([e.step for e in entries]), tf.float64)
-            rows = tf.concat([tf.constant(index, tf.float64)[:, None], steps[:, None], vecs], axis=1)
-            bad = tf.reduce_sum(tf.gather(rows, _NONFINITE, axis=1) * _nonfinite_weights(self._neginf_ok[index]), 1) > 0
-            keep = tf.stack([e.record for e in entries])
-            rows = tf.boolean_mask(rows, keep)
-            written = self._commit(writer, rows, tf.reduce_any(bad & keep), force=False)
+        with writer.as_default(), tf.summary.record_if(True), tf.control_dependencies(after):
+            rows, bad = _rows_of(entries, self._neginf_ok)
+            written = self._commit(writer, rows, bad, force=False)
         return [written.op]
 
     def _commit(self, writer, rows: tf.Tensor, bad: tf.Tensor, force: bool) -> tf.Tensor:
         """Adds ``rows`` (one step's, maybe none) to the buffer; writes it when due."""
         old, c, since = self._rows.read_value(), self._counts.read_value(), self._since.read_value()
         rows_all = tf.concat([old, rows], 0)
-        adds = c[0] + tf.cast(tf.shape(rows)[0] > 0, tf.int64)
+        # A step counts once, however many commits hold its rows (a loop body's calls).
+        last = tf.concat([tf.constant([np.nan], tf.float64), old[:, 1]], 0)[-1]
+        first = tf.concat([rows[:, 1], tf.constant([np.nan], tf.float64)], 0)[0]
+        adds = c[0] + tf.cast((tf.shape(rows)[0] > 0) & ~tf.equal(first, last), tf.int64)
         now = _tf_internal.wall_clock()
         since = tf.where(c[0] > 0, since, now)
         due = tf.shape(rows_all)[0] > 0
@@ -239,10 +267,25 @@ def _nonfinite_weights(neginf_ok: np.ndarray) -> np.ndarray:
     return w
 
 
+def _rows_of(entries: list[Entry], neginf_ok: np.ndarray) -> tuple[tf.Tensor, tf.Tensor]:
+    """The rows of ``entries`` (table index, step, record) where summaries
+    were recorded at their call, and whether one holds a NaN or an Inf
+    that is not intended."""
+    vecs = _records(entries)
+    index = np.array([e.index for e in entries])
+    steps = tf.cast(tf.stack([e.step for e in entries]), tf.float64)
+    rows = tf.concat([tf.constant(index, tf.float64)[:, None], steps[:, None], vecs], axis=1)
+    bad = tf.reduce_sum(tf.gather(rows, _NONFINITE, axis=1) * _nonfinite_weights(neginf_ok[index]), 1) > 0
+    keep = tf.stack([e.record for e in entries])
+    return tf.boolean_mask(rows, keep), tf.reduce_any(bad & keep)
+
+
 def _records(entries: list[Entry]) -> tf.Tensor:
     """The records ``[k, NUM_FIELDS]`` of a trace's entries."""
     vecs: list[tf.Tensor | None] = [None] * len(entries)
-    small = [i for i, e in enumerate(entries) if e.x is not None and stats.is_small(e.x)]
+    # A lone tensor (a call in a loop body) is one cached tensor_stats call:
+    # many_stats' segment reduction costs more to trace at every such call.
+    small = [i for i, e in enumerate(entries) if e.x is not None and stats.is_small(e.x)] if len(entries) > 1 else []
     if small:
         many = stats.many_stats([entries[i].x for i in small], [entries[i].dtype for i in small])
         for j, i in enumerate(small):

@@ -7,14 +7,15 @@ tensor inside ``tf.function``, as ``tf.summary.write`` does), honour an outer
 same records. As with every ``tf.summary`` op, a ``tf.function`` captures the
 default writer when it is traced: create the writer before the first call.
 
-Inside a ``tf.function``, calls at the function's top level (not in a
-``tf.cond`` or loop body, not under a ``tf.distribute`` replica context,
-without ``every_n_steps``) only note their tensor: when the trace ends, the
-step's records are computed together and written packed, many steps per
-event, by ``step_buffer`` (one write per step, a few kernels for all small
-tensors; a step with a NaN or an Inf is on disk at once). Such a call returns
-whether summaries are recorded. The other calls write their record at once,
-one event per record, as follows.
+Inside a ``tf.function``, calls at the function's top level (not under a
+``tf.distribute`` replica context, without ``every_n_steps``) only note
+their tensor: when the trace ends, the step's records are computed together
+and written packed, many steps per event, by ``step_buffer`` (one write per
+step, a few kernels for all small tensors; a step with a NaN or an Inf is
+on disk at once). Calls in a ``tf.cond`` or loop body are packed too, each
+committed where it is (``step_buffer.StepBuffer.add_in_body``). Such a call
+returns whether summaries are recorded. The other calls write their record
+at once, one event per record, as follows.
 
 Per writer and tag, small state lives in TensorFlow variables (created under
 ``tf.init_scope``, so a traced step can update them on every call):
@@ -30,9 +31,10 @@ Per writer and tag, small state lives in TensorFlow variables (created under
   again in a step (micro-batches, a loop body) writes the step's further
   records as repeats (``_write_repeat``), since TensorBoard's Rust data
   server keeps one event per tag and step;
-* for ``every_n_steps``: the previous step and its statistics, and whether
-  this tag already had a non-finite record (``latch.decide``), so that the
-  first non-finite step and the last step before it are written whatever N is.
+* for ``every_n_steps``: the previous step and its statistics, and the kinds
+  of non-finite values (NaN, +Inf, -Inf) this tag's records held so far
+  (``latch.decide``), so that the first step of each kind and the step
+  before it are written whatever N is.
 
 The position of a tag in the step's execution order is the order in which
 tags are first seen by a writer, at trace time inside ``tf.function``
@@ -75,6 +77,7 @@ __all__ = [
     "gradients_squared_by",
     "log_gradients",
     "log_numerics",
+    "read_step",
     "write_stats",
 ]
 
@@ -194,18 +197,22 @@ def _packed(writer, step: tf.Tensor, every_n: int | None, items: list, norm=None
     if every_n is not None or stats.replica_context() is not None:
         return None
     graph = step_buffer.traced_step_graph()
-    if graph is None and not tf.executing_eagerly():
+    body = None if graph is not None else step_buffer.traced_body_graph()
+    if graph is None and body is None and not tf.executing_eagerly():
         return None
     record = tf.summary.should_record_summaries()
     buf = _step_buffer(writer)
     index = [buf.index_of(st.tag, st.info) for st, _, _ in items]
     norm_index = None if norm is None else buf.index_of(norm[0].tag, norm[0].info)
-    if graph is not None:
+    if graph is not None or body is not None:
         entries = [step_buffer.Entry(i, step, record, x=x, dtype=dt) for i, (_, x, dt) in zip(index, items)]
         if norm is not None:
             combine = lambda vecs: global_norm_record(vecs, norm[1])  # noqa: E731
             entries.append(step_buffer.Entry(norm_index, step, record, parts=tuple(range(len(items))), combine=combine))
-        buf.add(graph, entries)
+        if graph is not None:
+            buf.add(graph, entries)
+        else:
+            buf.add_in_body(entries)
         return record
     if not bool(record):
         return record
@@ -238,6 +245,21 @@ def _position(step: tf.Tensor) -> tuple:
     return ("graph", weakref.ref(graph))
 
 
+def read_step(step) -> tf.Tensor:
+    """``step`` (an int, a tensor, a ``tf.Variable`` or a Keras variable) as
+    an int64 tensor read here, where the call is, as ``tf.summary.write``
+    reads it.
+
+    A variable step is read at the call, ordered by automatic control
+    dependencies before a later ``assign_add`` in the same step function;
+    what is computed later from the returned tensor (a packed record made
+    when the trace ends) keeps the value the call saw. ``tf.cast`` alone
+    returns an int64 variable unchanged, to be read wherever it is used:
+    one step late.
+    """
+    return tf.cast(tf.convert_to_tensor(step), tf.int64)
+
+
 def _resolve_step(step) -> tf.Tensor:
     if step is None:
         step = tf.summary.experimental.get_step()
@@ -245,7 +267,7 @@ def _resolve_step(step) -> tf.Tensor:
             raise ValueError(
                 "No step set. Pass step= or call tf.summary.experimental.set_step()"
             )
-    return tf.cast(step, tf.int64)
+    return read_step(step)
 
 
 def default_role(name: str) -> str:
@@ -320,11 +342,13 @@ def _info_for(x: tf.Tensor, role: str, description: str | None, dtype: str, negi
     return make
 
 
-def _nonfinite(vec: tf.Tensor, neginf_ok: bool) -> tf.Tensor:
-    """Whether a record holds a NaN or an Inf that is not intended (as
-    ``records.nonfinite_count``)."""
-    fields = ["nan", "posinf"] + ([] if neginf_ok else ["neginf"])
-    return tf.reduce_sum(tf.gather(vec, [F[k] for k in fields])) > 0
+def _kinds(vec: tf.Tensor, neginf_ok: bool) -> tf.Tensor:
+    """The int64 mask (``latch.KIND_BITS``) of the kinds of non-finite
+    values a record holds that are not intended: the TensorFlow twin of
+    ``latch.kinds``."""
+    bits = {k: b for k, b in latch.KIND_BITS.items() if not (neginf_ok and k == "neginf")}
+    present = tf.cast(tf.gather(vec, [F[k] for k in bits]) > 0, tf.int64)
+    return tf.reduce_sum(present * tf.constant(list(bits.values()), tf.int64))
 
 
 def _write(st: _TagState, stats_vec: tf.Tensor, step: tf.Tensor) -> tf.Tensor:
@@ -397,16 +421,15 @@ def _record(st: _TagState, stats_vec: tf.Tensor, step: tf.Tensor, every_n: int |
         return _write(st, stats_vec, step)
     prev_step = st.var("prev_step", np.int64(latch.NO_PREVIOUS_STEP))
     prev_stats = st.var("prev_stats", np.zeros(metadata.NUM_FIELDS, np.float64))
-    latched = st.var("latched", False)
+    seen = st.var("kinds_seen", np.int64(latch.NO_KINDS))
     p_step, p_stats = prev_step.read_value(), prev_stats.read_value()
-    nonfinite = _nonfinite(stats_vec, st.info.neginf_ok)
-    d = latch.decide(step, p_step, nonfinite, latched.read_value(), every_n)
+    d = latch.decide(step, p_step, _kinds(stats_vec, st.info.neginf_ok), seen.read_value(), every_n)
     no = lambda: tf.constant(False)  # noqa: E731
     wrote_prev = tf.cond(d.write_prev, lambda: _write(st, p_stats, p_step), no)
     with tf.control_dependencies([wrote_prev]):
         wrote_now = tf.cond(d.write_now, lambda: _write(st, stats_vec, step), no)
     with tf.control_dependencies([wrote_now]):
-        updates = [prev_step.assign(step), prev_stats.assign(stats_vec), latched.assign(d.latched)]
+        updates = [prev_step.assign(step), prev_stats.assign(stats_vec), seen.assign(d.seen)]
     with tf.control_dependencies(updates):
         return tf.logical_or(wrote_prev, wrote_now)
 

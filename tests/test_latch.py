@@ -9,29 +9,38 @@ from tb_numerics import latch
 pytestmark = pytest.mark.unit
 
 
+NAN, POSINF, NEGINF = (latch.KIND_BITS[k] for k in ("nan", "posinf", "neginf"))
+
+
+def _kinds(bad):
+    """A record's kinds mask: a bool (True: a NaN) or a mask."""
+    return (NAN if bad else latch.NO_KINDS) if isinstance(bad, bool) else bad
+
+
 def run_host(steps, bad, every_n):
     """The decisions of a sequence of records, on the host."""
-    prev, latched, out = latch.NO_PREVIOUS_STEP, False, []
-    for step, nonfinite in zip(steps, bad):
-        d = latch.decide(step, prev, nonfinite, latched, every_n)
+    prev, seen, out = latch.NO_PREVIOUS_STEP, latch.NO_KINDS, []
+    for step, kinds in zip(steps, bad):
+        d = latch.decide(step, prev, _kinds(kinds), seen, every_n)
         out.append((bool(d.write_now), bool(d.write_prev)))
-        prev, latched = step, d.latched
+        prev, seen = step, d.seen
     return out
 
 
 def run_graph(steps, bad, every_n):
     """The same in a tf.function, with its state in variables."""
     prev = tf.Variable(np.int64(latch.NO_PREVIOUS_STEP))
-    latched = tf.Variable(False)
+    seen = tf.Variable(np.int64(latch.NO_KINDS))
 
     @tf.function
-    def one(step, nonfinite):
-        d = latch.decide(step, prev.read_value(), nonfinite, latched.read_value(), every_n)
+    def one(step, kinds):
+        d = latch.decide(step, prev.read_value(), kinds, seen.read_value(), every_n)
         prev.assign(step)
-        latched.assign(d.latched)
+        seen.assign(d.seen)
         return tf.stack([d.write_now, d.write_prev])
 
-    return [tuple(one(tf.constant(s, tf.int64), tf.constant(b)).numpy().tolist()) for s, b in zip(steps, bad)]
+    return [tuple(one(tf.constant(s, tf.int64), tf.constant(_kinds(b), tf.int64)).numpy().tolist())
+            for s, b in zip(steps, bad)]
 
 
 def written(steps, decisions):
@@ -68,12 +77,27 @@ def test_steps_going_back_do_not_write_a_later_step_as_the_one_before():
     assert run_host(steps, [False, True], 5) == [(False, False), (True, False)]
 
 
+def test_a_new_kind_of_nonfinite_value_is_written_whatever_n():
+    # -Inf every step (intended, but only the reader knows), a NaN at 13, +Inf at 17, a NaN again at 18.
+    steps = list(range(20))
+    kinds = [NEGINF | (NAN if s in (13, 18) else 0) | (POSINF if s == 17 else 0) for s in steps]
+    assert written(steps, run_host(steps, kinds, 5)) == [0, 5, 10, 12, 13, 15, 16, 17]
+    assert run_host(steps, kinds, 5) == run_graph(steps, kinds, 5)
+
+
+def test_kinds_of_host_records():
+    assert latch.kinds([0, 0], [0, 0], [0, 0]) == latch.NO_KINDS
+    assert latch.kinds([0, 2], [0, 0], [1, 0]) == NAN | NEGINF
+    # An intended -Inf is left out, per record.
+    assert latch.kinds([0, 0], [0, 0], [1, 3], neginf_ok=[True, True]) == latch.NO_KINDS
+    assert latch.kinds([0, 0], [1, 0], [1, 3], neginf_ok=[True, False]) == POSINF | NEGINF
+
+
 def test_python_and_numpy_arguments_agree():
-    # ~True is -2 on a Python bool: decide must not use it as a flag.
-    d = latch.decide(6, 4, False, True, 5)
-    assert (bool(d.write_now), bool(d.write_prev), bool(d.latched)) == (False, False, True)
-    d = latch.decide(np.int64(6), np.int64(4), np.bool_(True), np.bool_(False), 5)
-    assert (bool(d.write_now), bool(d.write_prev), bool(d.latched)) == (True, True, True)
+    d = latch.decide(6, 4, latch.NO_KINDS, NAN, 5)
+    assert (bool(d.write_now), bool(d.write_prev), int(d.seen)) == (False, False, NAN)
+    d = latch.decide(np.int64(6), np.int64(4), np.int64(NAN), np.int64(latch.NO_KINDS), 5)
+    assert (bool(d.write_now), bool(d.write_prev), int(d.seen)) == (True, True, NAN)
 
 
 @pytest.mark.parametrize("every_n", [1, 3, 7])

@@ -244,3 +244,39 @@ def test_eager_steps_are_packed_and_a_nan_step_is_on_disk_at_once(tmp_path):
     assert recs["loss"][1][2, F["nan"]] == 1
     assert recs["dense/output"][1][4, F["max"]] == 4.0
     assert len(events(tmp_path)) == 2  # steps 0-2 at the NaN, 3-4 on close
+
+
+def test_a_whole_loop_in_one_function_is_packed_and_a_nan_step_is_on_disk_at_once(tmp_path):
+    on_disk = []  # (iteration, the loss steps on disk) as the loop runs
+
+    def look(i):
+        if int(i) in (6, 8):  # before the NaN step, and the iteration after it
+            on_disk.append((int(i), read(tmp_path).get("loss", ([],))[0]))
+        return np.int64(0)
+
+    @tf.function
+    def train(n):
+        for i in tf.range(n, dtype=tf.int64):  # TPU-style: the steps' loop in one tf.function
+            h = X
+            for tag in TAGS:
+                h = tf.tanh(h) + 0.5
+                tbn.log_numerics(tag, h, step=i)
+            tbn.log_numerics("loss", tf.reduce_sum(h) * tf.where(tf.equal(i, 7), np.nan, 1.0), step=i)
+            tf.numpy_function(look, [i], tf.int64, stateful=True)
+
+    writer = tf.summary.create_file_writer(str(tmp_path))
+    with writer.as_default():
+        train(tf.constant(12, tf.int64))
+    writer.close()
+    # The NaN step is on disk before the next iteration (whose inputs wait for it) starts.
+    assert on_disk == [(6, []), (8, list(range(8)))]
+    evs = events(tmp_path)  # steps 0-7, written at the NaN; 8-11 at close
+    assert len(evs) == 2 and all(packed.is_block_tag(e.summary.value[0].tag) for e in evs)
+    recs = read(tmp_path)
+    h = X
+    for tag in TAGS:
+        h = tf.tanh(h) + 0.5
+        steps, values = recs[tag]
+        assert steps == list(range(12))
+        np.testing.assert_allclose(values[3], numpy_stats(h.numpy()), rtol=1e-5)
+    assert recs["loss"][1][7, F["nan"]] == 1 and recs["loss"][1][:, F["nan"]].sum() == 1

@@ -14,6 +14,7 @@ import tb_numerics as tbn
 from tb_numerics import cli, event_reader, metadata, records, stats, summary
 from tb_numerics.records import numpy_stats
 
+import step_oracle
 import two_replicas
 
 pytestmark = pytest.mark.e2e
@@ -323,12 +324,33 @@ _DISTRIBUTED = """
         "h": numpy_stats(np.concatenate([p.reshape(-1) for p in parts])).tolist(),
         "gradients/v": numpy_stats(np.concatenate([p[0] for p in parts])).tolist(),
     }
+
+    # A tf.Variable step incremented after strategy.run, with tf.summary's
+    # own scalar beside the call as the oracle of the step (step_oracle).
+    counter = tf.Variable(0, dtype=tf.int64)
+    steps_writer = tf.summary.create_file_writer(sys.argv[1] + "/steps")
+
+    def stepped(x):
+        tbn.log_numerics("t", x, step=counter)
+        tf.summary.scalar("oracle", tf.reduce_max(x), step=counter)
+
+    @tf.function
+    def counted_step(x):
+        strategy.run(stepped, (x,))
+        counter.assign_add(1)
+
+    with steps_writer.as_default():
+        for i in range(3):
+            counted_step(strategy.experimental_distribute_values_from_function(
+                lambda ctx: tf.constant([float(i), -1.0 - ctx.replica_id_in_sync_group])))
+    steps_writer.close()
     print(json.dumps({"got": got, "want": want}))
     """
 
 
 def test_mirrored_strategy_combines_replicas_into_one_record(tmp_path):
     res = two_replicas.run(_DISTRIBUTED, str(tmp_path))
+    step_oracle.assert_steps_agree(str(tmp_path / "steps"))
     for tag in ("h", "gradients/v"):
         steps, values = res["got"][tag]
         assert steps == [0], (tag, steps)  # one record, not one per replica
@@ -341,14 +363,14 @@ def test_mirrored_strategy_combines_replicas_into_one_record(tmp_path):
     assert np.array(res["got"]["h"][1][0])[F["count"]] == 16
 
 
-def cli_json(logdir):
-    """``tb-numerics report --json LOGDIR``, run in-process: (exit status, runs)."""
+def cli_json(logdir, *flags):
+    """``tb-numerics report --json [FLAGS] LOGDIR``, run in-process: (exit status, runs)."""
     import contextlib
     import io
 
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        status = cli.main(["report", "--json", str(logdir)])
+        status = cli.main(["report", "--json", *flags, str(logdir)])
     return status, json.loads(out.getvalue())["runs"]
 
 
@@ -378,6 +400,26 @@ def test_intended_neginf_is_not_the_latchs_first_nonfinite_step(tmp_path, graph)
     assert steps == [0, 2, 3, 5, 10]
     bad = records.nonfinite_count(np.asarray(values), info.neginf_ok) > 0
     assert [s for s, b in zip(steps, bad) if b] == [3]
+
+
+def test_a_new_kind_of_nonfinite_value_is_written_whatever_n(tmp_path):
+    # -Inf that only the CLI is told about (--allow-neginf), a NaN at step 3, +Inf at step 7.
+    @tf.function
+    def body(x, step):
+        return tbn.log_numerics("attn/mask", x, step=step, every_n_steps=5)
+
+    writer = tf.summary.create_file_writer(str(tmp_path))
+    with writer.as_default():
+        for s in range(12):
+            m = _mask(s)
+            m[0] = np.inf if s == 7 else 0.0
+            body(tf.constant(m), tf.constant(s, tf.int64))
+    writer.close()
+    _, steps, _ = read(tmp_path)["attn/mask"]
+    assert steps == [0, 2, 3, 5, 6, 7, 10]  # each new kind with the step before it
+    status, runs = cli_json(tmp_path, "--allow-neginf", "attn/*")
+    a = runs[0]["first_anomaly"]
+    assert status == 1 and (a["step"], a["nan"], a["last_healthy_step"]) == (3, 1, 2)
 
 
 def test_write_stats_latch_applies_the_infos_intended_neginf(tmp_path):
