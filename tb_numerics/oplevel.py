@@ -346,7 +346,10 @@ class OpNumerics:
             return None
         self._local.busy = True
         try:
-            return self._record(st, _Op(op_type, op_name, graph, inputs, outputs), picked)
+            # An eager op reports the ``name=`` its caller passed (Keras'
+            # BatchNormalization names its moments so): it has no graph op name.
+            name = op_name if graph is not None else None
+            return self._record(st, _Op(op_type, name, graph, inputs, outputs), picked)
         finally:
             self._local.busy = False
 
