@@ -116,10 +116,18 @@ class StepReplay:
         """Copies the step's batch, and its seed generators' states as it began,
         into buffers where ``bad`` (inside the traced step): a healthy step
         copies nothing. Under several replicas, each replica its own part, on
-        its own verdict, into buffers of its own."""
+        its own verdict, into buffers of its own. A batch it cannot keep
+        leaves the step as it was, and the replay says why."""
+        try:
+            self._keep_if(bad, data, step)
+        except (TypeError, ValueError) as e:
+            self.why_not = "the replay could not keep the step's batch: %s" % _error_text(e)
+
+    def _keep_if(self, bad: tf.Tensor, data: Any, step: tf.Tensor) -> None:
         replica = _replica_id()
         data = (data, list(self._seeds_at_start))
-        leaves = [tf.convert_to_tensor(t) for t in tf.nest.flatten(data)]
+        # Ragged and sparse leaves as their component tensors.
+        leaves = [tf.convert_to_tensor(t) for t in tf.nest.flatten(data, expand_composites=True)]
         key = (replica,) + tuple(
             (t.dtype.name, tuple(t.shape.as_list()) if t.shape.rank is not None else None) for t in leaves)
         if key not in self._sets:
@@ -148,7 +156,7 @@ class StepReplay:
         if last is None or int(self._step[replica].numpy()) != step:
             return None
         structure, buffers = self._sets[self._order[int(last.numpy())]]
-        return tf.nest.pack_sequence_as(structure, [b.read_value() for b in buffers])
+        return tf.nest.pack_sequence_as(structure, [b.read_value() for b in buffers], expand_composites=True)
 
     def replay(self, step: int, train_step: Callable[[Any], Any], replica: int | None = None,
                check: Callable[[], str | None] | None = None) -> dict[str, Any]:
@@ -249,10 +257,12 @@ def _error_text(e: BaseException) -> str:
 def _buffer(t: tf.Tensor) -> tf.Variable:
     """A variable for one leaf of the batch: of its static shape where that is
     known (XLA keeps a variable's shape), else of any shape."""
-    dtype = t.dtype.as_numpy_dtype
+    zero = b"" if t.dtype == tf.string else 0  # a string input (StringLookup, TextVectorization)
     if t.shape.is_fully_defined():
-        return _tf_internal.untracked_variable(np.zeros(t.shape.as_list(), dtype), "tb_numerics_batch")
-    return _tf_internal.untracked_variable(np.zeros([0], dtype), "tb_numerics_batch", shape=tf.TensorShape(None))
+        initial = np.full(t.shape.as_list(), zero, t.dtype.as_numpy_dtype)
+        return _tf_internal.untracked_variable(initial, "tb_numerics_batch")
+    initial = np.full([0], zero, t.dtype.as_numpy_dtype)
+    return _tf_internal.untracked_variable(initial, "tb_numerics_batch", shape=tf.TensorShape(None))
 
 
 def _replica_id() -> int:

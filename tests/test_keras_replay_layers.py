@@ -65,6 +65,14 @@ def _sequence():
     return keras.Model(tokens, keras.layers.Dense(1)(LogRelu()(h)))
 
 
+def _strings():
+    """String inputs through StringLookup and CategoryEncoding."""
+    return keras.Sequential([
+        keras.Input((3,), dtype="string"), keras.layers.StringLookup(vocabulary=["a", "b", "c"]),
+        keras.layers.CategoryEncoding(5, output_mode="multi_hot"), keras.layers.Dense(3), LogRelu(),
+        keras.layers.Dense(1)])
+
+
 def _dropout():
     return keras.Sequential([keras.Input((4,)), keras.layers.Dense(3), MaskDiv(), keras.layers.Dense(1)])
 
@@ -73,12 +81,15 @@ def _dropout():
 MODELS = {
     "cnn": (_cnn, "image", "LOG", "Log"),
     "sequence": (_sequence, "tokens", "LOG", "Log"),
+    "strings": (_strings, "strings", "LOG", "Log"),
     "dropout": (_dropout, "vector", "MASK_DIV", "RealDiv"),
 }
 
 
-def _inputs(kind: str, n: int) -> np.ndarray:
+def _inputs(kind: str, n: int):
     rs = np.random.RandomState(0)
+    if kind == "strings":
+        return tf.constant([["a", "b", "z"], ["c", "a", "a"]] * (n // 2))
     shape = {"image": (n, 4, 4, 1), "vector": (n, 4)}.get(kind)
     return rs.randint(0, 10, (n, 4)).astype("int32") if kind == "tokens" else rs.randn(*shape).astype("float32")
 
@@ -131,8 +142,8 @@ def fitted(tmp_path_factory):
 
 
 # XLA on the CNN only: each compiled training costs 3-5 times a graph one here.
-@pytest.mark.parametrize("name, jit", [("cnn", False), ("cnn", True), ("sequence", False)],
-                         ids=["cnn-graph", "cnn-xla", "sequence-graph"])
+@pytest.mark.parametrize("name, jit", [("cnn", False), ("cnn", True), ("sequence", False), ("strings", False)],
+                         ids=["cnn-graph", "cnn-xla", "sequence-graph", "strings-graph"])
 def test_the_replay_names_the_op_and_line_through_builtin_layers(fitted, name, jit):
     _, _, marker, op_type = MODELS[name]
     a = fitted(name, jit)["anomaly"]
