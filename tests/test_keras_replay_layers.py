@@ -58,7 +58,7 @@ def _cnn():
 
 def _sequence():
     """A Transformer block (Embedding, MultiHeadAttention, LayerNormalization), then an LSTM and a GRU."""
-    tokens = keras.Input((4,), dtype="int32")
+    tokens = keras.Input((2,), dtype="int32")
     h = keras.layers.Embedding(10, 4)(tokens)
     h = keras.layers.LayerNormalization()(h + keras.layers.MultiHeadAttention(2, 2)(h, h))
     h = keras.layers.GRU(3)(keras.layers.LSTM(3, return_sequences=True)(h))
@@ -91,7 +91,7 @@ def _inputs(kind: str, n: int):
     if kind == "strings":
         return tf.constant([["a", "b", "z"], ["c", "a", "a"]] * (n // 2))
     shape = {"image": (n, 4, 4, 1), "vector": (n, 4)}.get(kind)
-    return rs.randint(0, 10, (n, 4)).astype("int32") if kind == "tokens" else rs.randn(*shape).astype("float32")
+    return rs.randint(0, 10, (n, 2)).astype("int32") if kind == "tokens" else rs.randn(*shape).astype("float32")
 
 
 def _state(model) -> list[np.ndarray]:
