@@ -27,7 +27,18 @@ op and source line (issue 14). What a replay needs, and how it is kept:
 
 The replay runs the model's own ``train_step`` (a custom one too) with the
 optimizer's update suppressed, and puts back every non-trainable variable
-and metric it touched (BatchNorm's moving statistics, the loss tracker).
+and metric it touched (BatchNorm's moving statistics, the loss tracker, the
+seed generators). Keras' random layers (Dropout, the dropout of attention
+and RNN cells, GaussianNoise, random augmentation) draw stateless values
+from a ``keras.random.SeedGenerator`` whose state advances every step; the
+kept batch carries those states as the step began, and the replay starts
+from them, so it draws the step's own masks. TensorFlow's stateful random
+ops (``tf.nn.dropout``, ``tf.random.uniform``) cannot be rewound: where
+they made the failure, the replay does not reproduce it, and ``check``
+(the callback's comparison of the replay's layer records with the step's)
+turns a replay that went bad elsewhere than the step into "not reproduced"
+rather than a wrong op. Whatever a replay raises, training goes on: the
+verdict says why.
 Under several replicas it runs once, outside ``strategy.run``, on the part
 of the batch of the replica whose records went bad (the callback says
 which), and the verdict names that replica (``"replica"``). There the loss
@@ -44,6 +55,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import json
+import logging
+import re
 from typing import Any, Callable
 
 import numpy as np
@@ -51,13 +64,26 @@ import tensorflow as tf
 
 from tb_numerics import _tf_internal, metadata, records, stats
 
-__all__ = ["REPLAY_TAG", "StepReplay"]
+__all__ = ["REPLAY_TAG", "StepReplay", "seed_states"]
 
 REPLAY_TAG = metadata.REPLAY_TAG
 
+# The name keras.random.SeedGenerator gives its state variable.
+_SEED_STATE = "seed_generator_state"
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_MAX_WHY = 600  # characters of an error's message in a verdict
+
+_log = logging.getLogger(__name__)
+
 _NOT_REPRODUCED = (
-    "every op output was finite when the step ran again eagerly without XLA: dropout or a random "
-    "data pipeline drew other values, or XLA computed the step differently; the layer-level answer stands"
+    "every op output was finite when the step ran again eagerly without XLA: a TensorFlow random op "
+    "(tf.nn.dropout, tf.random.*; Keras' seeded layers draw the step's own values) or a random data pipeline "
+    "drew other values, or XLA computed the step differently; the layer-level answer stands"
+)
+
+_XLA_DRAWS = (
+    "the step ran under XLA, whose random numbers differ from TensorFlow's eager kernels for the same seed, so "
+    "the replay, eager, could not redraw its Keras random values (dropout masks); the layer-level answer stands"
 )
 
 
@@ -76,13 +102,32 @@ class StepReplay:
         self._step: dict[int, tf.Variable] = {}  # per replica: the step whose batch is kept
         self.why_not: str | None = None  # set where a replay cannot run
         self.active = False  # True while the replay runs the step
+        self._seeds = seed_states(model)
+        # Under XLA, Keras' random layers drew values the eager replay cannot redraw.
+        self._xla_draws = bool(self._seeds) and getattr(model, "jit_compile", False) is True
+        self._seeds_at_start: list[tf.Tensor] = []  # of the step being traced
+
+    def step_begins(self) -> None:
+        """Reads the seed generators' states as the step being traced begins
+        (before its random layers advance them), for ``keep_if``."""
+        self._seeds_at_start = [tf.convert_to_tensor(v) for v in self._seeds]
 
     def keep_if(self, bad: tf.Tensor, data: Any, step: tf.Tensor) -> None:
-        """Copies the step's batch into buffers where ``bad`` (inside the traced
-        step): a healthy step copies nothing. Under several replicas, each
-        replica its own part, on its own verdict, into buffers of its own."""
+        """Copies the step's batch, and its seed generators' states as it began,
+        into buffers where ``bad`` (inside the traced step): a healthy step
+        copies nothing. Under several replicas, each replica its own part, on
+        its own verdict, into buffers of its own. A batch it cannot keep
+        leaves the step as it was, and the replay says why."""
+        try:
+            self._keep_if(bad, data, step)
+        except (TypeError, ValueError) as e:
+            self.why_not = "the replay could not keep the step's batch: %s" % _error_text(e)
+
+    def _keep_if(self, bad: tf.Tensor, data: Any, step: tf.Tensor) -> None:
         replica = _replica_id()
-        leaves = [tf.convert_to_tensor(t) for t in tf.nest.flatten(data)]
+        data = (data, list(self._seeds_at_start))
+        # Ragged and sparse leaves as their component tensors.
+        leaves = [tf.convert_to_tensor(t) for t in tf.nest.flatten(data, expand_composites=True)]
         key = (replica,) + tuple(
             (t.dtype.name, tuple(t.shape.as_list()) if t.shape.rank is not None else None) for t in leaves)
         if key not in self._sets:
@@ -104,51 +149,75 @@ class StepReplay:
 
         tf.cond(bad, copy, lambda: tf.constant(False))
 
-    def batch(self, step: int, replica: int = 0) -> Any:
-        """The batch of ``step`` (``replica``'s part of it), as the step received
-        it; None where none was kept for that step."""
+    def _kept(self, step: int, replica: int) -> tuple[Any, list[tf.Tensor]] | None:
+        """(batch, seed generators' states as the step began) of ``step``; None
+        where none was kept for that step."""
         last = self._last.get(replica)
         if last is None or int(self._step[replica].numpy()) != step:
             return None
         structure, buffers = self._sets[self._order[int(last.numpy())]]
-        return tf.nest.pack_sequence_as(structure, [b.read_value() for b in buffers])
+        return tf.nest.pack_sequence_as(structure, [b.read_value() for b in buffers], expand_composites=True)
 
-    def replay(self, step: int, train_step: Callable[[Any], Any], replica: int | None = None) -> dict[str, Any]:
+    def replay(self, step: int, train_step: Callable[[Any], Any], replica: int | None = None,
+               check: Callable[[], str | None] | None = None) -> dict[str, Any]:
         """Runs ``train_step`` on the kept batch once more at op level, at
         ``step``; writes and returns the verdict (``first_anomaly.replay``).
+        It never raises: a replay that fails says why in the verdict.
 
-        ``replica``: under several replicas, the one whose part of the batch
-        to replay (the verdict names it); None on one device.
+        Args:
+          step: the step that went bad.
+          train_step: the model's training step (its update suppressed).
+          replica: under several replicas, the one whose part of the batch
+            to replay (the verdict names it); None on one device.
+          check: called after a replay that found a non-finite op: why the
+            replay computed other values than the step (the op would be the
+            wrong one), or None where they agree.
         """
         verdict: dict[str, Any] = {"step": int(step)}
         if replica is not None:
             verdict["replica"] = int(replica)
-        batch = None if self.why_not else self.batch(int(step), replica or 0)
-        if batch is None:
-            verdict.update(reproduced=False, why=self.why_not or "no batch was kept for this step: its layer "
-                           "outputs, loss and gradients were finite (it went bad in the update)")
-            return self._write(verdict)
+        try:
+            kept = None if self.why_not else self._kept(int(step), replica or 0)
+            if kept is None:
+                verdict.update(reproduced=False, why=self.why_not or "no batch was kept for this step: its layer "
+                               "outputs, loss and gradients were finite (it went bad in the update)")
+            else:
+                verdict.update(self._verdict(self._run(train_step, kept, int(step)), check))
+        except Exception as e:  # noqa: BLE001 - a replay must never stop training
+            verdict.update(reproduced=False, why="the replay raised %s" % _error_text(e))
+        return self._write(verdict)
+
+    def _run(self, train_step: Callable[[Any], Any], kept: tuple[Any, list[tf.Tensor]], step: int) -> Any:
+        """The first non-finite op of ``train_step`` on the kept batch, from the
+        seed states the step began with; every state it changes is put back."""
+        batch, seeds = kept
         saved = _state(self._model)
-        for m in getattr(self._model, "metrics", []):
-            m.reset_state()  # the failing step left a NaN in the loss tracker's total
         self.active = True
         try:
-            found = _outside_strategy_scope(self._replay_step, train_step, batch, int(step))
-        except Exception as e:  # noqa: BLE001 - a replay must never stop training
-            found, verdict["why"] = None, "the replay raised %s: %s" % (type(e).__name__, e)
+            for m in getattr(self._model, "metrics", []):
+                m.reset_state()  # the failing step left a NaN in the loss tracker's total
+            for var, value in zip(self._seeds, seeds):
+                var.assign(value)  # the step's own random draws (dropout masks)
+            return _outside_strategy_scope(self._replay_step, train_step, batch, step)
         finally:
             self.active = False
             for var, value in saved:
                 var.assign(value)
+
+    def _verdict(self, found: Any, check: Callable[[], str | None] | None) -> dict[str, Any]:
+        """``reproduced`` and ``op``, or ``why`` not, of a replay that found ``found``."""
         if found is None:
-            verdict.update(reproduced=False, why=verdict.get("why", _NOT_REPRODUCED))
-        elif any(i.get("nan") or i.get("posinf") or i.get("neginf") for i in found.to_json()["inputs"]):
+            return {"reproduced": False, "why": _XLA_DRAWS if self._xla_draws else _NOT_REPRODUCED}
+        if any(i.get("nan") or i.get("posinf") or i.get("neginf") for i in found.to_json()["inputs"]):
             # Not born in the step: it read a variable the failing step had already made non-finite.
-            verdict.update(reproduced=False, why="the first non-finite op (%s) read values that were already "
-                           "non-finite (a variable the failing step updated): %s" % (found.name, _NOT_REPRODUCED))
-        else:
-            verdict.update(reproduced=True, op=found.to_json())
-        return self._write(verdict)
+            return {"reproduced": False, "why": "the first non-finite op (%s) read values that were already "
+                    "non-finite (a variable the failing step updated): %s" % (found.name, _NOT_REPRODUCED)}
+        other = check() if check is not None else None
+        if other:
+            why = "the replay computed other values than the step: %s; the op it found (%s) may not be the " \
+                  "step's, so the layer-level answer stands" % (other, found.name)
+            return {"reproduced": False, "why": why + (" (%s)" % _XLA_DRAWS if self._xla_draws else "")}
+        return {"reproduced": True, "op": found.to_json()}
 
     def _replay_step(self, train_step: Callable[[Any], Any], batch: Any, step: int) -> Any:
         from tb_numerics import oplevel
@@ -163,18 +232,37 @@ class StepReplay:
         from tb_numerics import record_writer
 
         info = metadata.TensorInfo(role="other", op_type="Replay", description=json.dumps(verdict, default=_num))
-        with record_writer.NumericsRecordWriter(self._log_dir, filename_suffix=".verdict") as w:
-            w.write(REPLAY_TAG, verdict["step"], records.numpy_stats(np.zeros(0, np.float32)), info)
+        try:
+            with record_writer.NumericsRecordWriter(self._log_dir, filename_suffix=".verdict") as w:
+                w.write(REPLAY_TAG, verdict["step"], records.numpy_stats(np.zeros(0, np.float32)), info)
+        except Exception:  # noqa: BLE001 - nor may writing its verdict
+            _log.exception("tb_numerics: could not write the replay's verdict to %s", self._log_dir)
         return verdict
+
+
+def seed_states(model: Any) -> list[tf.Variable]:
+    """The state variables of the model's Keras seed generators (Dropout's,
+    an attention or RNN cell's dropout, GaussianNoise, random augmentation):
+    their values as a step begins decide its random draws."""
+    return [v for v in model.non_trainable_variables if v.name == _SEED_STATE]
+
+
+def _error_text(e: BaseException) -> str:
+    """``Type: message`` of an error on one line, without the terminal's colour
+    codes Keras puts in a layer's error, and cut to a readable length."""
+    text = " ".join(_ANSI.sub("", "%s: %s" % (type(e).__name__, e)).split())
+    return text if len(text) <= _MAX_WHY else text[: _MAX_WHY - 3] + "..."
 
 
 def _buffer(t: tf.Tensor) -> tf.Variable:
     """A variable for one leaf of the batch: of its static shape where that is
     known (XLA keeps a variable's shape), else of any shape."""
-    dtype = t.dtype.as_numpy_dtype
+    zero = b"" if t.dtype == tf.string else 0  # a string input (StringLookup, TextVectorization)
     if t.shape.is_fully_defined():
-        return _tf_internal.untracked_variable(np.zeros(t.shape.as_list(), dtype), "tb_numerics_batch")
-    return _tf_internal.untracked_variable(np.zeros([0], dtype), "tb_numerics_batch", shape=tf.TensorShape(None))
+        initial = np.full(t.shape.as_list(), zero, t.dtype.as_numpy_dtype)
+        return _tf_internal.untracked_variable(initial, "tb_numerics_batch")
+    initial = np.full([0], zero, t.dtype.as_numpy_dtype)
+    return _tf_internal.untracked_variable(initial, "tb_numerics_batch", shape=tf.TensorShape(None))
 
 
 def _replica_id() -> int:

@@ -70,6 +70,7 @@ class _Trace:
         # Each gradient's plain sum, as its statistics computed it (by variable index).
         self.grad_sums: dict[int, tf.Tensor] = {}
         self.data: Any = None  # the step's batch, kept for a replay if the step goes bad
+        self.grads: list[tuple[Any, Any]] = []  # a replay's (gradient, variable) pairs
 
 
 def _float_tensors(structure: Any) -> list[tf.Tensor]:
@@ -141,6 +142,12 @@ def _apply_if_all_finite(strategy, finite, grads, *, apply, variables) -> tf.Ten
         return tf.constant(True)
 
     return tf.cond(every, update, lambda: tf.constant(False))
+
+
+def _bad_rows(counts: np.ndarray, neginf_ok: np.ndarray) -> np.ndarray:
+    """Per row, whether its (NaN, +Inf, -Inf) counts (the last axis) hold a
+    non-finite value; an allowlisted row's -Inf does not count."""
+    return (counts[..., 0] > 0) | (counts[..., 1] > 0) | ((counts[..., 2] > 0) & ~neginf_ok)
 
 
 def _state_variable(initial_value: tf.Tensor) -> tf.Variable:
@@ -273,6 +280,7 @@ class NumericsCallback(keras.callbacks.Callback):
         # The replay's verdict on the first non-finite step, once it ran.
         self.replay_verdict: dict[str, Any] | None = None
         self._replay: _keras_replay.StepReplay | None = None
+        self._replay_trace = _Trace()  # what the last replay's layers made
         self._writer: record_writer.NumericsRecordWriter | None = None
         self._restore: list[Callable[[], None]] = []
         self._trace: _Trace | None = None
@@ -429,7 +437,15 @@ class NumericsCallback(keras.callbacks.Callback):
         @functools.wraps(train_step)
         def wrapped(data):
             if self._replay is not None and self._replay.active:
-                return train_step(data)  # replayed at op level: nothing recorded
+                # Replayed at op level: nothing recorded; what the layers made
+                # is kept to compare with the step's records.
+                self._trace = self._replay_trace = _Trace()
+                try:
+                    return train_step(data)
+                finally:
+                    self._trace = None
+            if self._replay is not None and not self._replay.why_not:
+                self._replay.step_begins()
             self._trace = _Trace()
             self._trace.data = data
             try:
@@ -462,6 +478,8 @@ class NumericsCallback(keras.callbacks.Callback):
         @functools.wraps(apply)
         def wrapped(grads, trainable_variables=None):
             if self._replay is not None and self._replay.active:
+                if self._trace is not None:
+                    self._trace.grads = list(zip(grads, trainable_variables or self.model.trainable_variables))
                 return None  # a replay never updates the weights
             trace = self._trace
             if trace is None:
@@ -838,7 +856,9 @@ class NumericsCallback(keras.callbacks.Callback):
             self.replay_verdict = {"step": step, "reproduced": False, "update_of_step": self._update_found}
         if self._replay is not None and self.replay_verdict is None:
             self._writer.flush()
-            self.replay_verdict = self._replay.replay(step, self.model.train_step, self._bad_replica())
+            replica = self._bad_replica()
+            self.replay_verdict = self._replay.replay(
+                step, self.model.train_step, replica, check=functools.partial(self._replay_differs, step_stats, replica))
         if not self.stop_on_anomaly:
             return False
         self._stop()
@@ -878,6 +898,52 @@ class NumericsCallback(keras.callbacks.Callback):
             return True
         return not self._lso and self._write_nonfinite_state(step - 1)
 
+    def _replay_differs(self, step_stats: np.ndarray, replica: int | None) -> str | None:
+        """Why the replay's layer outputs, loss and gradients disagree with the
+        step's records about where values first went non-finite (a random
+        op that drew other values in the replay), or None where they agree.
+
+        They agree where the step's first non-finite record (in execution
+        order) is non-finite in the replay too and none before it is. Later
+        records may differ: XLA's ReluGrad masks a NaN the eager one passes.
+        """
+        neginf_ok = self._neginf_ok_before_weights()
+        if replica is None:
+            counts = step_stats[: self._weight_row0, _NONFINITE]
+        else:  # that replica's own records
+            counts = self._replica_nonfinite.numpy()[replica]
+        in_step = _bad_rows(counts, neginf_ok)
+        if not in_step.any():
+            return None
+        first = int(np.argmax(in_step))
+        in_replay = self._replay_rows_nonfinite(neginf_ok)
+        if not in_replay[first]:
+            return "%s, the step's first non-finite record, was finite in the replay" % self._rows[first].tag
+        earlier = np.flatnonzero(in_replay[:first])
+        if earlier.size:
+            return "%s was non-finite in the replay, finite in the step, which first went bad at %s" % (
+                self._rows[int(earlier[0])].tag, self._rows[first].tag)
+        return None
+
+    def _replay_rows_nonfinite(self, neginf_ok: np.ndarray) -> np.ndarray:
+        """Per row before the weights': whether the replay's tensors of that row
+        (its layer outputs, loss, gradient) hold a NaN or an Inf."""
+        trace = self._replay_trace
+        out = np.zeros(self._weight_row0, bool)
+        tensors: dict[int, list] = {self._act_rows[i]: ts for i, ts in trace.outputs.items()}
+        if trace.loss is not None:
+            tensors[self._loss_row] = [trace.loss]
+        index = {id(v): j for j, v in enumerate(self._vars)}
+        for g, v in trace.grads:
+            j = index.get(id(v))
+            if g is not None and j is not None and j in self._grad_rows:
+                tensors[self._grad_rows[j]] = [g.values if isinstance(g, tf.IndexedSlices) else g]
+        for r, ts in tensors.items():
+            for t in ts:
+                x = np.asarray(t.numpy(), np.float64)
+                out[r] |= bool(np.isnan(x).any() or (x == np.inf).any() or ((x == -np.inf).any() and not neginf_ok[r]))
+        return out
+
     def _bad_replica(self) -> int | None:
         """Under several replicas, the replica whose records of the last step
         went bad first, in execution order (the lowest on a tie); None on one
@@ -885,8 +951,7 @@ class NumericsCallback(keras.callbacks.Callback):
         if self._replica_nonfinite is None:
             return None
         counts = self._replica_nonfinite.numpy()  # [replicas, rows, (NaN, +Inf, -Inf)]
-        neginf_ok = self._neginf_ok_before_weights()
-        bad = (counts[:, :, 0] > 0) | (counts[:, :, 1] > 0) | ((counts[:, :, 2] > 0) & ~neginf_ok)
+        bad = _bad_rows(counts, self._neginf_ok_before_weights())
         first = np.where(bad.any(axis=1), bad.argmax(axis=1), bad.shape[1])
         return int(np.argmin(first))
 

@@ -353,7 +353,10 @@ class OpNumerics:
             return None
         self._local.busy = True
         try:
-            return self._record(st, _Op(op_type, op_name, graph, inputs, outputs), picked)
+            # An eager op reports the ``name=`` its caller passed (Keras'
+            # BatchNormalization names its moments so): it has no graph op name.
+            name = op_name if graph is not None else None
+            return self._record(st, _Op(op_type, name, graph, inputs, outputs), picked)
         finally:
             self._local.busy = False
 
@@ -414,7 +417,7 @@ class OpNumerics:
                 where = "%s%s%s" % (fwd.where, GRADIENT_OF, fwd.tag)
         else:
             role = "weight" if st.backward_seen else "activation"
-        if op.name is not None and op.graph is not None:  # a graph op: its name is unique in its graph
+        if op.name is not None:  # a graph op: its name is unique in its graph
             # In a function the step calls: say which (and which it called).
             label = "" if own_graph else _function_label(op.graph, st.graph)
             return _Described(role, where, "%s/%s" % (label, op.name) if label else op.name, backward)
