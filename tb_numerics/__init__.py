@@ -24,7 +24,8 @@ _LAZY = {
 # first access too, so ``tb_numerics.keras.NumericsCallback`` works after a
 # plain ``import tb_numerics``.
 _SUBMODULES = (
-    "keras", "xla", "oplevel", "analysis", "records", "record_writer", "event_reader", "cli", "metadata", "frontend",
+    "keras", "xla", "oplevel", "summary", "analysis", "records", "record_writer", "event_reader", "cli", "metadata",
+    "frontend",
 )
 
 __all__ = sorted(_LAZY) + sorted(_SUBMODULES)

@@ -158,6 +158,12 @@ class StepReplay:
         structure, buffers = self._sets[self._order[int(last.numpy())]]
         return tf.nest.pack_sequence_as(structure, [b.read_value() for b in buffers], expand_composites=True)
 
+    def batch(self, step: int, replica: int = 0) -> Any:
+        """The batch of ``step`` (``replica``'s part of it), as the step received
+        it; None where none was kept for that step."""
+        kept = self._kept(step, replica)
+        return None if kept is None else kept[0]
+
     def replay(self, step: int, train_step: Callable[[Any], Any], replica: int | None = None,
                check: Callable[[], str | None] | None = None) -> dict[str, Any]:
         """Runs ``train_step`` on the kept batch once more at op level, at
