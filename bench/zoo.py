@@ -19,12 +19,21 @@ fatal):
   with its defaults for ``model.fit``; ``log_numerics``/``log_gradients``
   and a replay for the loop), then ``tb-numerics report --json``;
 * the product on the fixed variant (its warnings are false warnings), and
-  the oracle on it (which must not fire: a fixed variant that still makes a
-  NaN is a broken cell, reported as such).
+  with ``--check-fixed`` the oracle on it (which must not fire: a fixed
+  variant that still makes a NaN is a broken cell, reported as such).
 
-It prints per cell and in total: step exact, op type, source line, crash,
-hint (right / absent / wrong, scored by fault kind in ``HINT_WORDS``),
-the first warning's lead, and the fixed variants' false warnings.
+It prints per cell and in total: step exact (the report's first anomaly
+step is the oracle's), op type (``first_anomaly.op.type`` is the oracle's,
+where the truth is a model op), source line (``op.source``'s file:line is
+the oracle's, where the truth is a forward or update op: for a gradient op
+check_numerics names the ``tape.gradient`` line while tb-numerics names
+the forward op's, so those are not scored), crash (the training died, or
+the replay raised), hint (right / absent / wrong, by fault kind in
+``HINT_WORDS``), the first warning's lead where the logged loss grew 10x
+over the 10 steps before the NaN, and the fixed variants' warnings (each
+a false warning).
+
+``--slice ci`` runs three cells without ``--check-fixed`` (tests/test_zoo_slice.py).
 """
 
 from __future__ import annotations
@@ -46,17 +55,17 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 USER_FILE = os.path.join(HERE, "zoo_models.py")
 
-# What a right hint must name, by fault kind (any of the words, case-insensitive):
-# written once per kind, never per cell.
+# What a right hint must name, by fault kind: a regular expression (case-insensitive)
+# of the cause's words, written once per kind, never per cell.
 HINT_WORDS = {
-    "lr100": ("learning rate",),
-    "unscaled": ("input", "normali", "scale"),
-    "nan_batch": ("input",),
-    "no_eps": ("eps", "sqrt", "division by zero", "divides by zero", "0/0"),
-    "fp16": ("float16", "loss scal", "mixed precision"),
-    "log_softmax": ("log_softmax", "softmax_cross_entropy", "from_logits", "log_sigmoid", "with_logits"),
-    "div_stat": ("division by zero", "divides by zero", "0/0", "eps", "denominator"),
-    "exp_out": ("exp",),
+    "lr100": r"learning rate",
+    "unscaled": r"\binputs?\b.*\b(normali[sz]|standardi[sz]|scale)|unscaled|raw units",
+    "nan_batch": r"input pipeline|input batch|\bdata(set)?\b|validate .*inputs?",
+    "no_eps": r"\beps(ilon)?\b|division by zero|divides by zero|0/0",
+    "fp16": r"float16|loss scal|mixed precision",
+    "log_softmax": r"log_softmax|softmax_cross_entropy|from_logits|log_sigmoid|with_logits",
+    "div_stat": r"division by zero|divides by zero|0/0|\beps(ilon)?\b|denominator",
+    "exp_out": r"\bexp\b|exponential",
 }
 CI_SLICE = (("loop", "div_stat"), ("cnn_bn", "nan_batch"), ("gru", "exp_out"))
 NO_HINT = "no hint: "
@@ -297,7 +306,7 @@ def hint_verdict(fault: str, anomaly: dict | None) -> str:
     hint = (anomaly or {}).get("hint") or ""
     if anomaly is None or not hint or hint.startswith(NO_HINT):
         return "absent"
-    return "right" if any(w in hint.lower() for w in HINT_WORDS[fault]) else "wrong"
+    return "right" if re.search(HINT_WORDS[fault], hint, re.IGNORECASE) else "wrong"
 
 
 def _grew(losses: list[float], step: int) -> bool:
@@ -326,6 +335,7 @@ def score_cell(cell: tuple[str, str], runs: dict) -> dict:
         "product": {"step": (fa or {}).get("step"), "tensor": (fa or {}).get("tensor"), "op_type": op.get("type"),
                     "source": op.get("source"), "replay": replay or None, "hint": (fa or {}).get("hint"),
                     "first_warning": fw, "report_error": prod.get("report_error"), "error": prod.get("error")},
+        "died": bool(prod.get("crash")),  # the training under tb-numerics raised or its process died
         "crash": bool(prod.get("crash")) or "raised" in str(replay.get("why", "")),
         "report": bool(rep),
         "step_exact": valid and fa is not None and fa["step"] == truth["step"],
@@ -347,11 +357,12 @@ def score_cell(cell: tuple[str, str], runs: dict) -> dict:
 
 
 def cells(archs: list[str] | None = None, faults: list[str] | None = None) -> list[tuple[str, str]]:
-    """Every (architecture, fault) cell of the zoo, in table order, filtered."""
+    """Every (architecture, fault) cell of the zoo, filtered, each architecture's first fault first."""
     import zoo_models
 
-    return [(a.name, f) for a in zoo_models.ARCHS.values() for f in a.faults
-            if (not archs or a.name in archs) and (not faults or f in faults)]
+    chosen = [(i, n, a.name, f) for n, a in enumerate(zoo_models.ARCHS.values()) for i, f in enumerate(a.faults)
+              if (not archs or a.name in archs) and (not faults or f in faults)]
+    return [(a, f) for _, _, a, f in sorted(chosen)]  # round robin: an interrupted zoo has seen every arch
 
 
 def _share(xs: list[bool]) -> str:
@@ -405,9 +416,12 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--arch", default="", help="comma-separated architectures (default: all)")
     p.add_argument("--fault", default="", help="comma-separated fault kinds (default: all)")
+    p.add_argument("--cells", default="", help="comma-separated ARCH:FAULT cells (instead of --arch/--fault)")
     p.add_argument("--slice", choices=["ci"], default=None, help="ci: %s" % ", ".join(map(":".join, CI_SLICE)))
     p.add_argument("--jobs", type=int, default=2, help="cells run at once")
     p.add_argument("--json", default=None, help="write every cell's scores and the totals here")
+    p.add_argument("--check-fixed", action="store_true",
+                   help="run the oracle on each fixed variant too (it must not fire): one more run a cell")
     p.add_argument("--workdir", default=None, help="where the runs' logdirs go (default: a temporary folder)")
     p.add_argument("--_cell", help=argparse.SUPPRESS)
     p.add_argument("--variant", help=argparse.SUPPRESS)
@@ -418,21 +432,27 @@ def main(argv: list[str] | None = None) -> int:
     if args._cell:
         return _cell_main(args)
     sys.path.insert(0, HERE)
-    chosen = list(CI_SLICE) if args.slice == "ci" else cells(
+    chosen = list(CI_SLICE) if args.slice == "ci" else [tuple(c.split(":")) for c in args.cells.split(",") if c] or cells(
         [a for a in args.arch.split(",") if a], [f for f in args.fault.split(",") if f])
     workdir = args.workdir or tempfile.mkdtemp(prefix="zoo_")
     t0 = time.time()
+    scores: list[dict] = []
     with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
-        scores = list(pool.map(lambda c: run_cell(c, workdir, fixed_oracle=args.slice != "ci"), chosen))
-    for s in scores:
-        print_cell(s)
-    tot = totals(scores)
-    tot["seconds"] = round(time.time() - t0)
+        for s in pool.map(lambda c: run_cell(c, workdir, fixed_oracle=args.check_fixed), chosen):
+            print_cell(s)
+            scores.append(s)
+            _write(args.json, scores, t0)  # so that an interrupted zoo leaves what it measured
+    tot = _write(args.json, scores, t0)
     print(json.dumps(tot, indent=1))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"cells": scores, "totals": tot}, f, indent=1)
     return 0
+
+
+def _write(path: str | None, scores: list[dict], t0: float) -> dict:
+    tot = dict(totals(scores), seconds=round(time.time() - t0))
+    if path:
+        with open(path, "w") as f:
+            json.dump({"cells": scores, "totals": tot}, f, indent=1)
+    return tot
 
 
 if __name__ == "__main__":
