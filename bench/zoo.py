@@ -1,0 +1,461 @@
+"""A fault-injection zoo: does tb-numerics find the step, the op and the line an oracle finds?
+
+    nice -n 19 .venv/bin/python bench/zoo.py [--jobs 2] [--arch A,B] [--fault F,G] [--slice ci] [--json OUT]
+
+Each cell is an architecture of ``bench/zoo_models.py`` (a BatchNorm CNN,
+residual blocks, a Transformer encoder under mixed_float16, a GRU, a VAE,
+a GAN with two optimizers, an embedding model, a hand-written loop) with
+one injected fault, and its fixed variant (the same code with the fault's
+parameter off). Each run is its own subprocess (a crash is recorded, not
+fatal):
+
+* the oracle: the fault variant with ``tf.debugging.enable_check_numerics()``:
+  its error names the first bad op's type and the stack that created it
+  (the innermost line of ``zoo_models.py`` is the user's line), and the
+  step is counted by the training loop, or by a callback at each batch's
+  start. Nothing of tb-numerics runs in it. Where that step's input batch
+  already holds a NaN (checked in numpy), the truth has no model op;
+* the product: the same code under tb-numerics (``NumericsCallback()``
+  with its defaults for ``model.fit``; ``log_numerics``/``log_gradients``
+  and a replay for the loop), then ``tb-numerics report --json``;
+* the product on the fixed variant (its warnings are false warnings), and
+  with ``--check-fixed`` the oracle on it (which must not fire: a fixed
+  variant that still makes a NaN is a broken cell, reported as such).
+
+It prints per cell and in total: step exact (the report's first anomaly
+step is the oracle's), op type (``first_anomaly.op.type`` is the oracle's,
+where the truth is a model op), source line (``op.source``'s file:line is
+the oracle's, where the truth is a forward or update op: for a gradient op
+check_numerics names the ``tape.gradient`` line while tb-numerics names
+the forward op's, so those are not scored), crash (the training died, or
+the replay raised), hint (right / absent / wrong, by fault kind in
+``HINT_WORDS``), the first warning's lead where the logged loss grew 10x
+over the 10 steps before the NaN (rising at 8 of them), and the fixed
+variants' warnings (each a false warning).
+
+``--slice ci`` runs three cells without ``--check-fixed`` (tests/test_zoo_slice.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import concurrent.futures
+import contextlib
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+USER_FILE = os.path.join(HERE, "zoo_models.py")
+
+# What a right hint must name, by fault kind: a regular expression (case-insensitive)
+# of the cause's words, written once per kind, never per cell.
+HINT_WORDS = {
+    "lr100": r"learning rate",
+    "unscaled": r"\binputs?\b.*\b(normali[sz]|standardi[sz]|scale)|unscaled|raw units",
+    "nan_batch": r"input pipeline|input batch|\bdata(set)?\b|validate .*inputs?",
+    "no_eps": r"\beps(ilon)?\b|division by zero|divides by zero|0/0",
+    "fp16": r"float16|loss scal|mixed precision",
+    "log_softmax": r"log_softmax|softmax_cross_entropy|from_logits|log_sigmoid|with_logits",
+    "div_stat": r"division by zero|divides by zero|0/0|\beps(ilon)?\b|denominator",
+    "exp_out": r"\bexp\b|exponential",
+}
+CI_SLICE = (("loop", "div_stat"), ("cnn_bn", "nan_batch"), ("gru", "exp_out"))
+NO_HINT = "no hint: "
+
+
+# ------------------------------------------------------------------ one run (in its subprocess)
+
+
+class OracleHook:
+    """The oracle's side of a training: counts steps and logs nothing."""
+
+    def __init__(self) -> None:
+        import keras
+
+        self.step = -1
+        self.losses: list[float] = []  # the loss each step logged (Keras: its running mean)
+        hook = self
+
+        class _Steps(keras.callbacks.Callback):
+            def on_train_batch_begin(self, batch, logs=None):
+                hook.step += 1
+
+            def on_train_batch_end(self, batch, logs=None):
+                hook.losses.append(float((logs or {}).get("loss", float("nan"))))
+
+        self.callbacks = [_Steps()]
+
+    def begin_step(self, step: int) -> None:
+        self.step = step
+
+    def log(self, name: str, tensor: Any) -> None:
+        pass
+
+    def log_gradients(self, grads: Any, variables: Any) -> None:
+        pass
+
+    def after_gradients(self, step, fn, batch, loss, grads) -> bool:
+        self.losses.append(float(loss))
+        return True
+
+    def writing(self):
+        return contextlib.nullcontext()
+
+
+class ProductHook:
+    """tb-numerics' side: the callback for model.fit, log_numerics and a replay for the loop."""
+
+    def __init__(self, logdir: str) -> None:
+        import tensorflow as tf
+
+        import tb_numerics as tbn
+        from tb_numerics import oplevel
+        from tb_numerics.keras import NumericsCallback
+
+        self.tf, self.tbn, self.oplevel = tf, tbn, oplevel
+        self.callbacks = [NumericsCallback(logdir)]
+        self.writer = tf.summary.create_file_writer(logdir)
+        self.step_var = tf.Variable(0, dtype=tf.int64, trainable=False)
+        self.replayed = False
+
+    def begin_step(self, step: int) -> None:
+        self.step_var.assign(step)
+
+    def log(self, name: str, tensor: Any) -> None:
+        self.tbn.log_numerics(name, tensor)
+
+    def log_gradients(self, grads: Any, variables: Any) -> None:
+        self.tbn.log_gradients(grads, variables)
+
+    def after_gradients(self, step, fn, batch, loss, grads) -> bool:
+        """Applies a finite step; replays the first non-finite one at op level and skips its update.
+
+        THE ONE PLACE to switch to the custom-loop escalation wrapper once it lands.
+        """
+        tf = self.tf
+        finite = bool(tf.reduce_all([tf.reduce_all(tf.math.is_finite(t)) for t in [loss, *grads] if t is not None]))
+        if not finite and not self.replayed:
+            self.replayed = True
+            self.oplevel.replay_step(fn, *batch, step=step, writer=self.writer)
+        return finite
+
+    @contextlib.contextmanager
+    def writing(self):
+        with self.writer.as_default(step=self.step_var):
+            yield
+        self.writer.close()
+
+
+_OP = re.compile(r'in output \d+ of (eagerly-executing|graph) op "([^"]+)"')
+_FRAME = re.compile(r"\+ (\S+) \(L(\d+)\) (\S+)")  # a frame of a graph op's creation stack
+_NODE = re.compile(r"\{\{node ([^}]+)\}\}")
+
+
+def _creation_frames(e: BaseException) -> list[tuple[str, int, str]]:
+    """(file, line, function) of the bad op's creation: from the message for a graph op
+    (check_numerics prints that stack), from the traceback for an eager op."""
+    text = str(e)
+    if _OP.search(text).group(1) == "graph":
+        return [(f, int(n), fn) for f, n, fn in _FRAME.findall(text)]
+    return [(f.filename, f.lineno, f.name) for f in traceback.extract_tb(e.__traceback__)]
+
+
+def _user_frame(frames: list[tuple[str, int, str]]) -> str | None:
+    """``zoo_models.py:LINE (function)`` of the innermost frame of the user's code."""
+    mine = [f for f in frames if os.path.basename(f[0]) == "zoo_models.py"]
+    return "zoo_models.py:%d (%s)" % mine[-1][1:] if mine else None
+
+
+def _phase(e: BaseException, frames: list[tuple[str, int, str]]) -> str:
+    node = _NODE.search(str(e))
+    names = {(os.path.basename(f), fn) for f, _, fn in frames}
+    if (node and node.group(1).startswith("gradient_tape/")) or ("backprop.py", "gradient") in names:
+        return "backward"
+    if any("optimizer" in f and fn in ("apply", "apply_gradients") for f, fn in names):
+        return "update"
+    return "forward"
+
+
+def _input_bad_step(arch: str, fault: str, fixed: bool) -> int | None:
+    """The first batch whose inputs hold a NaN or an Inf, from the data itself."""
+    import numpy as np
+
+    import zoo_models
+
+    x, _ = zoo_models.make_data(zoo_models.ARCHS[arch], fault, fixed)
+    bad = ~np.isfinite(x.reshape(zoo_models.STEPS, -1).astype("float64")).all(axis=1)
+    return int(np.argmax(bad)) if bad.any() else None
+
+
+def run_oracle(arch: str, fault: str, fixed: bool) -> dict:
+    """The truth: where tf.debugging.enable_check_numerics stops the training.
+
+    The tf.functions stay traced (eagerly the CNN's 40 steps took 123 s, not 10 s): each op's
+    output is checked in the graph and the error carries its creation stack. LIMIT: in a graph the
+    first check to raise is not always the first bad op's (gru:no_eps named the GRU's MatMul, no
+    user line, while the NaN is born in InputNorm's RealDiv before it); an eager pass at the failing
+    step would be strict. Read a truth without a user line with care.
+    """
+    import tensorflow as tf
+
+    import zoo_models
+
+    tf.debugging.enable_check_numerics()
+    hook = OracleHook()
+    out: dict[str, Any] = {"fired": False, "input_bad_step": _input_bad_step(arch, fault, fixed)}
+    try:
+        zoo_models.train(arch, fault, fixed, hook)
+    except Exception as e:  # noqa: BLE001 - the oracle's error is the result
+        m = _OP.search(str(e))
+        if m is None:
+            out.update(error="%s: %s" % (type(e).__name__, str(e)[:400]))
+        else:
+            frames = _creation_frames(e)
+            node = _NODE.search(str(e))
+            out.update(fired=True, step=hook.step, op_type=m.group(2), source=_user_frame(frames),
+                       phase=_phase(e, frames), node=node.group(1) if node else None)
+    finally:
+        out["losses"] = hook.losses
+    return out
+
+
+def run_product(arch: str, fault: str, fixed: bool, logdir: str) -> dict:
+    """Trains under tb-numerics, then ``tb-numerics report --json`` on its logdir (in this
+    process, which has TensorFlow imported already: a subprocess would import it again)."""
+    import io
+
+    import zoo_models
+    from tb_numerics import cli
+
+    zoo_models.train(arch, fault, fixed, ProductHook(logdir))
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        rc = cli.main(["report", "--json", logdir])
+    return {"rc": rc, "runs": json.loads(buf.getvalue())["runs"] if buf.getvalue().strip() else []}
+
+
+def _cell_main(args: argparse.Namespace) -> int:
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    sys.path.insert(0, HERE)
+    sys.path.insert(0, ROOT)
+    import tensorflow as tf
+
+    tf.config.experimental.enable_op_determinism()
+    tf.config.threading.set_inter_op_parallelism_threads(1)
+    tf.config.threading.set_intra_op_parallelism_threads(1)
+    arch, fault = args._cell.split(":")
+    fixed = args.variant == "fixed"
+    out = run_oracle(arch, fault, fixed) if args.mode == "oracle" else run_product(arch, fault, fixed, args.logdir)
+    with open(args.result, "w") as f:
+        json.dump(out, f)
+    return 0
+
+
+# ------------------------------------------------------------------ the parent: spawn, read, score
+
+
+def _spawn(cell: tuple[str, str], variant: str, mode: str, workdir: str) -> dict:
+    """One run in its own subprocess; the product's report is read by ``tb-numerics report --json``."""
+    name = "%s-%s-%s-%s" % (cell[0], cell[1], variant, mode)
+    logdir, result = os.path.join(workdir, name), os.path.join(workdir, name + ".json")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]),
+               TF_CPP_MIN_LOG_LEVEL="2")
+    cmd = [sys.executable, os.path.abspath(__file__), "--_cell", "%s:%s" % cell, "--variant", variant,
+           "--mode", mode, "--logdir", logdir, "--result", result]
+    t0 = time.time()
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
+    out: dict[str, Any] = {"seconds": round(time.time() - t0, 1)}
+    if p.returncode != 0 or not os.path.exists(result):
+        out.update(crash=True, error=(p.stderr or p.stdout)[-1500:])
+        return out
+    with open(result) as f:
+        out.update(json.load(f))
+    if mode == "product":
+        runs = out.pop("runs", [])
+        out["report"] = runs[0] if len(runs) == 1 else None
+        out["report_error"] = None if len(runs) == 1 else "report: %d runs, rc %s" % (len(runs), out.get("rc"))
+    return out
+
+
+def run_cell(cell: tuple[str, str], workdir: str, fixed_oracle: bool = True) -> dict:
+    """The oracle and the product on the fault variant, the product on the fixed variant, and
+    (``fixed_oracle``) the oracle on it too."""
+    runs = {"oracle": _spawn(cell, "fault", "oracle", workdir), "product": _spawn(cell, "fault", "product", workdir),
+            "fixed_product": _spawn(cell, "fixed", "product", workdir)}
+    if fixed_oracle:
+        runs["fixed_oracle"] = _spawn(cell, "fixed", "oracle", workdir)
+    return score_cell(cell, runs)
+
+
+def _line(source: str | None) -> str | None:
+    """``file.py:LINE`` of a ``path/file.py:LINE (function)`` source."""
+    m = re.search(r"([^/\\\s]+\.py):(\d+)", source or "")
+    return "%s:%s" % m.groups() if m else None
+
+
+def hint_verdict(fault: str, anomaly: dict | None) -> str:
+    """right / absent / wrong: whether the hint names the fault kind's cause (``HINT_WORDS``)."""
+    hint = (anomaly or {}).get("hint") or ""
+    if anomaly is None or not hint or hint.startswith(NO_HINT):
+        return "absent"
+    return "right" if re.search(HINT_WORDS[fault], hint, re.IGNORECASE) else "wrong"
+
+
+def _grew(losses: list[float], step: int) -> bool:
+    """The logged loss rose 10x over the 10 steps before ``step``, at 8 of them at least (a
+    divergence, not one jump)."""
+    if step < 11 or len(losses) < step:
+        return False
+    before = losses[step - 11:step]
+    rises = sum(b > a for a, b in zip(before, before[1:]))
+    return before[0] > 0 and before[-1] >= 10 * before[0] and rises >= 8
+
+
+def score_cell(cell: tuple[str, str], runs: dict) -> dict:
+    """One cell's scores; ``None`` where a score does not apply to it."""
+    truth, prod = runs["oracle"], runs["product"]
+    rep = prod.get("report") or {}
+    fa = rep.get("first_anomaly")
+    op = (fa or {}).get("op") or {}
+    replay = (fa or {}).get("replay") or {}
+    valid = bool(truth.get("fired"))
+    input_truth = valid and truth.get("input_bad_step") == truth.get("step")
+    model_op = valid and not input_truth
+    line_truth = model_op and truth.get("phase") != "backward" and truth.get("source") is not None
+    fw = rep.get("first_warning")
+    lead = fa["step"] - fw["step"] if fa and fw and fw.get("step") is not None and fw["step"] <= fa["step"] else None
+    s = {
+        "arch": cell[0], "fault": cell[1], "valid": valid, "truth": truth, "input_truth": input_truth,
+        "product": {"step": (fa or {}).get("step"), "tensor": (fa or {}).get("tensor"), "op_type": op.get("type"),
+                    "source": op.get("source"), "replay": replay or None, "hint": (fa or {}).get("hint"),
+                    "first_warning": fw, "report_error": prod.get("report_error"), "error": prod.get("error")},
+        "died": bool(prod.get("crash")),  # the training under tb-numerics raised or its process died
+        "crash": bool(prod.get("crash")) or "raised" in str(replay.get("why", "")),
+        "report": bool(rep),
+        "step_exact": valid and fa is not None and fa["step"] == truth["step"],
+        "op_type": (op.get("type") == truth.get("op_type")) if model_op else None,
+        "source_line": (_line(op.get("source")) == _line(truth.get("source"))) if line_truth else None,
+        "hint": hint_verdict(cell[1], fa),
+        "grew": valid and _grew(truth.get("losses", []), truth["step"]),
+        "lead": lead,
+    }
+    frep = runs["fixed_product"].get("report") or {}
+    s["fixed_crash"] = bool(runs["fixed_product"].get("crash"))
+    s["fixed_report"] = bool(frep)
+    s["false_warnings"] = len(frep.get("warnings") or []) + (1 if frep.get("first_anomaly") else 0)
+    s["fixed_oracle_fired"] = runs["fixed_oracle"].get("fired") if "fixed_oracle" in runs else None
+    return s
+
+
+# ------------------------------------------------------------------ totals and printing
+
+
+def cells(archs: list[str] | None = None, faults: list[str] | None = None) -> list[tuple[str, str]]:
+    """Every (architecture, fault) cell of the zoo, filtered, each architecture's first fault first."""
+    import zoo_models
+
+    chosen = [(i, n, a.name, f) for n, a in enumerate(zoo_models.ARCHS.values()) for i, f in enumerate(a.faults)
+              if (not archs or a.name in archs) and (not faults or f in faults)]
+    return [(a, f) for _, _, a, f in sorted(chosen)]  # round robin: an interrupted zoo has seen every arch
+
+
+def _share(xs: list[bool]) -> str:
+    return "%d/%d (%.0f %%)" % (sum(xs), len(xs), 100 * sum(xs) / len(xs)) if xs else "0/0"
+
+
+def totals(scores: list[dict]) -> dict:
+    """The zoo's figures against the targets of issues 25 and 26."""
+    valid = [s for s in scores if s["valid"]]
+    fixed = scores
+    hints = [s["hint"] for s in valid]
+    grew = [s for s in valid if s["grew"]]
+    return {
+        "cells": len(scores), "valid": len(valid), "oracle_silent": [s["arch"] + ":" + s["fault"] for s in scores
+                                                                     if not s["valid"]],
+        "step_exact": _share([s["step_exact"] for s in valid]),
+        "op_type": _share([s["op_type"] for s in valid if s["op_type"] is not None]),
+        "source_line": _share([s["source_line"] for s in valid if s["source_line"] is not None]),
+        "input_cells_step_exact": _share([s["step_exact"] for s in valid if s["input_truth"]]),
+        "crashes": sum(s["crash"] for s in scores),
+        "no_report": [s["arch"] + ":" + s["fault"] for s in scores if not s["report"] or not s["fixed_report"]],
+        "hints": {k: hints.count(k) for k in ("right", "absent", "wrong")},
+        "lead_10": _share([s["lead"] is not None and s["lead"] >= 10 for s in grew]),
+        "false_warnings": "%d in %d of %d fixed variants" % (
+            sum(s["false_warnings"] for s in fixed), sum(bool(s["false_warnings"]) for s in fixed), len(fixed)),
+        "fixed_crashes": sum(s.get("fixed_crash", False) for s in fixed),
+        "fixed_oracle_fired": [s["arch"] + ":" + s["fault"] for s in fixed if s.get("fixed_oracle_fired")],
+    }
+
+
+def _mark(v: bool | None) -> str:
+    return "-" if v is None else ("yes" if v else "NO")
+
+
+def print_cell(s: dict) -> None:
+    t, p = s["truth"], s["product"]
+    truth = ("step %s %s %s %s" % (t.get("step"), "input" if s["input_truth"] else t.get("op_type"), t.get("phase"),
+                                   t.get("source")) if s["valid"] else "oracle silent %s" % t.get("error", ""))
+    print("%-12s %-11s truth: %s" % (s["arch"], s["fault"], truth))
+    print("%25s product: step %s %s %s %s" % ("", p["step"], p["tensor"], p["op_type"], p["source"]))
+    extra = " replay: %s" % p["replay"] if p["replay"] and not p["replay"].get("reproduced", True) else ""
+    print("%25s step %s, op %s, line %s, crash %s, hint %s, lead %s%s, fixed: %s warnings%s%s" % (
+        "", _mark(s["step_exact"]), _mark(s["op_type"]), _mark(s["source_line"]), "YES" if s["crash"] else "no",
+        s["hint"], s["lead"], " (grew)" if s["grew"] else "", s.get("false_warnings", "-"),
+        ", ORACLE FIRED ON FIXED" if s.get("fixed_oracle_fired") else "", extra), flush=True)
+    if p.get("error"):
+        print("%25s crash: %s" % ("", p["error"].strip().splitlines()[-1:]))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--arch", default="", help="comma-separated architectures (default: all)")
+    p.add_argument("--fault", default="", help="comma-separated fault kinds (default: all)")
+    p.add_argument("--cells", default="", help="comma-separated ARCH:FAULT cells (instead of --arch/--fault)")
+    p.add_argument("--slice", choices=["ci"], default=None, help="ci: %s" % ", ".join(map(":".join, CI_SLICE)))
+    p.add_argument("--jobs", type=int, default=2, help="cells run at once")
+    p.add_argument("--json", default=None, help="write every cell's scores and the totals here")
+    p.add_argument("--check-fixed", action="store_true",
+                   help="run the oracle on each fixed variant too (it must not fire): one more run a cell")
+    p.add_argument("--workdir", default=None, help="where the runs' logdirs go (default: a temporary folder)")
+    p.add_argument("--_cell", help=argparse.SUPPRESS)
+    p.add_argument("--variant", help=argparse.SUPPRESS)
+    p.add_argument("--mode", help=argparse.SUPPRESS)
+    p.add_argument("--logdir", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args._cell:
+        return _cell_main(args)
+    sys.path.insert(0, HERE)
+    chosen = list(CI_SLICE) if args.slice == "ci" else [tuple(c.split(":")) for c in args.cells.split(",") if c] or cells(
+        [a for a in args.arch.split(",") if a], [f for f in args.fault.split(",") if f])
+    workdir = args.workdir or tempfile.mkdtemp(prefix="zoo_")
+    t0 = time.time()
+    scores: list[dict] = []
+    with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        for s in pool.map(lambda c: run_cell(c, workdir, fixed_oracle=args.check_fixed), chosen):
+            print_cell(s)
+            scores.append(s)
+            _write(args.json, scores, t0)  # so that an interrupted zoo leaves what it measured
+    tot = _write(args.json, scores, t0)
+    print(json.dumps(tot, indent=1))
+    return 0
+
+
+def _write(path: str | None, scores: list[dict], t0: float) -> dict:
+    tot = dict(totals(scores), seconds=round(time.time() - t0))
+    if path:
+        with open(path, "w") as f:
+            json.dump({"cells": scores, "totals": tot}, f, indent=1)
+    return tot
+
+
+if __name__ == "__main__":
+    sys.exit(main())

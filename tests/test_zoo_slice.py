@@ -1,0 +1,68 @@
+"""The fault-injection zoo's CI slice: the instrument works, and the targets today's product meets hold.
+
+Runs ``bench/zoo.py --slice ci`` (a few cells, each the oracle's run under
+``tf.debugging.enable_check_numerics`` and tb-numerics' runs on the fault
+and the fixed variant, each in its own subprocess) once for the module.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.e2e
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def zoo(tmp_path_factory) -> dict:
+    out = tmp_path_factory.mktemp("zoo")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "bench", "zoo.py"), "--slice", "ci", "--jobs", "2",
+         "--json", str(out / "zoo.json"), "--workdir", str(out)],
+        capture_output=True, text=True, env=env, timeout=600,
+    )
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    with open(out / "zoo.json") as f:
+        return json.load(f)
+
+
+def test_the_oracle_names_an_op_and_a_step_in_every_cell(zoo):
+    for cell in zoo["cells"]:
+        truth = cell["truth"]
+        assert truth["fired"], cell
+        assert truth["step"] >= 0 and truth["op_type"], cell
+
+
+def test_the_oracle_names_the_injected_faults_op(zoo):
+    """The truth is the fault's own op, at the fault's own line, not some op downstream."""
+    by_cell = {(c["arch"], c["fault"]): c["truth"] for c in zoo["cells"]}
+    div = by_cell[("loop", "div_stat")]
+    assert (div["op_type"], div["phase"]) == ("RealDiv", "forward") and "masked_mean" in div["source"]
+    exp = by_cell[("gru", "exp_out")]
+    assert (exp["op_type"], exp["phase"]) == ("Exp", "forward") and "zoo_loss" in exp["source"]
+    nan = [c for c in zoo["cells"] if c["fault"] == "nan_batch"]
+    assert nan and all(c["input_truth"] for c in nan)
+
+
+def test_every_cell_trained_and_has_a_report(zoo):
+    for cell in zoo["cells"]:
+        assert not cell["died"] and not cell["fixed_crash"], cell
+        assert cell["report"] and cell["fixed_report"], cell
+
+
+def test_todays_targets_on_the_slice(zoo):
+    """What today's product meets here: the oracle's step in every cell, no wrong hint, and
+    the custom loop's replay names the oracle's op and line."""
+    for cell in zoo["cells"]:
+        assert cell["step_exact"], cell
+        assert cell["hint"] != "wrong", cell
+    loop = next(c for c in zoo["cells"] if c["arch"] == "loop")
+    assert loop["op_type"] and loop["source_line"] and not loop["crash"], loop
+    assert loop["hint"] == "right", loop
