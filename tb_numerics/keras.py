@@ -380,6 +380,9 @@ class NumericsCallback(keras.callbacks.Callback):
         self._square_rows = np.array([r for _, r in rows], np.int64)
         self._square_limits = np.array([detectors.square_limit(str(self._vars[j].dtype)) for j, _ in rows])
         self._update_found: int | None = None  # the step whose update made the state non-finite
+        # What the gated update holds back at a non-finite step: only these
+        # are as the step before left them (a second optimizer's are not).
+        self._held_vars: list = []
 
     def _make_step_state(self, model: keras.Model) -> None:
         """The variables the step stores its records in, one slot per step of
@@ -657,6 +660,7 @@ class NumericsCallback(keras.callbacks.Callback):
         """
         if self._replay is None or self._lso or (ctx is not None and self._replica_nonfinite is None):
             return apply(grads, variables)
+        self._held_vars = [v for g, v in zip(grads, variables) if g is not None]
         index = {id(v): j for j, v in enumerate(self._vars)}
         checks = []
         for g, v in zip(grads, variables):
@@ -736,10 +740,12 @@ class NumericsCallback(keras.callbacks.Callback):
                     self._stop()
                 return
 
-    def _write_nonfinite_state(self, step: int) -> bool:
-        """Writes the variables and optimizer slots that are not finite now,
-        as the state the update of ``step`` left; whether there were any."""
-        found = update_check.nonfinite_state(self.model.optimizer, self._vars, step) if step >= 0 else []
+    def _write_nonfinite_state(self, step: int, variables: list | None = None) -> bool:
+        """Writes the variables (the model's, or ``variables``) and optimizer
+        slots that are not finite now, as the state the update of ``step``
+        left; whether there were any."""
+        variables = self._vars if variables is None else variables
+        found = update_check.nonfinite_state(self.model.optimizer, variables, step) if step >= 0 else []
         for tag, vec, info in found:
             self._writer.write_many(step, [(tag, vec, self._info(tag, "update", info.dtype, info.shape,
                                                                   description=info.description))])
@@ -896,7 +902,10 @@ class NumericsCallback(keras.callbacks.Callback):
         update: the previous step's update made them."""
         if self._update_found is not None:
             return True
-        return not self._lso and self._write_nonfinite_state(step - 1)
+        # Only what this step's held-back update would have written is still
+        # as the previous step left it: whatever else the step wrote (a second
+        # optimizer's update, a layer's own assign) may have gone bad in it.
+        return not self._lso and bool(self._held_vars) and self._write_nonfinite_state(step - 1, self._held_vars)
 
     def _replay_differs(self, step_stats: np.ndarray, replica: int | None) -> str | None:
         """Why the replay's layer outputs, loss and gradients disagree with the

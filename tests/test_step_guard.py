@@ -242,3 +242,60 @@ def test_an_overflowing_square_is_the_anomaly_of_its_update(where, tmp_path):
     squares = [w for w in run["warnings"] if w["kind"] == "square_overflow"]
     assert squares and all(w["tensor"].startswith("gradients/") and w["first_step"] == truth for w in squares)
     assert "Adam" in squares[0]["detail"]
+
+
+class TwoOptimizers(keras.Model):
+    """A custom train_step that updates its head with an optimizer of its own
+    (as a GAN's discriminator): the callback holds back only the model's."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = keras.layers.Dense(4), keras.layers.Dense(1)
+        self.head_optimizer = keras.optimizers.SGD(0.01)
+
+    def call(self, x):
+        return self.head(self.body(x))
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape(persistent=True) as tape:
+            loss = tf.reduce_mean(tf.square(self(x, training=True) - y))
+        head, body = self.head.trainable_variables, self.body.trainable_variables
+        self.head_optimizer.apply(tape.gradient(loss, head), head)
+        self.optimizer.apply(tape.gradient(loss, body), body)
+        return {"loss": loss}
+
+
+class _NanProbe(keras.callbacks.Callback):
+    """Writes 1 at the step fit trains the batch holding the NaN, else 0."""
+
+    def __init__(self, logdir, bad_batch):
+        super().__init__()
+        self._writer = tf.summary.create_file_writer(str(logdir), filename_suffix=".oracle")
+        self._bad = bad_batch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        with self._writer.as_default():
+            tf.summary.scalar("oracle/nan_batch", float(batch == self._bad),
+                              step=int(self.model.optimizer.iterations.numpy()))
+
+    def on_train_end(self, logs=None):
+        self._writer.close()
+
+
+def test_an_update_the_callback_does_not_hold_back_is_not_blamed_on_the_step_before(tmp_path):
+    """A NaN batch makes the head's own optimizer write NaN weights within the
+    bad step: that is the step's anomaly, not "the previous update made them"."""
+    keras.utils.set_random_seed(3)
+    model = TwoOptimizers()
+    model(np.zeros((1, 4), np.float32))
+    model.head_optimizer.build(model.head.trainable_variables)
+    model.compile(keras.optimizers.SGD(0.01), "mse")
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(16 * STEPS, 4)).astype(np.float32), rng.normal(size=(16 * STEPS, 1)).astype(np.float32)
+    x[16 * BAD + 3, 1] = np.nan
+    model.fit(x, y, batch_size=16, shuffle=False, verbose=0,
+              callbacks=[_NanProbe(tmp_path, BAD), NumericsCallback(str(tmp_path))])
+    (truth,) = _oracle_steps(tmp_path, "oracle/nan_batch", 0.5)
+    a = _report(tmp_path)["first_anomaly"]
+    assert a["step"] == truth and a["phase"] != "update" and not a["tensor"].startswith("update/"), a
