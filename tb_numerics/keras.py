@@ -949,8 +949,7 @@ class NumericsCallback(keras.callbacks.Callback):
                 tensors[self._grad_rows[j]] = [g.values if isinstance(g, tf.IndexedSlices) else g]
         for r, ts in tensors.items():
             for t in ts:
-                x = np.asarray(t.numpy(), np.float64)
-                out[r] |= bool(np.isnan(x).any() or (x == np.inf).any() or ((x == -np.inf).any() and not neginf_ok[r]))
+                out[r] |= bool(records.nonfinite_count(records.numpy_stats(np.asarray(t.numpy(), np.float64)), neginf_ok[r]) > 0)
         return out
 
     def _bad_replica(self) -> int | None:
