@@ -30,8 +30,9 @@ import re
 from typing import Any
 
 from tb_numerics import metadata
+from tb_numerics.rules import NONFINITE_WORDS, count, number, percent
 
-__all__ = ["BatchFault", "Evidence", "LossInput", "NegativeLoss", "choose", "is_cross_entropy", "input_range", "number", "op_family", "percent", "warning_hint",
+__all__ = ["BatchFault", "Evidence", "LossInput", "NegativeLoss", "choose", "is_cross_entropy", "input_range", "op_family",
            "NO_HINT_PREFIX"]
 
 NO_HINT_PREFIX = "no hint: "
@@ -354,76 +355,21 @@ def _no_hint(ev: Evidence) -> str:
     return NO_HINT_PREFIX + "checked " + "; ".join(checked) + "."
 
 
-# The usual fixes for each kind of warning, in a sentence.
-_WARNING_HINTS = {
-    "overflow_risk": "Values are near the dtype's largest value: squaring, summing or exponentiating them "
-    "overflows. Look at where they come from (inputs, a layer without normalisation, the learning rate).",
-    "exploding_gradient": "The gradient norm is beyond your limit: lower the learning rate or clip gradients.",
-    "gradient_spike": "The gradient norm jumped against its recent median: the learning rate is likely too "
-    "large for this loss surface; lower it, or clip gradients (clip_by_global_norm).",
-    "fast_growth": "Values grew by orders of magnitude in one step: training is diverging; lower the "
-    "learning rate or clip gradients.",
-    "growth": "Values keep growing step after step: lower the learning rate, normalise the layer "
-    "(BatchNorm/LayerNorm), and check that the loss does not reward growth.",
-    "headroom": "At this growth the tensor overflows its dtype soon: lower the learning rate, normalise, "
-    "or (under mixed precision) keep this computation in float32.",
-    "exploding_by_depth": "The first layer's gradients are far larger than the last layer's: gradients "
-    "explode with depth. Lower the learning rate, clip gradients, use normalisation or residual connections.",
-    "vanishing_gradient": "The global gradient norm is vanishing: check the initialisation, the "
-    "activation functions (saturating sigmoid/tanh) and the learning-rate schedule.",
-    "vanishing_by_depth": "The first layer's gradients are far smaller than the last layer's: gradients "
-    "vanish with depth. Use ReLU-family activations, He/Glorot initialisation, normalisation or residual "
-    "connections.",
-    "underflow": "Many values are below the dtype's smallest normal: they lose precision or flush to 0. "
-    "Use loss scaling under float16, or rescale.",
-    "dead_units": "Most of the layer's outputs are exactly 0: ReLU units have died. Lower the learning "
-    "rate, initialise biases at 0 (not negative), or use LeakyReLU/ELU.",
-    "saturation": "The activation is pinned at its bounds, where its gradient vanishes (and a softmax of "
-    "exact 0 makes log(0)). Normalise the inputs, lower the learning rate, or compute the loss from logits.",
-    "square_overflow": "The optimizer squares this gradient (a second moment) and the square overflows: "
-    "its state becomes infinite and the weights NaN within a step or two. Clip gradients (clipnorm=), "
-    "or find what made them this large (an unscaled loss, a bad batch).",
-    "update_ratio": "One update moved the weights by more than their own size: the learning rate is far "
-    "too large for this layer.",
-    "loss_not_decreasing": "The loss is not going down: check the learning rate (too small or too large), "
-    "the labels and the loss function, and that gradients reach the weights.",
-    "loss_oscillating": "The loss swings up and down by large factors: the learning rate is too large to "
-    "settle (lower it or add a decay schedule), or the batches alternate between different kinds of data "
-    "(shuffle them).",
-    "skipped_step": "The LossScaleOptimizer skipped the step and lowered its scale: normal while it "
-    "calibrates; persistent skips mean a NaN that loss scaling cannot fix.",
-}
-
-
-def warning_hint(kind: str) -> str:
-    """The usual fixes for a kind of warning."""
-    return _WARNING_HINTS.get(kind, "")
-
-
-def number(x: float) -> str:
-    """A number as people read it: 3 significant digits, "4.2e15" not "4.2e+15"."""
-    x = float(x)
-    if not math.isfinite(x):
-        return str(x)
-    text = "%.4g" % x if x == 0 or 1e-3 <= abs(x) < 1e4 else "%.3g" % x
-    return text.replace("e+", "e").replace("e-0", "e-").replace("e0", "e")
-
-
-def percent(share: float) -> str:
-    """A share as a percentage, 3 significant digits: "77.3%"."""
-    return "%.3g%%" % (100 * share)
-
-
 def input_range(i: dict[str, Any]) -> str:
     """An op input's range at the failing step, from untrusted JSON:
     "min 0, max 3.3e34, 3,072 exact zeros, of 4,096 values"."""
     words = ["min %s, max %s" % (_num(i.get("min")), _num(i.get("max")))]
-    for key, what in (("zeros", "exact zeros"), ("nan", "NaN"), ("posinf", "+Inf"), ("neginf", "-Inf")):
-        if isinstance(i.get(key), (int, float)) and i[key]:
-            words.append("%s %s" % (format(int(i[key]), ","), what))
-    if isinstance(i.get("count"), (int, float)):
-        words.append("of %s values" % format(int(i["count"]), ","))
+    for key, what in (("zeros", "exact zeros"), *NONFINITE_WORDS.items()):
+        if _finite(i.get(key)):
+            words.append("%s %s" % (count(i[key]), what))
+    if _finite(i.get("count")) is not None:
+        words.append("of %s values" % count(i["count"]))
     return ", ".join(words)
+
+
+def _finite(x: Any) -> float | None:
+    """A number from untrusted JSON, or None where it is not a finite one."""
+    return x if isinstance(x, (int, float)) and math.isfinite(x) else None
 
 
 def _num(x: Any) -> str:

@@ -1,0 +1,195 @@
+"""Run analysis: every series of a run classified, in execution order, and its first cells.
+
+``analyze_run`` applies the rules (``health``) to each series of a run and
+reads the verdicts its writers left (replays, bad batches, op marks);
+``first_cell`` finds the first record of a health. "First" means the
+earliest step; within a step, the earliest tensor in execution order: the
+input batch before forward before backward before the update, then the
+order the writer recorded, then the tag. The words for what is found are
+``diagnosis``'s. Numpy only, no TensorFlow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from typing import Any, Iterable, Sequence
+
+import numpy as np
+
+from tb_numerics import metadata, rules
+from tb_numerics.health import SeriesHealth, mark_run, series_health
+from tb_numerics.records import TensorSeries
+from tb_numerics.safe_range import SafeRange
+
+__all__ = ["OP_TAG_PREFIX", "RunAnalysis", "analyze_run", "first_cell", "is_op_level", "marked_cell", "skipped_steps"]
+
+OP_TAG_PREFIX = "ops/"
+
+@dataclasses.dataclass
+class RunAnalysis:
+    """The health of every series of one run, in execution order."""
+
+    run: str
+    health: list[SeriesHealth]
+    safe_range: SafeRange
+    problems: list[str]
+    # Replays' verdicts on a first non-finite step (``metadata.REPLAY_TAG``).
+    replays: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    # Where a bad batch held its bad values, per feature (``metadata.BATCH_TAG``).
+    batches: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    # The op that went bad first at a step, in execution order, as an op-level
+    # block saw it (``metadata.OP_MARK_TAG``): {"step", "tag", "occurrence", ...}.
+    op_marks: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+    def find(self, tag: str) -> SeriesHealth | None:
+        """The row of ``tag``, or None."""
+        for h in self.health:
+            if h.series.tag == tag:
+                return h
+        return None
+
+    @functools.cached_property
+    def steps(self) -> np.ndarray:
+        """Every step at which any tensor of the run was recorded (computed once)."""
+        if not self.health:
+            return np.zeros(0, np.int64)
+        first = self.health[0].series.steps
+        if all(np.array_equal(h.series.steps, first) for h in self.health[1:]):
+            return first  # every tensor logged at the same steps: the usual run
+        return np.unique(np.concatenate([h.series.steps for h in self.health]))
+
+
+def analyze_run(
+    run: str,
+    series: Iterable[TensorSeries],
+    sr: SafeRange | None = None,
+    problems: Sequence[str] = (),
+) -> RunAnalysis:
+    """Classifies every series of a run and orders them by execution order.
+
+    Args:
+      run: the run's name.
+      series: its records, one series per tag (verdict tags included).
+      sr: the safe range (default: the defaults).
+      problems: what went wrong reading the run, reported with it.
+    """
+    sr = sr or SafeRange()
+    series = list(series)
+    replays = [_replay_verdict(s) for s in series if s.tag == metadata.REPLAY_TAG]
+    batches = [_batch_verdict(s) for s in series if s.tag == metadata.BATCH_TAG]
+    marks = [_op_mark(s) for s in series if s.tag == metadata.OP_MARK_TAG]
+    ordered = sorted((s for s in series if s.tag not in metadata.VERDICT_TAGS), key=lambda s: s.sort_key)
+    health = [series_health(s, sr) for s in ordered]
+    mark_run(health, sr)
+    return RunAnalysis(run, health, sr, list(problems), [r for r in replays if r is not None],
+                       [b for b in batches if b is not None], [m for m in marks if m is not None])
+
+
+def _replay_verdict(s: TensorSeries) -> dict[str, Any] | None:
+    """A replay's verdict, from its record's description (untrusted JSON)."""
+    try:
+        verdict = json.loads(s.info.description)
+    except ValueError:
+        return None
+    if not isinstance(verdict, dict) or not isinstance(verdict.get("step"), int):
+        return None
+    if not isinstance(verdict.get("reproduced"), bool):
+        return None
+    return verdict
+
+
+def _batch_verdict(s: TensorSeries) -> dict[str, Any] | None:
+    """Where a bad batch held its bad values, from its record's description
+    (untrusted JSON): {"step", "tensors": [{"tensor", ...}]}."""
+    try:
+        found = json.loads(s.info.description)
+    except ValueError:
+        return None
+    if not isinstance(found, dict) or type(found.get("step")) is not int or not isinstance(found.get("tensors"), list):
+        return None
+    return found
+
+
+def _op_mark(s: TensorSeries) -> dict[str, Any] | None:
+    """The op an op-level block marked as the first to go bad, at the step
+    of its record, from the record's description (untrusted JSON)."""
+    try:
+        mark = json.loads(s.info.description)
+    except ValueError:
+        return None
+    if not isinstance(mark, dict) or not isinstance(mark.get("tag"), str) or not s.steps.size:
+        return None
+    occurrence = mark.get("occurrence")
+    if not (isinstance(occurrence, list) and occurrence and type(occurrence[0]) is int):
+        return None
+    return {**mark, "step": int(s.steps[0])}
+
+
+def marked_cell(ra: RunAnalysis, cell: tuple[int, int, int]) -> tuple[int, int, int]:
+    """The first anomaly's cell, moved to the op record its step's mark names
+    where the anomaly is an op's: which of a step's op records went bad first
+    is known there only (a loop's iterations), not from the tags' order.
+
+    Args:
+      ra: the run.
+      cell: (step, row, record index) of its first non-finite record.
+    """
+    step, row, _ = cell
+    if not is_op_level(ra.health[row].series.tag):
+        return cell
+    for mark in ra.op_marks:
+        if mark["step"] != step:
+            continue
+        for r, h in enumerate(ra.health):
+            at = np.flatnonzero(h.series.steps == step) if h.series.tag == mark["tag"] else ()
+            k = mark["occurrence"][0] - 1
+            if 0 <= k < len(at) and h.codes[at[k]] == rules.NONFINITE:
+                return step, r, int(at[k])
+    return cell
+
+
+def is_op_level(tag: str) -> bool:
+    """Whether a tag is an op-level record (``op_numerics``, or a replay's)."""
+    return tag.startswith(OP_TAG_PREFIX)
+
+
+def skipped_steps(ra: RunAnalysis) -> list[int]:
+    """The steps a LossScaleOptimizer skipped with the scale handling it."""
+    code = rules.kind_code("skipped_step")
+    steps = [h.series.steps[h.kinds == code] for h in ra.health]
+    return np.unique(np.concatenate(steps)).astype(int).tolist() if steps else []
+
+
+def first_cell(ra: RunAnalysis, code: int, before: tuple[int, int] | None = None, skip_kinds=frozenset(),
+               rows: Iterable[int] | None = None) -> tuple[int, int, int] | None:
+    """(step, row index, record index) of the first record with health ``code``.
+
+    Args:
+      ra: the run.
+      code: a health code (``rules.NONFINITE``, ``rules.WARNING``).
+      before: (step, row): only records before it, in that order.
+      skip_kinds: warning kinds left out.
+      rows: the rows to look in (default: all).
+    """
+    skip_codes = [rules.kind_code(k) for k in skip_kinds]
+    best = None
+    for row in range(len(ra.health)) if rows is None else rows:
+        h = ra.health[row]
+        mask = h.codes == code
+        if skip_codes:
+            mask &= ~np.isin(h.kinds, skip_codes)
+        idx = np.flatnonzero(mask)
+        if idx.size == 0:
+            continue
+        i = int(idx[0])
+        key = (int(h.series.steps[i]), row)
+        if before is not None and key >= before:
+            continue
+        if best is None or key < best[0]:
+            best = (key, i)
+    if best is None:
+        return None
+    (step, row), i = best
+    return step, row, i
