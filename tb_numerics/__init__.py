@@ -25,7 +25,7 @@ _LAZY = {
 # plain ``import tb_numerics``.
 _SUBMODULES = (
     "keras", "xla", "oplevel", "summary", "analysis", "records", "record_writer", "event_reader", "cli", "metadata",
-    "frontend",
+    "frontend", "rules", "safe_range",
 )
 
 __all__ = sorted(_LAZY) + sorted(_SUBMODULES)

@@ -22,12 +22,11 @@ Exit status, so that a CI job or a training launcher can act on it:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from typing import Sequence
 
-from tb_numerics import analysis, event_reader, hints, scalars
+from tb_numerics import analysis, event_reader, hints, rules, scalars
 
 EXIT_OK = 0
 EXIT_ANOMALY = 1
@@ -213,8 +212,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for p in problems:
         print("tb-numerics: warning: %s" % _safe_text(p), file=sys.stderr)
     if args.json:
-        json.dump({"runs": summaries}, sys.stdout, allow_nan=False, default=str)
-        sys.stdout.write("\n")
+        # One JSON rule with the HTTP API: NaN and +-Inf as the strings "NaN", "Infinity", "-Infinity".
+        sys.stdout.write(rules.dumps({"runs": summaries}) + "\n")
     elif not summaries:
         print("no numerics records and no scalar summaries in %s: log them with tb_numerics.log_numerics"
               % _safe_text(args.logdir))

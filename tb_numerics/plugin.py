@@ -16,14 +16,11 @@ fail on a healthy TensorBoard install.
 from __future__ import annotations
 
 import functools
-import json
 import logging
-import math
 import os
 import re
 from typing import Any, Callable, Mapping
 
-import numpy as np
 from werkzeug import wrappers
 
 from tensorboard import context as tb_context
@@ -31,7 +28,7 @@ from tensorboard import errors, plugin_util
 from tensorboard.backend import http_util
 from tensorboard.plugins import base_plugin
 
-from tb_numerics import analysis, logdir_provider, metadata, run_store
+from tb_numerics import analysis, logdir_provider, metadata, rules, run_store
 
 __all__ = ["NumericsLoader", "NumericsPlugin", "frontend_dir"]
 
@@ -74,26 +71,9 @@ def _not_found(message: str) -> _BadRequest:
 # ------------------------------------------------------------------ JSON
 
 
-def _jsonable(obj: Any) -> Any:
-    """``obj`` with numpy values made plain and NaN/±Inf made strings."""
-    if isinstance(obj, dict):
-        return {str(k): _jsonable(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_jsonable(v) for v in obj]
-    if isinstance(obj, np.ndarray):
-        return _jsonable(obj.tolist())
-    if isinstance(obj, np.generic):
-        obj = obj.item()
-    if isinstance(obj, float) and not math.isfinite(obj):
-        return "NaN" if obj != obj else ("Infinity" if obj > 0 else "-Infinity")
-    return obj
-
-
 def _respond_json(request: wrappers.Request, body: Any, code: int = 200) -> wrappers.Response:
-    # allow_nan=False: a NaN that slipped past _jsonable fails here, loudly,
-    # rather than reaching the browser as invalid JSON.
-    data = json.dumps(_jsonable(body), allow_nan=False, separators=(",", ":"))
-    return http_util.Respond(request, data.encode("utf-8"), "application/json", code=code)
+    # rules.dumps: NaN and +-Inf as TensorBoard's own encoder writes them.
+    return http_util.Respond(request, rules.dumps(body).encode("utf-8"), "application/json", code=code)
 
 
 # ------------------------------------------------------------------ params
@@ -197,6 +177,7 @@ class NumericsPlugin(base_plugin.TBPlugin):
         return {
             "/index.js": self._serve_static,
             "/safe_range": self._serve_safe_range,
+            "/rules": self._serve_rules,
             "/runs": self._serve_runs,
             "/summary": self._serve_summary,
             "/timeline": self._serve_timeline,
@@ -230,6 +211,10 @@ class NumericsPlugin(base_plugin.TBPlugin):
             "defaults": {name: defaults[name] for name in analysis.SAFE_RANGE_PARAMS},
             "params": {name: help_text for name, (_, help_text) in analysis.SAFE_RANGE_PARAMS.items()},
         }
+
+    def rules_impl(self) -> dict[str, Any]:
+        """What the dashboard shows of the rules: health codes, warning kinds, number format."""
+        return rules.published()
 
     def runs_impl(self, ctx, experiment: str, safe_range: analysis.SafeRange) -> dict[str, Any]:
         """Every run with numerics records and its headline health."""
@@ -270,7 +255,7 @@ class NumericsPlugin(base_plugin.TBPlugin):
         """Worst health per tensor and step bucket, rows in execution order."""
         answer = self._store.answer(ctx, experiment, run, safe_range)
         out = analysis.timeline(answer.analysis, width, start, end)
-        out["legend"] = {str(c): analysis.health_name(c) for c in (-1, 0, 1, 2)}
+        out["legend"] = {str(h.code): h.name for h in rules.HEALTH}
         out.update(answer.freshness())
         return out
 
@@ -296,6 +281,10 @@ class NumericsPlugin(base_plugin.TBPlugin):
     @_route
     def _serve_safe_range(self, request: wrappers.Request) -> dict:
         return self.safe_range_impl()
+
+    @_route
+    def _serve_rules(self, request: wrappers.Request) -> dict:
+        return self.rules_impl()
 
     @_route
     def _serve_runs(self, request: wrappers.Request) -> dict:
