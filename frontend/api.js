@@ -50,6 +50,8 @@ async function get(route, params = {}, signal) {
 
 export const safeRange = (signal) => get("safe_range", {}, signal);
 
+export const rules = (signal) => get("rules", {}, signal);
+
 export const runs = (params, signal) => get("runs", params, signal);
 
 export const summary = (run, params, signal) => get("summary", { run, ...params }, signal);

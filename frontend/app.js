@@ -7,6 +7,7 @@ import { renderBanners } from "./banner.js";
 import { RunPicker, SafeRangeForm, ZoomForm } from "./controls.js";
 import { el, replace } from "./dom.js";
 import * as fmt from "./format.js";
+import * as rules from "./rules.js";
 import * as store from "./state.js";
 import { TensorCharts } from "./tensor_charts.js";
 import { watchTheme } from "./theme.js";
@@ -90,6 +91,11 @@ export class Dashboard {
       clearTimeout(this.resizeTimer);
       this.resizeTimer = setTimeout(() => this.refetchNarrowTimelines(), 300);
     }).observe(this.timelineHost);
+    try {
+      await rules.load(); // the words, codes and number format every view uses
+    } catch (e) {
+      return this.fail(e);
+    }
     await this.readSafeRangeKeys();
     await this.load();
   }

@@ -6,6 +6,7 @@
 
 import { el, replace } from "./dom.js";
 import * as fmt from "./format.js";
+import * as rules from "./rules.js";
 import { color } from "./theme.js";
 
 const M = { left: 58, right: 10, top: 10, bottom: 20 };
@@ -189,8 +190,9 @@ export class Chart {
     const { health, steps, stepEnd } = this.data;
     if (!health) return;
     ctx.fillStyle = color("nonfinite-band");
+    const nonfinite = rules.code("nonfinite");
     health.forEach((h, i) => {
-      if (h !== 2) return;
+      if (h !== nonfinite) return;
       const a = x.toPx(steps[i]);
       const b = x.toPx(stepEnd ? stepEnd[i] + 1 : steps[i] + 1);
       ctx.fillRect(a, M.top, Math.max(3, b - a), this.plotH);

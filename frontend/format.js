@@ -1,49 +1,56 @@
-// Numbers and counts in words, the way the banner and tooltips print them.
+// Numbers and counts in words, the way the banner and tooltips print them:
+// the format and the words are the server's (rules.js), so a number reads
+// the same in a tooltip as in a banner or in `tb-numerics report`.
+
+import * as rules from "./rules.js";
 
 const INT = new Intl.NumberFormat("en-US", { maximumFractionDigits: 0 });
 
-/** 4096 -> "4,096". */
+/** 4096 -> "4,096" (a fractional count is cut, as the server does). */
 export function count(n) {
-  return INT.format(n);
+  return INT.format(Math.trunc(n));
 }
 
-/** A statistic with 4 significant digits; NaN/Inf spelled out. */
+/** A decimal string without trailing zeros after its point: "1.200" -> "1.2". */
+function plain(s) {
+  return s.includes(".") ? s.replace(/0+$/, "").replace(/\.$/, "") : s;
+}
+
+/**
+ * A statistic as the server writes it (tb_numerics/rules/numbers.py):
+ * `digits` significant digits where the rounded value is in
+ * [fixed_from, fixed_below), else `exp_digits` with an exponent ("4.22e15");
+ * toPrecision and toExponential round half away from zero, as the server does.
+ */
 export function number(x) {
   if (x === null || x === undefined) return "–";
-  if (Number.isNaN(x)) return "NaN";
-  if (x === Infinity) return "+Inf";
-  if (x === -Infinity) return "-Inf";
+  const f = rules.numberFormat();
+  if (Number.isNaN(x)) return f.nan;
+  if (x === Infinity) return f.posinf;
+  if (x === -Infinity) return f.neginf;
   if (x === 0) return "0";
+  const sign = x < 0 ? "-" : "";
   const a = Math.abs(x);
-  if (a >= 1e5 || a < 1e-3) return x.toExponential(3).replace(/\.?0+e/, "e");
-  return String(Number(x.toPrecision(4)));
+  const fixed = a.toPrecision(f.digits);
+  const rounded = Number(fixed);
+  if (rounded >= f.fixed_from && rounded < f.fixed_below) return sign + plain(fixed);
+  const [mantissa, exponent] = a.toExponential(f.exp_digits - 1).split("e");
+  return `${sign}${plain(mantissa)}e${Number(exponent)}`;
 }
 
 /** {nan, posinf, neginf, size} -> "2 NaN, 1 +Inf of 4,096 values". */
 export function nonfiniteCounts({ nan, posinf, neginf, size }) {
+  const f = rules.numberFormat();
   const parts = [];
-  if (nan) parts.push(`${count(nan)} NaN`);
-  if (posinf) parts.push(`${count(posinf)} +Inf`);
-  if (neginf) parts.push(`${count(neginf)} -Inf`);
+  if (nan) parts.push(`${count(nan)} ${f.nan}`);
+  if (posinf) parts.push(`${count(posinf)} ${f.posinf}`);
+  if (neginf) parts.push(`${count(neginf)} ${f.neginf}`);
   return `${parts.join(", ") || "no non-finite values"} of ${count(size)} value${size === 1 ? "" : "s"}`;
 }
 
-// Warning kinds whose name alone says too little; the others read as their
-// name with spaces ("overflow_risk" -> "overflow risk").
-const KIND_WORDS = {
-  dead_units: "dead units",
-  vanishing_by_depth: "vanishing gradients by depth",
-  exploding_by_depth: "exploding gradients by depth",
-  saturation: "saturated activations",
-  update_ratio: "update ratio out of range",
-  headroom: "headroom running out",
-  square_overflow: "gradient's square overflows",
-};
-
-/** A warning kind in words: "saturation" -> "saturated activations". */
+/** A warning kind in words, as the server names it (rules.js). */
 export function kind(k) {
-  if (typeof k !== "string") return "";
-  return Object.hasOwn(KIND_WORDS, k) ? KIND_WORDS[k] : k.replace(/_/g, " ");
+  return typeof k === "string" ? rules.kindWords(k) : "";
 }
 
 /** A step range "1,200–1,299", or one step "1,200". */

@@ -6,23 +6,19 @@
 import { niceTicks } from "./chart.js";
 import { el, replace } from "./dom.js";
 import * as fmt from "./format.js";
+import * as rules from "./rules.js";
 import { color } from "./theme.js";
 
 const AXIS_H = 22;
 const ROW_H = 14;
 const GROUP_H = 18;
-const HEALTH_WORDS = { "-1": "no record", 0: "healthy", 1: "warning", 2: "non-finite (NaN/Inf)" };
-const HEALTH_COLOURS = { "-1": "nodata", 0: "healthy", 1: "warning", 2: "nonfinite" };
-
-/** The legend of the four cell colours. */
+/** The legend of the cell colours (a health's name is its colour), once the rules are loaded. */
 export function legend() {
-  return el(
-    "div",
-    { class: "legend", "aria-label": "Timeline colours" },
-    ...[0, 1, 2, -1].map((code) =>
-      el("span", {}, el("span", { class: "swatch", style: `background: var(--${HEALTH_COLOURS[code]})` }), HEALTH_WORDS[code])
-    )
+  const box = el("div", { class: "legend", "aria-label": "Timeline colours" });
+  rules.ready.then(() =>
+    replace(box, ...rules.healths().map((h) => el("span", {}, el("span", { class: "swatch", style: `background: var(--${h.name})` }), h.words)))
   );
+  return box;
 }
 
 export class Timeline {
@@ -149,7 +145,7 @@ export class Timeline {
     ctx.clearRect(0, 0, width, this.height);
     const cw = this.cols ? width / this.cols : width;
     this.cellWidth = cw;
-    const palette = Object.fromEntries(Object.entries(HEALTH_COLOURS).map(([k, v]) => [k, color(v)]));
+    const palette = Object.fromEntries(rules.healths().map((h) => [h.code, color(h.name)]));
 
     this.drawAxis(ctx, width, cw);
     // Cells, merged into runs of equal health so 2,000 columns stay cheap.
@@ -283,13 +279,15 @@ export class Timeline {
     const row = this.data.rows[cell.row];
     const code = row.cells[cell.col];
     const range = fmt.steps(this.data.bucket_start[cell.col], this.data.bucket_end[cell.col]);
-    const head = `${row.tensor}, step ${range}: ${HEALTH_WORDS[code]}`;
+    const words = rules.health(code).words;
+    const noRecord = code === rules.code("nodata");
+    const head = `${row.tensor}, step ${range}: ${words}`;
     this.live.textContent = head;
-    const numbers = el("div", { class: "numbers" }, code === -1 ? "" : "…");
+    const numbers = el("div", { class: "numbers" }, noRecord ? "" : "…");
     replace(
       this.tooltip,
       el("div", { class: "tensor-name" }, row.tensor),
-      el("div", {}, `${range.includes("–") ? "Steps" : "Step"} ${range} · ${HEALTH_WORDS[code]}`),
+      el("div", {}, `${range.includes("–") ? "Steps" : "Step"} ${range} · ${words}`),
       numbers
     );
     this.tooltip.hidden = false;
@@ -298,7 +296,7 @@ export class Timeline {
       const rect = this.canvas.getBoundingClientRect();
       this.place(rect.left + (cell.col + 1) * this.cellWidth, rect.top + this.rowY[cell.row] + ROW_H);
     }
-    if (code === -1) return;
+    if (noRecord) return;
     const token = ++this.hoverToken;
     clearTimeout(this.hoverTimer);
     this.hoverTimer = setTimeout(async () => {
