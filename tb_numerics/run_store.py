@@ -16,6 +16,9 @@ Public surface:
   ``prefetched_tags`` (what is held for a run);
 - ``Answer``, ``Snapshot``, ``Limits`` and ``RunNotFound``.
 
+The reads themselves and the snapshots they make are ``provider_reads``'s;
+this module decides when to read, and keeps each run's state.
+
 Why it works as it does: TensorBoard's data only changes on its reload, but
 its provider has no "records after step N": a tag that grew is read again
 whole, at 9-27 us a record. So a request reads a run itself only when that
@@ -28,8 +31,6 @@ Import-light like the plugin: no TensorFlow.
 from __future__ import annotations
 
 import collections
-import concurrent.futures
-import ctypes
 import dataclasses
 import enum
 import logging
@@ -38,20 +39,17 @@ import time
 import weakref
 from typing import Any, Callable, Mapping
 
-import numpy as np
-
 from tensorboard import context as tb_context
 from tensorboard.data import provider
 
-from tb_numerics import analysis, metadata, packed, records
+from tb_numerics import analysis, metadata, packed
+from tb_numerics.provider_reads import (
+    ProviderReader, Snapshot, TagData, listed_version, read_cost, return_freed_memory,
+)
 
 __all__ = ["Answer", "Limits", "RunNotFound", "RunStore", "Snapshot"]
 
 logger = logging.getLogger(__name__)
-
-# `read_tensors` must return every record, never a sample: ask for far more
-# points than a series can hold (the providers return min(len, downsample)).
-_READ_ALL = 2**31 - 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,296 +78,6 @@ class RunNotFound(LookupError):
         return str(self.args[0])
 
 
-# ------------------------------------------------------------------ snapshots
-
-
-@dataclasses.dataclass
-class _TagData:
-    """One tag's records as last read, and the listing entry they match.
-
-    A tensor's tag holds its ``series``; a packed block's holds ``parts``,
-    the series of each tensor in the block (see ``_merge``). Neither: the
-    tag cannot be read.
-    """
-
-    version: tuple  # (max_step, max_wall_time, plugin_content)
-    series: records.TensorSeries | None
-    problems: list[str]
-    parts: dict[str, records.TensorSeries] | None = None
-
-
-def _version(ts: Any) -> tuple:
-    """What identifies a tag's records in TensorBoard's listing."""
-    return (ts.max_step, ts.max_wall_time, ts.plugin_content)
-
-
-class Snapshot:
-    """A run's decoded records as of one listing, and analyses of them by safe range.
-
-    Never changed once built (a refresh builds a new one and shares the tags
-    that did not change), so requests use it without holding the run's lock.
-
-    Attributes:
-      series: every tensor's series.
-      as_of_step: the last step actually read (TensorBoard may have loaded
-        more between its listing and the read); None when nothing was.
-      records: how many records the series hold.
-    """
-
-    def __init__(self, tags: dict[str, _TagData], limits: Limits):
-        self.tags = tags
-        overlaps: list[tuple[str, int, int]] = []
-        self.series = _merge(tags, overlaps)
-        self._merge_problems = [packed.overlap_problem(overlaps)] if overlaps else []
-        self.as_of_step = max(
-            [int(s.steps[-1]) for s in self.series if s.steps.size]
-            + [int(t.version[0]) for t in tags.values() if t.series is None and t.parts is None],
-            default=None,
-        )
-        self.records = sum(len(s.steps) for s in self.series)
-        self._limits = limits
-        self._lock = threading.Lock()  # one analysis computed at a time
-        self._analyses: collections.OrderedDict[tuple, analysis.RunAnalysis] = (
-            collections.OrderedDict()
-        )
-
-    def matches(self, listing: Mapping[str, Any]) -> bool:
-        """Whether these are the records TensorBoard lists now."""
-        return len(listing) == len(self.tags) and all(
-            (t := self.tags.get(tag)) is not None and t.version == _version(ts) for tag, ts in listing.items()
-        )
-
-    def analysis(self, run: str, safe_range: analysis.SafeRange, extra_problems: list[str]) -> analysis.RunAnalysis:
-        """The analysis under ``safe_range``, computed once and kept (the last few)."""
-        with self._lock:
-            # A problem that came later (the data server failed) is a new analysis.
-            key = (safe_range, tuple(extra_problems))
-            hit = self._analyses.get(key)
-            if hit is not None:
-                self._analyses.move_to_end(key)
-                return hit
-            problems = [p for t in self.tags.values() for p in t.problems] + self._merge_problems + extra_problems
-            result = analysis.analyze_run(run, self.series, safe_range, problems)
-            if self.records > self._limits.inline_read_records:
-                _return_freed_memory()  # the analysis' float64 copies of float32 records
-            self._analyses[key] = result
-            while len(self._analyses) > self._limits.analyses_per_run:
-                self._analyses.popitem(last=False)
-            return result
-
-
-def _merge(tags: Mapping[str, _TagData], overlaps: list[tuple[str, int, int]]) -> list[records.TensorSeries]:
-    """Every tensor's series: its own tag's, and its parts in packed blocks.
-
-    Blocks are taken oldest first (by their last write), so a step written
-    twice keeps the later record. Where a tensor's parts do not overlap in
-    steps (the usual case, whichever writers wrote them), each block's part
-    (a view of the block's events, maybe float32) is replaced by a slice of
-    the merged series: the snapshot then holds each record once, and
-    the next refresh, which re-reads only the blocks that grew, still has them.
-    Tensors that several writers wrote at once go to ``overlaps`` (see
-    ``packed.merge``).
-    """
-    out = [t.series for t in tags.values() if t.series is not None]
-    blocks = sorted((t.version[1], tag) for tag, t in tags.items() if t.parts)
-    by_tensor: dict[str, list[tuple[str, records.TensorSeries]]] = {}
-    for _, tag in blocks:
-        for name, part in tags[tag].parts.items():
-            by_tensor.setdefault(name, []).append((tag, part))
-    own = {s.tag: i for i, s in enumerate(out)}
-    # Tensors logged at the same steps share one step array, merged and in
-    # their parts (keys are ids of arrays all alive until the end).
-    shared_steps: dict[tuple[int, ...], np.ndarray] = {}
-    step_slices: dict[tuple[int, int, int], np.ndarray] = {}
-    for name, placed in by_tensor.items():
-        merged, offsets = packed.merge([part for _, part in placed], shared_steps, overlaps)
-        if offsets is not None:
-            for (tag, part), at in zip(placed, offsets):
-                n = len(part.steps)
-                steps = step_slices.setdefault((id(merged.steps), at, n), merged.steps[at : at + n])
-                tags[tag].parts[name] = records.TensorSeries(
-                    name, part.info, steps, merged.values[at : at + n], part.written
-                )
-        if name in own:  # also logged per tensor in the same run
-            out[own[name]] = packed.merge([out[own[name]], merged])[0]
-        else:
-            out.append(merged)
-    return out
-
-
-def _return_freed_memory() -> None:
-    """Hands memory freed after a big read or analysis back to the operating system.
-
-    A read decodes each event into its own small array, and an analysis
-    makes float64 copies of float32 records; once they are freed, glibc
-    keeps them in its heap (hundreds of MB after a long run) for as long as
-    TensorBoard runs. Where there is no ``malloc_trim`` (not glibc), nothing
-    is done.
-    """
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
-# ------------------------------------------------------------------ reading
-
-
-def _steps_held(tag: str, ts: Any) -> int:
-    """The steps a tag may hold, estimated from its last step (records are
-    usually one per step from 0; a packed block holds at most a block's, in
-    a fiftieth as many events)."""
-    n = max(1, int(ts.max_step) + 1)
-    return min(n, packed.STEPS_PER_BLOCK) if packed.is_block_tag(tag) else n
-
-
-def _read_cost(listing: Mapping[str, Any], *known: Mapping[str, _TagData]) -> int:
-    """Steps to read for ``listing`` beyond the tags ``known`` as listed, a
-    packed block's counted once: a rough measure of the read's cost."""
-    return sum(
-        _steps_held(tag, ts)
-        for tag, ts in listing.items()
-        if not any((t := k.get(tag)) is not None and t.version == _version(ts) for k in known)
-    )
-
-
-def _log_new_problems(run: str, prev: _TagData | None, problems: list[str]) -> None:
-    """Logs a tag's problems to the server log once: those its previous read had not."""
-    for p in problems:
-        if prev is None or p not in prev.problems:
-            logger.warning("numerics: run %r: %s", run, p)
-
-
-# A tag to read: its listed version, parsed metadata, and its previous read.
-_ToRead = tuple[tuple, "metadata.TensorInfo | metadata.BlockTable", "_TagData | None"]
-
-
-class _ProviderReader:
-    """Reads and decodes a run's tags through TensorBoard's data provider."""
-
-    def __init__(self, data_provider: provider.DataProvider, records_per_read: int):
-        self._provider = data_provider
-        self._records_per_read = records_per_read
-
-    def read(
-        self, ctx, experiment: str, run: str, listing: Mapping[str, Any], known: list[Mapping[str, _TagData]]
-    ) -> dict[str, _TagData]:
-        """The records of ``listing``'s tags: those ``known`` as of the listed
-        version are shared, the others read again (whole: the data provider
-        has no "steps after N")."""
-        tags, to_read = _unchanged_and_to_read(run, listing, known)
-        # One read ahead: the data server prepares the next batch while this
-        # thread decodes the last (a fifth less time on a long run).
-        batches = self._batches(to_read, listing)
-        with concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="numerics-read") as pool:
-            reads = [pool.submit(self._read_tags, ctx, experiment, run, b) for b in batches[:2]]
-            for i, batch in enumerate(batches):
-                data, unreadable = reads[i].result()
-                if i + 2 < len(batches):
-                    reads.append(pool.submit(self._read_tags, ctx, experiment, run, batches[i + 2]))
-                tags.update(_decode_tags(run, batch, data, unreadable, to_read))
-        return tags
-
-    def _batches(self, to_read: Mapping[str, _ToRead], listing: Mapping[str, Any]) -> list[list[str]]:
-        """Tags grouped so that each read stays well under gRPC's message cap,
-        counting a packed block's step as one record per tensor of its table."""
-        batches: list[list[str]] = []
-        size = 0
-        for tag, (_, info, _) in to_read.items():
-            estimate = _steps_held(tag, listing[tag]) * (1 if isinstance(info, metadata.TensorInfo) else len(info))
-            if batches and size + estimate <= self._records_per_read:
-                batches[-1].append(tag)
-                size += estimate
-            else:
-                batches.append([tag])
-                size = estimate
-        return batches
-
-    def _read_tags(self, ctx, experiment: str, run: str, tags: list[str]) -> tuple[dict, dict[str, str]]:
-        """Every record of ``tags``, and a problem for each tag that cannot be read.
-
-        TensorBoard's providers fail a whole read on one record they cannot
-        decode (a tensor whose bytes do not fit its shape): read such a
-        batch tag by tag so that only the damaged tag is lost.
-        """
-        try:
-            return self._read(ctx, experiment, run, tags), {}
-        except (ValueError, TypeError):
-            pass
-        data, unreadable = {}, {}
-        for tag in tags:
-            try:
-                data.update(self._read(ctx, experiment, run, [tag]))
-            except (ValueError, TypeError) as e:
-                unreadable[tag] = "%s: TensorBoard cannot decode its records (%s); the tensor was skipped" % (tag, e)
-        return data, unreadable
-
-    def _read(self, ctx, experiment: str, run: str, tags: list[str]) -> dict:
-        return self._provider.read_tensors(
-            ctx,
-            experiment_id=experiment,
-            plugin_name=metadata.PLUGIN_NAME,
-            downsample=_READ_ALL,
-            run_tag_filter=provider.RunTagFilter(runs=[run], tags=tags),
-        ).get(run, {})
-
-
-def _unchanged_and_to_read(
-    run: str, listing: Mapping[str, Any], known: list[Mapping[str, _TagData]]
-) -> tuple[dict[str, _TagData], dict[str, _ToRead]]:
-    """The tags ``known`` as listed (or whose metadata cannot be read), and
-    the others with what reading them needs."""
-    tags: dict[str, _TagData] = {}
-    to_read: dict[str, _ToRead] = {}
-    for tag, ts in listing.items():
-        version = _version(ts)
-        seen = [k[tag] for k in known if tag in k]
-        prev = next((t for t in seen if t.version == version), seen[0] if seen else None)
-        if prev is not None and prev.version == version:
-            tags[tag] = prev
-            continue
-        try:
-            if not ts.plugin_content:
-                # The tag's first event (its full metadata) was lost: TensorBoard
-                # read a later one, which names only the plugin.
-                info = metadata.info_from_tag(tag)
-                _log_new_problems(run, prev, ["%s: its metadata was lost with its first record; read as a %s "
-                                              "(inferred from the tag name)" % (tag, info.role)])
-            else:
-                info = metadata.parse_content(ts.plugin_content, ts.description or "")
-        except metadata.FormatError as e:
-            tags[tag] = _TagData(version, None, ["%s: %s" % (tag, e)])
-            _log_new_problems(run, prev, tags[tag].problems)
-            continue
-        to_read[tag] = (version, info, prev)
-    return tags, to_read
-
-
-def _decode_tags(
-    run: str, batch: list[str], data: dict, unreadable: Mapping[str, str], to_read: Mapping[str, _ToRead]
-) -> dict[str, _TagData]:
-    """The ``_TagData`` of each tag of a read ``batch``: a per-tensor tag's
-    series, or a packed block's parts, with the problems found."""
-    out: dict[str, _TagData] = {}
-    for tag in batch:
-        version, info, prev = to_read[tag]
-        if tag in unreadable:
-            out[tag] = _TagData(version, None, [unreadable[tag]])
-            _log_new_problems(run, prev, out[tag].problems)
-            continue
-        problems: list[str] = []
-        points = data.pop(tag, [])
-        steps = np.fromiter((d.step for d in points), dtype=np.int64, count=len(points))
-        walls = [d.wall_time for d in points]
-        decoded = packed.decode_tag(tag, info, steps, [d.numpy for d in points], problems, walls)
-        if isinstance(info, metadata.TensorInfo):
-            out[tag] = _TagData(version, decoded[0], problems)
-        else:
-            out[tag] = _TagData(version, None, problems, {p.tag: p for p in decoded})
-        _log_new_problems(run, prev, problems)
-    return out
-
-
 # ------------------------------------------------------------------ per-run state
 
 
@@ -389,11 +97,11 @@ class _RunCache:
         self.listed: tuple | None = None  # the run's listing at the refresher's last round
         # Packed blocks read while TensorBoard was still loading the run (see
         # ``RunStore._prefetch_blocks``), for the next refresh to take instead of reading.
-        self.prefetched: dict[str, _TagData] = {}
+        self.prefetched: dict[str, TagData] = {}
         # Safe ranges asked for lately, most recent last: computed after a refresh.
         self.recent: collections.OrderedDict[analysis.SafeRange, None] = collections.OrderedDict()
 
-    def known(self) -> list[Mapping[str, _TagData]]:
+    def known(self) -> list[Mapping[str, TagData]]:
         """The tags held already (under the lock): the snapshot's and those prefetched."""
         return [self.snapshot.tags if self.snapshot is not None else {}, self.prefetched]
 
@@ -415,6 +123,52 @@ class _RunCache:
             self.recent.move_to_end(safe_range)
             while len(self.recent) > keep:
                 self.recent.popitem(last=False)
+
+    def next_step(
+        self, listing: Mapping[str, Any], inline_records: int
+    ) -> tuple[_Next, Snapshot | None, threading.Event | None]:
+        """What a request does now (see ``RunStore.answer``), with the
+        snapshot and the refresh (claimed by it for READ, else the one under
+        way, if any); a read of at most ``inline_records`` is the request's own."""
+        with self.lock:
+            snapshot, in_flight = self.snapshot, self.refreshing
+            if snapshot is not None and snapshot.matches(listing):
+                return _Next.USE, snapshot, None
+            if in_flight is None and (snapshot is None or read_cost(listing, *self.known()) <= inline_records):
+                return _Next.READ, snapshot, self.claim()
+            if snapshot is None:
+                return _Next.WAIT, None, in_flight
+            return _Next.STALE, snapshot, in_flight
+
+    def claim_background(
+        self, listing: Mapping[str, Any], asked: bool, now: float, inline_records: int
+    ) -> tuple[_BackgroundWork | None, bool]:
+        """The refresh the refresher should do for the run now, claimed (None:
+        nothing: current, a refresh under way, or, unless a request asked,
+        refreshed less than a reload ago), and whether the run's listing
+        changed since the refresher's last round (TensorBoard is loading it)."""
+        with self.lock:
+            changed = False
+            if not asked:
+                listed = tuple(sorted((tag, listed_version(ts)) for tag, ts in listing.items()))
+                changed, self.listed = listed != self.listed, listed
+            if self.refreshing is not None or (self.snapshot is not None and self.snapshot.matches(listing)):
+                return None, changed
+            if not asked and now < self.next_background:
+                return None, changed
+            known = self.known()
+            blocks = None
+            if changed and read_cost(listing, *known) > inline_records:
+                # A big run TensorBoard is still loading: read it once its
+                # listing holds still for a round (or when a request asks),
+                # not now and again in full when loading ends. Its packed
+                # blocks, though, are read as they load (a block is read
+                # again only while it grows), so that little is left to read
+                # when loading ends.
+                blocks = {tag: ts for tag, ts in listing.items() if packed.is_block_tag(tag)}
+                if not blocks:
+                    return None, changed
+            return _BackgroundWork(self.claim(), known, blocks, list(self.recent)[-1:]), changed
 
 
 @dataclasses.dataclass(frozen=True)
@@ -446,7 +200,7 @@ class _BackgroundWork:
     the packed blocks of a run TensorBoard is still loading."""
 
     done: threading.Event  # the claim, released when the work ends
-    known: list[Mapping[str, _TagData]]  # the tags held when claimed
+    known: list[Mapping[str, TagData]]  # the tags held when claimed
     blocks: Mapping[str, Any] | None  # the blocks to read ahead; None: refresh the run
     recent: list[analysis.SafeRange]  # the safe range asked for last, analysed after a refresh
 
@@ -487,7 +241,7 @@ class RunStore:
         run_problems: Callable[[str], list[str]] | None = None,
     ):
         self._provider = data_provider
-        self._reader = _ProviderReader(data_provider, limits.records_per_read)
+        self._reader = ProviderReader(data_provider, limits.records_per_read)
         self._sample_limit = sample_limit or None
         self._run_problems = run_problems
         self._limits = limits
@@ -643,7 +397,7 @@ class RunStore:
     ) -> tuple[Snapshot, bool]:
         """The snapshot ``answer`` uses and whether it is current (see there)."""
         while True:
-            step, snapshot, refresh = self._next_step(cache, listing)
+            step, snapshot, refresh = cache.next_step(listing, self._limits.inline_read_records)
             if step is _Next.USE:
                 return snapshot, True
             if step is _Next.READ:
@@ -653,23 +407,6 @@ class RunStore:
                     self._asked.add(ctx, experiment, run)
                 return snapshot, False
             refresh.wait()  # _Next.WAIT, then look again
-
-    def _next_step(
-        self, cache: _RunCache, listing: Mapping[str, Any]
-    ) -> tuple[_Next, Snapshot | None, threading.Event | None]:
-        """What a request does now, with the snapshot and the refresh
-        (claimed by it for READ, else the one under way, if any)."""
-        with cache.lock:
-            snapshot, in_flight = cache.snapshot, cache.refreshing
-            if snapshot is not None and snapshot.matches(listing):
-                return _Next.USE, snapshot, None
-            if in_flight is None and (
-                snapshot is None or _read_cost(listing, *cache.known()) <= self._limits.inline_read_records
-            ):
-                return _Next.READ, snapshot, cache.claim()
-            if snapshot is None:
-                return _Next.WAIT, None, in_flight
-            return _Next.STALE, snapshot, in_flight
 
     def _refresh(
         self, ctx, experiment: str, run: str, cache: _RunCache, listing: Mapping[str, Any],
@@ -683,10 +420,10 @@ class RunStore:
         try:
             with cache.lock:
                 known = cache.known()
-            big = _read_cost(listing, *known) > self._limits.inline_read_records
+            big = read_cost(listing, *known) > self._limits.inline_read_records
             snapshot = Snapshot(self._reader.read(ctx, experiment, run, listing, known), self._limits)
             if big:
-                _return_freed_memory()
+                return_freed_memory()
             with cache.lock:
                 cache.snapshot = snapshot
                 cache.prefetched = {}
@@ -708,7 +445,9 @@ class RunStore:
         lately so that the next request is instant; or reads ahead the packed
         blocks of a big run still loading. A failure is logged and retried later."""
         cache = self._cache(experiment, run)
-        work = self._claim_background_work(cache, listing, asked)
+        work, changed = cache.claim_background(listing, asked, self._clock(), self._limits.inline_read_records)
+        # A run TensorBoard is loading: the refresher looks again soon.
+        self._settling |= changed
         if work is None:
             return
         if work.blocks is not None:
@@ -721,41 +460,6 @@ class RunStore:
         except Exception:  # noqa: BLE001 - one bad run must not stop the others
             logger.exception("numerics: background refresh of run %r failed", run)
 
-    def _claim_background_work(
-        self, cache: _RunCache, listing: Mapping[str, Any], asked: bool
-    ) -> _BackgroundWork | None:
-        """Claims the refresh the refresher should do for a run now; None:
-        nothing (current, a refresh under way, or, unless a request asked,
-        refreshed less than a reload ago)."""
-        with cache.lock:
-            changed = not asked and self._note_listing(cache, listing)
-            snapshot = cache.snapshot
-            if cache.refreshing is not None or (snapshot is not None and snapshot.matches(listing)):
-                return None
-            if not asked and self._clock() < cache.next_background:
-                return None
-            known = cache.known()
-            blocks = None
-            if changed and _read_cost(listing, *known) > self._limits.inline_read_records:
-                # A big run TensorBoard is still loading: read it once its
-                # listing holds still for a round (or when a request asks),
-                # not now and again in full when loading ends. Its packed
-                # blocks, though, are read as they load (a block is read
-                # again only while it grows), so that little is left to read
-                # when loading ends.
-                blocks = {tag: ts for tag, ts in listing.items() if packed.is_block_tag(tag)}
-                if not blocks:
-                    return None
-            return _BackgroundWork(cache.claim(), known, blocks, list(cache.recent)[-1:])
-
-    def _note_listing(self, cache: _RunCache, listing: Mapping[str, Any]) -> bool:
-        """Whether a run's listing changed since the refresher's last round
-        (TensorBoard is loading it): then the refresher looks again soon."""
-        listed = tuple(sorted((tag, _version(ts)) for tag, ts in listing.items()))
-        changed, cache.listed = listed != cache.listed, listed
-        self._settling |= changed
-        return changed
-
     def _prefetch_blocks(self, ctx, experiment: str, run: str, cache: _RunCache, work: _BackgroundWork) -> None:
         """Reads the packed blocks of a run being loaded into ``cache.prefetched``.
 
@@ -765,7 +469,7 @@ class RunStore:
             got = self._reader.read(ctx, experiment, run, work.blocks, work.known)
             with cache.lock:
                 cache.prefetched = got
-            _return_freed_memory()
+            return_freed_memory()
         except Exception:  # noqa: BLE001 - a later refresh reads them anyway
             logger.exception("numerics: reading run %r ahead of its loading failed", run)
         finally:

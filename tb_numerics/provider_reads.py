@@ -1,0 +1,329 @@
+"""A run's records as TensorBoard's data provider holds them: read, decoded, kept as snapshots.
+
+``ProviderReader`` reads a run's numerics tags through
+``context.data_provider`` (the Rust data server and the Python loader
+alike), in batches under gRPC's message cap with one read ahead, sharing
+the tags that did not change since the last read; ``Snapshot`` holds the
+decoded records of one listing, immutable, with their analyses per safe
+range. ``run_store.RunStore`` decides when to read and keeps the snapshots
+current. Import-light: no TensorFlow.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import ctypes
+import dataclasses
+import logging
+import threading
+from typing import TYPE_CHECKING, Any, Mapping
+
+import numpy as np
+
+from tensorboard.data import provider
+
+from tb_numerics import analysis, metadata, packed, records
+
+if TYPE_CHECKING:
+    from tb_numerics.run_store import Limits
+
+__all__ = ["ProviderReader", "Snapshot", "TagData", "listed_version", "read_cost", "return_freed_memory"]
+
+logger = logging.getLogger("tb_numerics.run_store")
+
+# `read_tensors` must return every record, never a sample: ask for far more
+# points than a series can hold (the providers return min(len, downsample)).
+_READ_ALL = 2**31 - 1
+
+
+# ------------------------------------------------------------------ snapshots
+
+
+@dataclasses.dataclass
+class TagData:
+    """One tag's records as last read, and the listing entry they match.
+
+    A tensor's tag holds its ``series``; a packed block's holds ``parts``,
+    the series of each tensor in the block (see ``_merge``). Neither: the
+    tag cannot be read.
+    """
+
+    version: tuple  # (max_step, max_wall_time, plugin_content)
+    series: records.TensorSeries | None
+    problems: list[str]
+    parts: dict[str, records.TensorSeries] | None = None
+
+
+def listed_version(ts: Any) -> tuple:
+    """What identifies a tag's records in TensorBoard's listing."""
+    return (ts.max_step, ts.max_wall_time, ts.plugin_content)
+
+
+class Snapshot:
+    """A run's decoded records as of one listing, and analyses of them by safe range.
+
+    Never changed once built (a refresh builds a new one and shares the tags
+    that did not change), so requests use it without holding the run's lock.
+
+    Attributes:
+      series: every tensor's series.
+      as_of_step: the last step actually read (TensorBoard may have loaded
+        more between its listing and the read); None when nothing was.
+      records: how many records the series hold.
+    """
+
+    def __init__(self, tags: dict[str, TagData], limits: "Limits"):
+        self.tags = tags
+        overlaps: list[tuple[str, int, int]] = []
+        self.series = _merge(tags, overlaps)
+        self._merge_problems = [packed.overlap_problem(overlaps)] if overlaps else []
+        self.as_of_step = max(
+            [int(s.steps[-1]) for s in self.series if s.steps.size]
+            + [int(t.version[0]) for t in tags.values() if t.series is None and t.parts is None],
+            default=None,
+        )
+        self.records = sum(len(s.steps) for s in self.series)
+        self._limits = limits
+        self._lock = threading.Lock()  # one analysis computed at a time
+        self._analyses: collections.OrderedDict[tuple, analysis.RunAnalysis] = (
+            collections.OrderedDict()
+        )
+
+    def matches(self, listing: Mapping[str, Any]) -> bool:
+        """Whether these are the records TensorBoard lists now."""
+        return len(listing) == len(self.tags) and all(
+            (t := self.tags.get(tag)) is not None and t.version == listed_version(ts) for tag, ts in listing.items()
+        )
+
+    def analysis(self, run: str, safe_range: analysis.SafeRange, extra_problems: list[str]) -> analysis.RunAnalysis:
+        """The analysis under ``safe_range``, computed once and kept (the last few)."""
+        with self._lock:
+            # A problem that came later (the data server failed) is a new analysis.
+            key = (safe_range, tuple(extra_problems))
+            hit = self._analyses.get(key)
+            if hit is not None:
+                self._analyses.move_to_end(key)
+                return hit
+            problems = [p for t in self.tags.values() for p in t.problems] + self._merge_problems + extra_problems
+            result = analysis.analyze_run(run, self.series, safe_range, problems)
+            if self.records > self._limits.inline_read_records:
+                return_freed_memory()  # the analysis' float64 copies of float32 records
+            self._analyses[key] = result
+            while len(self._analyses) > self._limits.analyses_per_run:
+                self._analyses.popitem(last=False)
+            return result
+
+
+def _merge(tags: Mapping[str, TagData], overlaps: list[tuple[str, int, int]]) -> list[records.TensorSeries]:
+    """Every tensor's series: its own tag's, and its parts in packed blocks.
+
+    Blocks are taken oldest first (by their last write), so a step written
+    twice keeps the later record. Where a tensor's parts do not overlap in
+    steps (the usual case, whichever writers wrote them), each block's part
+    (a view of the block's events, maybe float32) is replaced by a slice of
+    the merged series: the snapshot then holds each record once, and
+    the next refresh, which re-reads only the blocks that grew, still has them.
+    Tensors that several writers wrote at once go to ``overlaps`` (see
+    ``packed.merge``).
+    """
+    out = [t.series for t in tags.values() if t.series is not None]
+    blocks = sorted((t.version[1], tag) for tag, t in tags.items() if t.parts)
+    by_tensor: dict[str, list[tuple[str, records.TensorSeries]]] = {}
+    for _, tag in blocks:
+        for name, part in tags[tag].parts.items():
+            by_tensor.setdefault(name, []).append((tag, part))
+    own = {s.tag: i for i, s in enumerate(out)}
+    # Tensors logged at the same steps share one step array, merged and in
+    # their parts (keys are ids of arrays all alive until the end).
+    shared_steps: dict[tuple[int, ...], np.ndarray] = {}
+    step_slices: dict[tuple[int, int, int], np.ndarray] = {}
+    for name, placed in by_tensor.items():
+        merged, offsets = packed.merge([part for _, part in placed], shared_steps, overlaps)
+        if offsets is not None:
+            for (tag, part), at in zip(placed, offsets):
+                n = len(part.steps)
+                steps = step_slices.setdefault((id(merged.steps), at, n), merged.steps[at : at + n])
+                tags[tag].parts[name] = records.TensorSeries(
+                    name, part.info, steps, merged.values[at : at + n], part.written
+                )
+        if name in own:  # also logged per tensor in the same run
+            out[own[name]] = packed.merge([out[own[name]], merged])[0]
+        else:
+            out.append(merged)
+    return out
+
+
+def return_freed_memory() -> None:
+    """Hands memory freed after a big read or analysis back to the operating system.
+
+    A read decodes each event into its own small array, and an analysis
+    makes float64 copies of float32 records; once they are freed, glibc
+    keeps them in its heap (hundreds of MB after a long run) for as long as
+    TensorBoard runs. Where there is no ``malloc_trim`` (not glibc), nothing
+    is done.
+    """
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+# ------------------------------------------------------------------ reading
+
+
+def _steps_held(tag: str, ts: Any) -> int:
+    """The steps a tag may hold, estimated from its last step (records are
+    usually one per step from 0; a packed block holds at most a block's, in
+    a fiftieth as many events)."""
+    n = max(1, int(ts.max_step) + 1)
+    return min(n, packed.STEPS_PER_BLOCK) if packed.is_block_tag(tag) else n
+
+
+def read_cost(listing: Mapping[str, Any], *known: Mapping[str, TagData]) -> int:
+    """Steps to read for ``listing`` beyond the tags ``known`` as listed, a
+    packed block's counted once: a rough measure of the read's cost."""
+    return sum(
+        _steps_held(tag, ts)
+        for tag, ts in listing.items()
+        if not any((t := k.get(tag)) is not None and t.version == listed_version(ts) for k in known)
+    )
+
+
+def _log_new_problems(run: str, prev: TagData | None, problems: list[str]) -> None:
+    """Logs a tag's problems to the server log once: those its previous read had not."""
+    for p in problems:
+        if prev is None or p not in prev.problems:
+            logger.warning("numerics: run %r: %s", run, p)
+
+
+# A tag to read: its listed version, parsed metadata, and its previous read.
+_ToRead = tuple[tuple, "metadata.TensorInfo | metadata.BlockTable", "TagData | None"]
+
+
+class ProviderReader:
+    """Reads and decodes a run's tags through TensorBoard's data provider."""
+
+    def __init__(self, data_provider: provider.DataProvider, records_per_read: int):
+        self._provider = data_provider
+        self._records_per_read = records_per_read
+
+    def read(
+        self, ctx, experiment: str, run: str, listing: Mapping[str, Any], known: list[Mapping[str, TagData]]
+    ) -> dict[str, TagData]:
+        """The records of ``listing``'s tags: those ``known`` as of the listed
+        version are shared, the others read again (whole: the data provider
+        has no "steps after N")."""
+        tags, to_read = _unchanged_and_to_read(run, listing, known)
+        # One read ahead: the data server prepares the next batch while this
+        # thread decodes the last (a fifth less time on a long run).
+        batches = self._batches(to_read, listing)
+        with concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="numerics-read") as pool:
+            reads = [pool.submit(self._read_tags, ctx, experiment, run, b) for b in batches[:2]]
+            for i, batch in enumerate(batches):
+                data, unreadable = reads[i].result()
+                if i + 2 < len(batches):
+                    reads.append(pool.submit(self._read_tags, ctx, experiment, run, batches[i + 2]))
+                tags.update(_decode_tags(run, batch, data, unreadable, to_read))
+        return tags
+
+    def _batches(self, to_read: Mapping[str, _ToRead], listing: Mapping[str, Any]) -> list[list[str]]:
+        """Tags grouped so that each read stays well under gRPC's message cap,
+        counting a packed block's step as one record per tensor of its table."""
+        batches: list[list[str]] = []
+        size = 0
+        for tag, (_, info, _) in to_read.items():
+            estimate = _steps_held(tag, listing[tag]) * (1 if isinstance(info, metadata.TensorInfo) else len(info))
+            if batches and size + estimate <= self._records_per_read:
+                batches[-1].append(tag)
+                size += estimate
+            else:
+                batches.append([tag])
+                size = estimate
+        return batches
+
+    def _read_tags(self, ctx, experiment: str, run: str, tags: list[str]) -> tuple[dict, dict[str, str]]:
+        """Every record of ``tags``, and a problem for each tag that cannot be read.
+
+        TensorBoard's providers fail a whole read on one record they cannot
+        decode (a tensor whose bytes do not fit its shape): read such a
+        batch tag by tag so that only the damaged tag is lost.
+        """
+        try:
+            return self._read(ctx, experiment, run, tags), {}
+        except (ValueError, TypeError):
+            pass
+        data, unreadable = {}, {}
+        for tag in tags:
+            try:
+                data.update(self._read(ctx, experiment, run, [tag]))
+            except (ValueError, TypeError) as e:
+                unreadable[tag] = "%s: TensorBoard cannot decode its records (%s); the tensor was skipped" % (tag, e)
+        return data, unreadable
+
+    def _read(self, ctx, experiment: str, run: str, tags: list[str]) -> dict:
+        return self._provider.read_tensors(
+            ctx,
+            experiment_id=experiment,
+            plugin_name=metadata.PLUGIN_NAME,
+            downsample=_READ_ALL,
+            run_tag_filter=provider.RunTagFilter(runs=[run], tags=tags),
+        ).get(run, {})
+
+
+def _unchanged_and_to_read(
+    run: str, listing: Mapping[str, Any], known: list[Mapping[str, TagData]]
+) -> tuple[dict[str, TagData], dict[str, _ToRead]]:
+    """The tags ``known`` as listed (or whose metadata cannot be read), and
+    the others with what reading them needs."""
+    tags: dict[str, TagData] = {}
+    to_read: dict[str, _ToRead] = {}
+    for tag, ts in listing.items():
+        version = listed_version(ts)
+        seen = [k[tag] for k in known if tag in k]
+        prev = next((t for t in seen if t.version == version), seen[0] if seen else None)
+        if prev is not None and prev.version == version:
+            tags[tag] = prev
+            continue
+        try:
+            if not ts.plugin_content:
+                # The tag's first event (its full metadata) was lost: TensorBoard
+                # read a later one, which names only the plugin.
+                info = metadata.info_from_tag(tag)
+                _log_new_problems(run, prev, ["%s: its metadata was lost with its first record; read as a %s "
+                                              "(inferred from the tag name)" % (tag, info.role)])
+            else:
+                info = metadata.parse_content(ts.plugin_content, ts.description or "")
+        except metadata.FormatError as e:
+            tags[tag] = TagData(version, None, ["%s: %s" % (tag, e)])
+            _log_new_problems(run, prev, tags[tag].problems)
+            continue
+        to_read[tag] = (version, info, prev)
+    return tags, to_read
+
+
+def _decode_tags(
+    run: str, batch: list[str], data: dict, unreadable: Mapping[str, str], to_read: Mapping[str, _ToRead]
+) -> dict[str, TagData]:
+    """The ``TagData`` of each tag of a read ``batch``: a per-tensor tag's
+    series, or a packed block's parts, with the problems found."""
+    out: dict[str, TagData] = {}
+    for tag in batch:
+        version, info, prev = to_read[tag]
+        if tag in unreadable:
+            out[tag] = TagData(version, None, [unreadable[tag]])
+            _log_new_problems(run, prev, out[tag].problems)
+            continue
+        problems: list[str] = []
+        points = data.pop(tag, [])
+        steps = np.fromiter((d.step for d in points), dtype=np.int64, count=len(points))
+        walls = [d.wall_time for d in points]
+        decoded = packed.decode_tag(tag, info, steps, [d.numpy for d in points], problems, walls)
+        if isinstance(info, metadata.TensorInfo):
+            out[tag] = TagData(version, decoded[0], problems)
+        else:
+            out[tag] = TagData(version, None, problems, {p.tag: p for p in decoded})
+        _log_new_problems(run, prev, problems)
+    return out
+
+
