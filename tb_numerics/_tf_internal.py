@@ -442,3 +442,21 @@ def variable_writes_undone():
             setattr(cls, name, original)
         for var, value in before.values():
             var.assign(value)
+
+
+# ---------------------------------------------------------------- event files
+
+
+def record_reader(path: str) -> tuple[Callable[[int], bytes], type]:
+    """TensorFlow's C++ random-access reader of the TFRecord file ``path``
+    (fast CRC32C): ``read(offset)``, the data of the record at that offset,
+    and the error it raises where a checksum fails.
+
+    Raises:
+      TypeError: a path TensorFlow cannot take (not UTF-8).
+    """
+    from tensorflow.python.framework import errors
+    from tensorflow.python.lib.io import _pywrap_record_io
+
+    reader = _pywrap_record_io.RandomRecordReader(path)
+    return (lambda offset: reader.read(offset)[0]), errors.DataLossError

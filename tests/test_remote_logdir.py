@@ -124,9 +124,9 @@ def test_a_ram_logdir_reports_what_the_same_runs_on_disk_report(tmp_path, capsys
 
 def test_a_remote_file_is_streamed_in_chunks_not_read_whole(monkeypatch, capsys):
     """A packed run bigger than several chunks reads the same, one pass."""
-    from tb_numerics import event_reader
+    from tb_numerics import tfrecord
 
-    monkeypatch.setattr(event_reader, "CHUNK_BYTES", 4096)
+    monkeypatch.setattr(tfrecord, "CHUNK_BYTES", 4096)
     reads: list[int] = []
     real_read = tf.io.gfile.GFile.read
 
