@@ -67,19 +67,10 @@ def timeline(
                 first = np.searchsorted(st_sel, edges)
                 full = np.r_[first[1:], st_sel.size] > first
                 cells[full] = np.maximum.reduceat(codes, first[full])
-        rows.append(
-            {
-                "tensor": h.series.tag,
-                "role": h.series.info.role,
-                "phase": h.series.info.phase,
-                "op_type": h.series.info.op_type or None,
-                "dtype": h.series.info.dtype,
-                "cells": cells.tolist(),
-            }
-        )
-    bucket_end = (
-        np.r_[edges[1:] - 1, steps[-1]].tolist() if nb else []
-    )
+        info = h.series.info
+        rows.append({"tensor": h.series.tag, "role": info.role, "phase": info.phase, "op_type": info.op_type or None,
+                     "dtype": info.dtype, "cells": cells.tolist()})
+    bucket_end = np.r_[edges[1:] - 1, steps[-1]].tolist() if nb else []
     return {"run": ra.run, "bucket_start": edges.tolist(), "bucket_end": bucket_end, "rows": rows}
 
 

@@ -383,6 +383,13 @@ def _loss_swing_detail(rows: Rows, row: int, i: int, p: Any) -> str:
 # ---------------------------------------------------------------- the kinds
 
 
+def _by_depth(name: str, words: str, hint: str) -> WarningKind:
+    """A kind of gradients by depth ("exploding_by_depth"): the first layer's
+    kernel gradient norm against the last layer's (AUTOTRAINER's rule), a run mask."""
+    return WarningKind(name, words, hint, ("depth_vanishing", "depth_exploding", "sustain"), _depth_detail,
+                       marks=_depth_marks(name.split("_")[0]), early=True)
+
+
 def _norm_mask(test: Callable[[np.ndarray, Any], np.ndarray | None]) -> Callable[[SeriesView, Any], np.ndarray | None]:
     """A mask on the global gradient norm only."""
     return lambda s, p: test(s.v[:, F["max"]], p) if _is_norm(s) else None
@@ -434,12 +441,10 @@ KINDS: tuple[WarningKind, ...] = (
         "(BatchNorm/LayerNorm), and check that the loss does not reward growth.",
         ("growth_window", "growth_factor", "growth_floor"), _growth_detail("growth_window"),
         mask=_not_input(lambda s, p: growth_flags(s.d["max_abs"], p))),
-    WarningKind(
+    _by_depth(
         "exploding_by_depth", "exploding gradients by depth",
         "The first layer's gradients are far larger than the last layer's: gradients "
-        "explode with depth. Lower the learning rate, clip gradients, use normalisation or residual connections.",
-        ("depth_vanishing", "depth_exploding", "sustain"), _depth_detail, marks=_depth_marks("exploding"),
-        early=True),
+        "explode with depth. Lower the learning rate, clip gradients, use normalisation or residual connections."),
     WarningKind(
         "vanishing_gradient", "vanishing gradient",
         "The global gradient norm is vanishing: check the initialisation, the "
@@ -448,13 +453,11 @@ KINDS: tuple[WarningKind, ...] = (
         lambda rows, row, i, p: "global gradient norm %s below the floor %s" % (
             number(_norm(rows, row, i)), number(p.vanishing_floor)),
         mask=_norm_mask(lambda norm, p: norm < p.vanishing_floor)),
-    WarningKind(
+    _by_depth(
         "vanishing_by_depth", "vanishing gradients by depth",
         "The first layer's gradients are far smaller than the last layer's: gradients "
         "vanish with depth. Use ReLU-family activations, He/Glorot initialisation, normalisation or residual "
-        "connections.",
-        ("depth_vanishing", "depth_exploding", "sustain"), _depth_detail, marks=_depth_marks("vanishing"),
-        early=True),
+        "connections."),
     WarningKind(
         "underflow", "underflow",
         "Many values are below the dtype's smallest normal: they lose precision or flush to 0. "
