@@ -203,3 +203,27 @@ def test_the_frontend_holds_no_copy_of_the_rules():
     found = [(name, what, text) for name, js in code.items() for text, what in spelled
              if any(q + text + q in js for q in "\"'`") or re.search(r"[{,]\s*%s\s*:" % re.escape(text), js)]
     assert not found, found
+
+
+# The reading side: the numpy modules that read, analyse and serve records.
+# (The writing side, with TensorFlow, keeps its twin of the rule beside
+# stats.py; see the split of issue 29.)
+_READING_SIDE = [
+    "analysis.py", "cli.py", "detectors.py", "diagnosis.py", "event_files.py", "event_reader.py", "health.py",
+    "hints.py", "logdir_provider.py", "packed.py", "plugin.py", "provider_reads.py", "run_analysis.py",
+    "run_store.py", "safe_range.py", "scalars.py", "tfrecord.py", "views.py", "rules/codes.py", "rules/kinds.py",
+    "rules/nonfinite.py", "rules/numbers.py", "rules/__init__.py",
+]
+
+
+def test_the_reading_side_counts_non_finite_values_one_way():
+    """``records.nonfinite_count`` is the numpy rule's one home: no reading
+    module adds up NaN and Inf counts (or tests them together) itself."""
+    package = pathlib.Path(__file__).resolve().parent.parent / "tb_numerics"
+    found = []
+    for name in _READING_SIDE:
+        for n, line in enumerate((package / name).read_text().splitlines(), 1):
+            counts = re.findall(r'F\[\s*"(nan|posinf|neginf)"\s*\]', line)
+            if len(counts) >= 2 or "NONFINITE_FIELDS" in line:
+                found.append("%s:%d: %s" % (name, n, line.strip()))
+    assert not found, found
