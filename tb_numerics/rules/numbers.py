@@ -122,4 +122,7 @@ def dumps(obj: Any) -> str:
     Raises:
       TypeError: ``obj`` holds something else.
     """
-    return json.dumps(json_util.Cleanse(obj), default=_numpy_value, allow_nan=False, separators=(",", ":"))
+    try:  # the usual body holds no NaN: the C encoder alone, about twice as fast
+        return json.dumps(obj, default=_numpy_value, allow_nan=False, separators=(",", ":"))
+    except (ValueError, TypeError):
+        return json.dumps(json_util.Cleanse(obj), default=_numpy_value, allow_nan=False, separators=(",", ":"))
