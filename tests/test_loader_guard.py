@@ -1,0 +1,167 @@
+"""``loader_guard`` under TensorBoard's own event-file loader, in process.
+
+The oracle is TensorFlow's record iterator over the same bytes, unguarded:
+the guarded loader yields exactly the records it yields, stops where it
+stops, and resumes as it resumes, except on a header claiming more than any
+event holds, where TensorFlow's iterator crashes the process (segfaults
+where the machine cannot allocate the claim; the guarded read runs in a
+subprocess, as a crash would end pytest).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import subprocess
+import sys
+
+import pytest
+from tensorboard.backend.event_processing import event_file_loader
+from tensorboard.compat.tensorflow_stub import pywrap_tensorflow as stub
+
+from tb_numerics import loader_guard
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "bench"))
+import storm as storm_damage  # noqa: E402 - bench/storm.py: the storm's damage kinds
+
+pytestmark = pytest.mark.unit
+
+HEALTHY = [storm_damage.frame(b"record %d" % i) for i in range(3)]
+
+
+def write(path: str, *parts: bytes) -> str:
+    with open(path, "ab") as f:
+        for p in parts:
+            f.write(p)
+    return path
+
+
+def tf_records(path: str) -> list[bytes]:
+    """What TensorFlow's own iterator yields, up to the first record it cannot read."""
+    import tensorflow as tf
+
+    out = []
+    try:
+        for r in tf.compat.v1.io.tf_record_iterator(path):
+            out.append(r)
+    except tf.errors.DataLossError:
+        pass
+    return out
+
+
+@pytest.fixture(scope="module", autouse=True)
+def guarded():
+    assert loader_guard.install()
+    assert loader_guard.install()  # once only: not wrapped twice
+    assert event_file_loader._make_tf_record_iterator.guarded
+
+
+@pytest.mark.parametrize("kind", [k for k in storm_damage.KINDS if k != "giant"])
+def test_up_to_any_other_damage_the_loader_reads_what_tensorflow_reads(tmp_path, kind: str) -> None:
+    rng = random.Random(kind)
+    for n in range(8):
+        path = write(str(tmp_path / ("f%d" % n)), *HEALTHY[: n % 4], storm_damage.damage(kind, rng, n), *HEALTHY)
+        loader = event_file_loader.RawEventFileLoader(path)
+        want = tf_records(path)
+        assert list(loader.Load()) == want, (kind, n)
+        assert list(loader.Load()) == []  # stopped where TensorFlow stops, every time
+
+
+def _tensorboards_loader(path: str):
+    loader = event_file_loader.RawEventFileLoader(path)
+    return lambda: list(loader.Load())
+
+
+def _stub_loader(path: str):
+    """TensorBoard's stub reader (its install without TensorFlow), guarded, as its loader drives it."""
+    it = loader_guard.GuardedRecordIterator(event_file_loader._PyRecordReaderIterator(stub.PyRecordReader_New, path), path)
+
+    def load():
+        out = []
+        while True:
+            try:
+                out.append(next(it))
+            except StopIteration:
+                return out
+            except Exception as e:  # the stub's errors (TensorBoard's loader expects TensorFlow's here)
+                assert type(e).__name__ in ("DataLossError", "OutOfRangeError"), e
+                return out
+
+    return load
+
+
+@pytest.mark.parametrize("make_loader", [_tensorboards_loader, _stub_loader], ids=["tensorflow", "stub"])
+def test_a_record_in_flight_is_read_once_its_file_holds_it(tmp_path, make_loader) -> None:
+    whole = storm_damage.frame(b"x" * 5000)
+    for cut in (3, 12, 13, 400, len(whole) - 1):  # inside the header, at its end, inside the data, the footer
+        path = write(str(tmp_path / ("c%d" % cut)), *HEALTHY, whole[:cut])
+        load = make_loader(path)
+        assert load() == [b"record 0", b"record 1", b"record 2"]
+        assert load() == []
+        write(path, whole[cut:], HEALTHY[0])
+        assert load() == [b"x" * 5000, b"record 0"], cut
+        assert load() == []
+    assert loader_guard.problems(str(tmp_path)) == []  # a record in flight is no damage
+
+
+def test_without_tensorflow_a_giant_header_stops_the_stub_reader_too(tmp_path) -> None:
+    """TensorBoard's stub reader (installs without TensorFlow) raised MemoryError,
+    which its reload thread does not catch."""
+    path = write(str(tmp_path / "events.out.tfevents.stub"), *HEALTHY, storm_damage.damage("giant", None, 0))
+    inner = event_file_loader._PyRecordReaderIterator(stub.PyRecordReader_New, path)
+    it = loader_guard.GuardedRecordIterator(inner, path)
+    assert [next(it) for _ in HEALTHY] == [b"record 0", b"record 1", b"record 2"]
+    with pytest.raises(Exception) as e:
+        next(it)
+    assert type(e.value).__name__ == "DataLossError"
+
+
+_CHILD = r"""
+import json, sys
+from tensorboard.backend.event_processing import event_file_loader
+from tb_numerics import loader_guard
+if sys.argv[2] == "guarded":
+    loader_guard.install()
+loader = event_file_loader.RawEventFileLoader(sys.argv[1])
+got = [list(loader.Load()), list(loader.Load())]
+print(json.dumps({"records": [[r.decode() for r in g] for g in got],
+                  "problems": loader_guard.problems(sys.argv[3])}))
+"""
+
+
+def test_a_terabyte_header_stops_the_loader_instead_of_crashing_it(tmp_path) -> None:
+    path = write(str(tmp_path / "events.out.tfevents.giant"), *HEALTHY, storm_damage.damage("giant", None, 0))
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="3")
+
+    def child(mode: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-c", _CHILD, path, mode, str(tmp_path)],
+                              capture_output=True, text=True, env=env, timeout=300)
+
+    done = child("guarded")
+    assert done.returncode == 0, done.stderr[-3000:]
+    out = json.loads(done.stdout.splitlines()[-1])
+    assert out["records"] == [["record 0", "record 1", "record 2"], []]
+    offset = sum(len(h) for h in HEALTHY)
+    assert out["problems"] == [
+        "events.out.tfevents.giant: a record header at byte offset %d claims 1099511627776 bytes, more than any "
+        "event holds and more than the file (%d bytes); TensorBoard's Python loader reads this file no further "
+        "(TensorFlow's record reader would crash TensorBoard on it), so what was written after it is not shown: "
+        "remove or repair the file" % (offset, os.path.getsize(path))
+    ]
+    assert done.stderr.count("claims 1099511627776 bytes") == 1  # logged once
+
+
+def test_the_plugin_installs_the_guard_before_tensorboard_loads_and_imports_no_tensorflow() -> None:
+    check = r"""
+import argparse, sys
+from tensorboard import default
+from tensorboard.backend.event_processing import event_file_loader
+loader = next(p for p in default.get_dynamic_plugins() if p.__name__ == "NumericsLoader")()
+loader.fix_flags(argparse.Namespace(samples_per_plugin={}))  # as TensorBoard does before it builds its loader
+assert event_file_loader._make_tf_record_iterator.guarded
+assert "tensorflow" not in sys.modules
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "ok", done.stderr[-2000:]
