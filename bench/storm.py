@@ -14,6 +14,8 @@ moves on to a newer file). The kinds:
 - ``bad_crc``: a whole numerics record whose data fails its checksum;
 - ``cut``: a numerics record cut inside its data.
 
+The damaged run also holds a FIFO named like its first event file.
+
 Afterwards: no 5xx and no answer that is not 200 + JSON, the server still
 running, every record of the live run served, and each run's first anomaly
 at the step its NaN was injected. Prints those and the server's memory
@@ -57,6 +59,7 @@ DAMAGED_TAG = "dense/output"
 DAMAGED_INFO = metadata.TensorInfo(role="activation", order=0, op_type="MatMul")
 DAMAGED_STEPS = 30
 DAMAGED_NAN_STEP = 12
+FIFO_NAME = "events.out.tfevents.0000000000.fifo"
 
 
 def frame(data: bytes) -> bytes:
@@ -89,11 +92,16 @@ def damage(kind: str, rng: random.Random, step: int) -> bytes:
 
 
 def write_damaged_run(run_dir: str) -> str:
-    """The damaged run before the storm: one tag, NaN at DAMAGED_NAN_STEP; its file's path."""
+    """The damaged run before the storm: one tag, NaN at DAMAGED_NAN_STEP; its file's path.
+
+    Beside it, where the system has them, a FIFO named like the run's first
+    event file (TensorBoard's Python loader would wait on it forever)."""
     with NumericsRecordWriter(run_dir) as w:
         for step in range(DAMAGED_STEPS):
             nan = 2.0 if step == DAMAGED_NAN_STEP else 0.0
             w.write(DAMAGED_TAG, step, load.stats_row(1.0, nan=nan), DAMAGED_INFO)
+    if hasattr(os, "mkfifo"):
+        os.mkfifo(os.path.join(run_dir, FIFO_NAME))
     return w.path
 
 

@@ -27,6 +27,12 @@ file is read by TensorFlow as before. A claimed length that no event can
 have (2 GiB or more: protobuf refuses such messages) with a valid checksum
 is damage: it is logged once, and ``problems`` names it for its run.
 
+A FIFO named like an event file stopped that loader for good: TensorFlow's
+reader opens it and waits for a writer, in TensorBoard's one reload thread,
+so no run was read again (and runs not yet read never were). The guard
+hands TensorBoard an empty iterator for a local path that is not a regular
+file, and names it the same way.
+
 Cost: one 64 KiB read per few hundred small records, and a few Python
 operations per record (``bench/loader_guard.py``).
 Remote files (a path with a scheme) are not guarded: a read per record
@@ -38,6 +44,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import stat
 import struct
 import threading
 from typing import Any, Iterator
@@ -76,7 +83,12 @@ def install() -> bool:
     if getattr(make, "guarded", False):
         return True
 
-    def guarded(file_path: str) -> GuardedRecordIterator:
+    def guarded(file_path: str) -> Iterator[bytes]:
+        if "://" not in file_path and not _is_regular(file_path):
+            _note(os.path.abspath(file_path), "%s: not a regular file (a FIFO or a device named like an event "
+                  "file); TensorBoard's Python loader would wait on it forever, and every run with it: skipped"
+                  % os.path.basename(file_path))
+            return iter(())
         return GuardedRecordIterator(make(file_path), file_path)
 
     guarded.guarded = True  # type: ignore[attr-defined]
@@ -85,7 +97,7 @@ def install() -> bool:
 
 
 def problems(directory: str) -> list[str]:
-    """What the guard found damaged among the event files directly in ``directory``.
+    """What the guard found damaged or skipped among the event files directly in ``directory``.
 
     Args:
       directory: a run's directory, as the loader was given its files.
@@ -93,6 +105,22 @@ def problems(directory: str) -> list[str]:
     want = os.path.abspath(directory)
     with _lock:
         return [text for path, text in sorted(_damaged.items()) if os.path.dirname(path) == want]
+
+
+def _is_regular(path: str) -> bool:
+    try:
+        return stat.S_ISREG(os.stat(path).st_mode)
+    except OSError:
+        return True  # gone or unreadable: TensorFlow's reader says so itself
+
+
+def _note(path: str, text: str) -> None:
+    """Keeps ``text`` as the problem of the file at ``path``; logs it the first time."""
+    with _lock:
+        known = _damaged.get(path) == text
+        _damaged[path] = text
+    if not known:
+        logger.warning("numerics: %s", text)
 
 
 def _data_loss(message: str) -> Exception:
@@ -202,8 +230,4 @@ class GuardedRecordIterator:
             "reader would crash TensorBoard on it), so what was written after it is not shown: remove or repair "
             "the file" % (os.path.basename(self._path), self._offset, length, size)
         )
-        with _lock:
-            known = _damaged.get(self._path) == text
-            _damaged[self._path] = text
-        if not known:
-            logger.warning("numerics: %s", text)
+        _note(self._path, text)

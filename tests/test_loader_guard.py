@@ -15,6 +15,7 @@ import os
 import random
 import subprocess
 import sys
+import threading
 
 import pytest
 from tensorboard.backend.event_processing import event_file_loader
@@ -115,6 +116,22 @@ def test_without_tensorflow_a_giant_header_stops_the_stub_reader_too(tmp_path) -
     with pytest.raises(Exception) as e:
         next(it)
     assert type(e.value).__name__ == "DataLossError"
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_a_fifo_named_like_an_event_file_is_skipped_not_waited_on(tmp_path) -> None:
+    path = str(tmp_path / "events.out.tfevents.1.fifo")
+    os.mkfifo(path)
+    got: list = []
+    reader = threading.Thread(target=lambda: got.append(list(event_file_loader.RawEventFileLoader(path).Load())),
+                              daemon=True)
+    reader.start()
+    reader.join(timeout=30)  # unguarded, TensorFlow's reader waits for a writer forever
+    assert got == [[]]
+    assert loader_guard.problems(str(tmp_path)) == [
+        "events.out.tfevents.1.fifo: not a regular file (a FIFO or a device named like an event file); "
+        "TensorBoard's Python loader would wait on it forever, and every run with it: skipped"
+    ]
 
 
 _CHILD = r"""

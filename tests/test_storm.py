@@ -6,7 +6,8 @@ while one writer appends records to a run and, every second, one damage kind
 checksum, a cut record) is appended to a second run (``bench/storm.py``).
 Without ``loader_guard`` the first 1 TiB header TensorBoard's Python loader
 reaches segfaults the server. Truth: the steps at which the writers injected
-their NaN, and the records the live writer wrote.
+their NaN, and the records the live writer wrote. The damaged run also
+holds a FIFO named like an event file, on which that loader waited forever.
 """
 
 from __future__ import annotations
@@ -40,4 +41,6 @@ def test_the_python_loader_survives_the_damage_storm(tmp_path) -> None:
     # The terabyte header is named where TensorBoard's loader stopped at it.
     giant = [p for p in r.problems[storm.DAMAGED_RUN] if "claims 1099511627776 bytes" in p]
     assert giant and all("reads this file no further" in p for p in giant), r.problems
+    fifo = [p for p in r.problems[storm.DAMAGED_RUN] if p.startswith(storm.FIFO_NAME + ": not a regular file")]
+    assert len(fifo) == 1, r.problems
     assert r.rss_mb["after"] - r.rss_mb["before"] < GROWTH_LIMIT_MB, r.rss_mb
