@@ -72,7 +72,8 @@ def _record_event(step: int) -> bytes:
     """A healthy numerics record of DAMAGED_TAG at ``step``, serialized."""
     value = summary_pb2.Summary.Value(tag=DAMAGED_TAG, tensor=stats_tensor_proto(load.stats_row(1.0)))
     value.metadata.CopyFrom(metadata.create_later_metadata())
-    return event_pb2.Event(wall_time=time.time(), step=step, summary=summary_pb2.Summary(value=[value])).SerializeToString()
+    event = event_pb2.Event(wall_time=time.time(), step=step, summary=summary_pb2.Summary(value=[value]))
+    return event.SerializeToString()
 
 
 def damage(kind: str, rng: random.Random, step: int) -> bytes:
@@ -308,7 +309,8 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=30)
     p.add_argument("--clients", type=int, default=10)
     p.add_argument("--load-fast", choices=("true", "false"), default="false")
-    p.add_argument("--kinds", default=",".join(KINDS), help="damage kinds, in turn (default: all of %s)" % ", ".join(KINDS))
+    p.add_argument("--kinds", default=",".join(KINDS),
+                   help="damage kinds, in turn (default: all of %s)" % ", ".join(KINDS))
     args = p.parse_args()
     kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
     unknown = [k for k in kinds if k not in KINDS]

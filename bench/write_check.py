@@ -107,7 +107,8 @@ def main() -> int:
     print("CPU per step: without the check %.1f us, with it %.1f us: %.3fx (paired ratios %s)" % (
         a * 1e6, b * 1e6, b / a, ", ".join("%.3f" % (c / u) for u, c in zip(cpu["unchecked"], cpu["checked"]))))
     print("the check alone: %.1f us of CPU per packed write (a bare tf.function call: %.1f us), "
-          "%.2f us a step at one write per %d steps" % (one * 1e6, bare * 1e6, (one - bare) * 1e6 / packed.STEPS_PER_EVENT, packed.STEPS_PER_EVENT))
+          "%.2f us a step at one write per %d steps"
+          % (one * 1e6, bare * 1e6, (one - bare) * 1e6 / packed.STEPS_PER_EVENT, packed.STEPS_PER_EVENT))
     return 0
 
 

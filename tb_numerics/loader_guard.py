@@ -16,9 +16,9 @@ thread does not catch.
 
 ``install`` wraps TensorBoard's iterator factory (its private
 ``event_file_loader._make_tf_record_iterator``, looked up once at start-up by
-``NumericsLoader.fix_flags``): before each record of a local file, the guard
-reads the record's 12-byte header at the offset the iterator has reached,
-and where the record would end past the file's end it stops as TensorFlow
+``NumericsLoader.fix_flags``): before a record of a local file is read, the
+guard reads its 12-byte header (and those of the records after it, a chunk
+at a time), and where the record would end past the file's end it stops as TensorFlow
 stops at a truncated record (``DataLossError``, which TensorBoard's loader
 takes as "try again at the next reload", the iterator still at that record)
 without asking TensorFlow to read it. A record still being written is that
@@ -97,14 +97,16 @@ def install() -> bool:
 
 
 def problems(directory: str) -> list[str]:
-    """What the guard found damaged or skipped among the event files directly in ``directory``.
+    """What the guard found damaged or skipped among the event files directly
+    in ``directory`` (those since removed no longer count).
 
     Args:
       directory: a run's directory, as the loader was given its files.
     """
     want = os.path.abspath(directory)
     with _lock:
-        return [text for path, text in sorted(_damaged.items()) if os.path.dirname(path) == want]
+        found = sorted(_damaged.items())
+    return [text for path, text in found if os.path.dirname(path) == want and os.path.lexists(path)]
 
 
 def _is_regular(path: str) -> bool:
@@ -153,7 +155,8 @@ class GuardedRecordIterator:
         if self._offset >= self._checked_to:  # else the record is known to fit
             if self._past_the_end():
                 self._stopped = True
-                raise _data_loss("%s: the record at byte offset %d ends past the file's end" % (self._path, self._offset))
+                raise _data_loss("%s: the record at byte offset %d ends past the file's end"
+                                 % (self._path, self._offset))
             if self._stopped:
                 self._resume()
         record = next(self._inner)
@@ -196,8 +199,6 @@ class GuardedRecordIterator:
         read at all. (The walk follows the length headers as TensorFlow
         does; past a header whose checksum fails it walks garbage, but
         TensorFlow never reads past that header either.)"""
-        if self._offset < self._checked_to:
-            return False
         try:
             # Opened for each check, not held: TensorBoard already holds a
             # file per run, and a logdir of many runs would run out of them.

@@ -76,7 +76,8 @@ def _tensorboards_loader(path: str):
 
 def _stub_loader(path: str):
     """TensorBoard's stub reader (its install without TensorFlow), guarded, as its loader drives it."""
-    it = loader_guard.GuardedRecordIterator(event_file_loader._PyRecordReaderIterator(stub.PyRecordReader_New, path), path)
+    inner = event_file_loader._PyRecordReaderIterator(stub.PyRecordReader_New, path)
+    it = loader_guard.GuardedRecordIterator(inner, path)
 
     def load():
         out = []
