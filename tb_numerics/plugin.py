@@ -28,7 +28,7 @@ from tensorboard import errors, plugin_util
 from tensorboard.backend import http_util
 from tensorboard.plugins import base_plugin
 
-from tb_numerics import analysis, logdir_provider, metadata, rules, run_store
+from tb_numerics import analysis, loader_guard, logdir_provider, metadata, rules, run_store
 
 __all__ = ["NumericsLoader", "NumericsPlugin", "frontend_dir"]
 
@@ -392,10 +392,14 @@ class NumericsLoader(base_plugin.TBLoader):
     loader, 100 with the Rust data server) and may drop the first anomaly.
     ``fix_flags`` runs before the data ingester is built, so setting
     ``numerics=0`` ("keep all") there reaches both loaders. A value the user
-    set explicitly is respected.
+    set explicitly is respected. It also installs ``loader_guard``, without
+    which one damaged record header crashes TensorBoard's Python loader.
     """
 
     def fix_flags(self, flags: Any) -> None:
+        # Before the loader reads a file: a damaged record header must not
+        # crash TensorBoard's Python loader (see ``loader_guard``).
+        loader_guard.install()
         spp = getattr(flags, "samples_per_plugin", None)
         if spp is None:
             spp = {}

@@ -52,7 +52,7 @@ from typing import Callable
 import numpy as np
 import tensorflow as tf
 
-from tb_numerics import _tf_internal, metadata, packed, record_writer, stats
+from tb_numerics import _tf_internal, metadata, packed, record_writer, stats, write_check
 
 __all__ = ["Entry", "StepBuffer", "traced_body_graph", "traced_step_graph"]
 
@@ -102,6 +102,8 @@ class StepBuffer:
         # Eager calls' rows of the step being logged, not yet in the buffer.
         self._eager: list[np.ndarray] = []
         self._eager_step: int | None = None
+        # Whether the writer's file grows by what is written (see write_check).
+        self.growth = write_check.GrowthCheck(self._prefix)
         _hook_flush(writer, self)
 
     def index_of(self, tag: str, info: metadata.TensorInfo) -> int:
@@ -210,6 +212,9 @@ class StepBuffer:
         with tf.control_dependencies([written]):
             flushed = type(writer).flush(writer)  # the writer's own flush, not _hook_flush's
         with tf.control_dependencies([] if flushed is None else [flushed]):
+            # On the host, after the flush: TensorFlow's writer ignores a failed append.
+            checked = tf.numpy_function(self.growth, [rows_all], tf.bool, stateful=True)
+        with tf.control_dependencies([checked]):
             updates = [
                 self._rows.assign(tf.zeros([0, packed.COLUMNS], tf.float64)),
                 self._counts.assign(tf.stack([tf.constant(0, tf.int64), step, seq, in_block])),
@@ -322,4 +327,4 @@ def _flush_all() -> None:
         try:
             buffer.flush()
         except Exception as e:  # noqa: BLE001 - exiting: write what can be written, say what could not
-            record_writer.warn_lost_records("the summary writer's logdir", e)
+            record_writer.warn_lost_records(buffer.growth.logdir or "the summary writer's logdir", e)
