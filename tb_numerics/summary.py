@@ -69,6 +69,7 @@ from tensorflow.python.framework import smart_cond  # noqa: E402 - after the che
 from tensorflow.python.ops import summary_ops_v2  # noqa: E402
 
 from tb_numerics import _tf_internal, latch, metadata, packed, stats, step_buffer  # noqa: E402
+from tb_numerics.stats import global_norm_record  # noqa: E402 - its spelling here, from before stats' split
 
 __all__ = [
     "default_role",
@@ -654,46 +655,3 @@ def log_gradients(
         return _emit(records, step, every_n)
 
     return _gated_compute(compute_and_emit)
-
-
-def global_norm_record(vecs: tf.Tensor, dtype: str) -> tf.Tensor:
-    """The record of the global L2 norm of tensors from their records ``vecs`` [n, F].
-
-    The TensorFlow twin of ``records.global_norm_record``: sqrt of the
-    summed squares in float64 (NaN if any element is NaN, else Inf if any
-    is Inf, as ``tf.linalg.global_norm``), with no extra pass over the data,
-    recorded as one value of ``dtype`` as ``records.scalar_record`` does:
-    not rounded to ``dtype``, so a norm of finite gradients beyond its range
-    is a finite record that counts as an overflow, never a fake +Inf.
-    """
-    vecs = tf.reshape(tf.cast(vecs, tf.float64), [-1, metadata.NUM_FIELDS])
-    nan = tf.reduce_sum(vecs[:, F["nan"]])
-    inf = tf.reduce_sum(vecs[:, F["posinf"]] + vecs[:, F["neginf"]])
-    norm = tf.sqrt(tf.reduce_sum(vecs[:, F["sum_sq"]]))
-    norm = tf.where(nan > 0, tf.constant(np.nan, tf.float64), tf.where(inf > 0, tf.constant(np.inf, tf.float64), norm))
-    return scalar_record(norm, dtype)
-
-
-def scalar_record(value: tf.Tensor, dtype: str) -> tf.Tensor:
-    """The record of one float64 value held to ``dtype``'s range: the
-    TensorFlow twin of ``records.scalar_record``."""
-    v = tf.reshape(tf.cast(value, tf.float64), [])
-    finite = tf.math.is_finite(v)
-    one, zero = tf.constant(1.0, tf.float64), tf.constant(0.0, tf.float64)
-    flag = lambda b: tf.where(b, one, zero)  # noqa: E731
-    fin = tf.where(finite, v, zero)
-    extreme = tf.where(finite, v, tf.constant(np.nan, tf.float64))
-    mag = tf.abs(fin)
-    return tf.stack([
-        one,
-        flag(tf.math.is_nan(v)),
-        flag(tf.equal(v, np.inf)),
-        flag(tf.equal(v, -np.inf)),
-        extreme,
-        extreme,
-        fin,
-        fin * fin,
-        flag(finite & tf.equal(v, 0.0)),
-        flag(mag > metadata.overflow_margin(dtype)),
-        flag((mag > 0) & (mag < metadata.smallest_normal(dtype))),
-    ])
