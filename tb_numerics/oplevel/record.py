@@ -26,7 +26,7 @@ import numpy as np
 from tensorboard.compat.proto import summary_pb2
 
 from tb_numerics import metadata
-from tb_numerics._op_tags import OpTags
+from tb_numerics.oplevel.tags import OpTags
 from tb_numerics.records import F, nonfinite_count, numpy_stats
 
 __all__ = [
