@@ -157,7 +157,7 @@ class StepBuffer:
             return []
         # Made after the trace's automatic control dependencies: ordered by
         # hand after the loops and conds whose calls committed rows.
-        after = [op for op in graph.get_operations() if op._is_stateful] if in_bodies else []  # noqa: SLF001
+        after = _tf_internal.stateful_ops(graph) if in_bodies else []
         # Rows are kept where summaries were recorded at their call; once
         # kept, they are written whatever record_if says at the end.
         with writer.as_default(), tf.summary.record_if(True), tf.control_dependencies(after):

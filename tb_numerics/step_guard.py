@@ -197,6 +197,6 @@ def _write(recs: list[update_check.Record], step: int) -> None:
     """Writes records to the default writer at ``step``, on disk at once."""
     for tag, vec, info in recs:
         summary.write_stats(tag, vec, step=step, info=info)
-    writer = summary._default_writer()  # noqa: SLF001 - the writer the step's records went to
+    writer = _tf_internal.default_summary_writer()  # the writer the step's records went to
     if writer is not None:
         writer.flush()

@@ -87,7 +87,7 @@ class ForwardOp(NamedTuple):
 
 
 def _ids(tensors: Iterable[Any]) -> tuple[Any, ...]:
-    return tuple(None if t is None else t._id for t in tensors)  # noqa: SLF001 - unique per tensor
+    return tuple(None if t is None else _tf_internal.tensor_id(t) for t in tensors)
 
 
 class ForwardIndex:
