@@ -314,7 +314,7 @@ class OpNumerics:
             st.nested_before, st.function_ran = self._nested.position(), False
         vec = stats.op_stats(tensor, tag)
         st.eager.append(((st.nested_before, 0, len(st.eager)), tag, vec, info))
-        if self._inspect_inputs and st.first_bad is None and nonfinite_count(vec.numpy()) > 0:
+        if self._inspect_inputs and st.first_bad is None and nonfinite_count(vec.numpy(), info.neginf_ok) > 0:
             st.first_bad = op_record(tag, vec, info, st.step, inputs)
 
     # ------------------------------------------------------------ end of a step
