@@ -48,12 +48,8 @@ class HostRecords:
 
     def __init__(self, log_dir: str, plan: RowPlan, *, every_n_steps: int, update_ratios: bool, lso: bool,
                  safe_range: analysis.SafeRange, squared_by: str):
-        self._plan = plan
-        self._every_n_steps = every_n_steps
-        self._update_ratios = update_ratios
-        self._lso = lso
-        self._safe_range = safe_range
-        self._squared_by = squared_by
+        self._plan, self._every_n_steps, self._update_ratios = plan, every_n_steps, update_ratios
+        self._lso, self._safe_range, self._squared_by = lso, safe_range, squared_by
         self._infos: dict[str, metadata.TensorInfo] = {}
         self._prev: tuple[int, list[Record]] | None = None  # the last step computed but not written
         self._seen = latch.NO_KINDS  # the kinds of non-finite values written so far (latch)
