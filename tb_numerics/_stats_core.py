@@ -8,11 +8,12 @@ exact extrema and counts, defined here once.
 "Non-finite" has one definition per backend: ``records.nonfinite_count`` on
 the host (numpy) and ``nonfinite_count`` here (TensorFlow, inside a traced
 or compiled step): NaN + +Inf + -Inf, the -Inf left out where it is intended
-(an allowlisted tag). ``tests/test_nonfinite_rule.py`` cross-checks the
-two, and greps the package for other definitions. A cheap check that decides
-on a sum (``sums_finite``: a sum of values is finite only where each is)
-may pass a healthy tensor; what fails it is decided by the rule
-(``all_finite``): a sum of finite values can overflow.
+(an allowlisted tag). ``tests/test_nonfinite_twins.py`` cross-checks the
+two; ``tests/test_nonfinite_homes.py`` scans the package for other
+definitions. A cheap check that decides on a sum (``sums_finite``: a sum of
+values is finite only where each is) may pass a healthy tensor; what fails
+it is decided by the rule (``all_finite``): a sum of finite values can
+overflow.
 """
 
 from __future__ import annotations
