@@ -51,6 +51,7 @@ import numpy as np
 from tensorboard.compat.proto import summary_pb2
 
 from tb_numerics import metadata, records
+from tb_numerics.records import nonfinite_count
 
 TAG_PREFIX = "__numerics_block__/"
 STEPS_PER_BLOCK = 1000
@@ -59,7 +60,6 @@ MAX_DELAY_S = 2.0
 COLUMNS = 2 + metadata.NUM_FIELDS
 # Version 2's events: no step column.
 _V2_COLUMNS = 1 + metadata.NUM_FIELDS
-_NONFINITE = [2 + metadata.FIELD_INDEX[k] for k in ("nan", "posinf", "neginf")]
 # How many tensors a problem line names.
 _MAX_TAGS_NAMED = 5
 
@@ -148,6 +148,7 @@ class StepPacker:
             self._block_md = metadata.create_block_metadata(self._table)
             self._compact_md = metadata.create_block_metadata(self._table, compact=True)
         rows[:, 0] = [self._index[tag] for tag, _, _ in records]
+        neginf_ok = np.array([self._table[int(i)][1].neginf_ok for i in rows[:, 0]], bool)
         rows[:, 1] = step
         if not self._waiting:
             self._waiting_since = self._clock()
@@ -156,7 +157,7 @@ class StepPacker:
         self._last = (int(step), wall_time)
         if (
             len(self._waiting) >= self._steps_per_event
-            or np.any(rows[:, _NONFINITE] > 0)
+            or np.any(nonfinite_count(rows[:, 2:], neginf_ok) > 0)
             or self._clock() - self._waiting_since >= self._max_delay_s
         ):
             due += self.flush()
