@@ -39,10 +39,14 @@ ALLOWED = {
     "_stats_segments.py": "batched statistics: is_finite tests whether float32 sums are exact, not the values",
     "_stats_replicas.py:combine_stats": "NaN in min/max marks 'no finite value' in a record, not a count",
     # The reading side (issue 29's rules core owns these modules and their rules).
-    "analysis.py": "reading side, owned by the rules core (issue 29)",
-    "detectors.py": "reading side, owned by the rules core (issue 29): finite series values, not counts",
-    "plugin.py:_jsonable": "reading side: NaN encoded in JSON as TensorBoard does",
-    "hints.py:number": "reading side: a number's text ('nan', 'inf') in a hint, not a count",
+    "detectors.py": "reading side: finite values of a per-step series (norms, max |x|), not a record's counts",
+    "rules/kinds.py:rolling_median_before": "a per-step series' finite values (the spike rule's median), not counts",
+    "rules/kinds.py:_spike_detail": "how many finite norms the spike's median used, for its words",
+    "rules/numbers.py:number": "a number's text ('NaN', '+Inf'), not a count",
+    "safe_range.py:_parse_param": "a user's safe-range parameter must be a finite number",
+    "views.py:_chart_columns": "NaN in sum_sq marks a field not recorded (op level), not a count",
+    "views.py:_bucket_finite_mean": "a chart bucket's mean over a series' finite points",
+    "hints.py:_finite": "a replay input's min or max shown only where it is a finite number",
     "scalars.py": "reading side: raw tf.summary.scalar values, one value each, not numerics records",
     # Writing side, not the rule.
     "step_buffer.py:StepBuffer._write": "NaN equals itself when testing that a row is exactly float32",
