@@ -260,6 +260,7 @@ class NumericsPlugin(base_plugin.TBPlugin):
         answer = self._store.answer(ctx, experiment, run, safe_range)
         summary = analysis.run_summary(answer.analysis)
         summary["safe_range"] = analysis.safe_range_to_json(safe_range)
+        summary["restarts"] = answer.restarts
         summary.update(answer.freshness())
         return summary
 

@@ -119,8 +119,10 @@ class Snapshot:
     def __init__(self, tags: dict[str, _TagData], limits: Limits):
         self.tags = tags
         overlaps: list[tuple[str, int, int]] = []
-        self.series = _merge(tags, overlaps)
+        restarts: list[tuple[str, int, int]] = []
+        self.series = _merge(tags, overlaps, restarts)
         self._merge_problems = [packed.overlap_problem(overlaps)] if overlaps else []
+        self.restarts = packed.restart_summary(restarts)
         self.as_of_step = max(
             [int(s.steps[-1]) for s in self.series if s.steps.size]
             + [int(t.version[0]) for t in tags.values() if t.series is None and t.parts is None],
@@ -158,7 +160,9 @@ class Snapshot:
             return result
 
 
-def _merge(tags: Mapping[str, _TagData], overlaps: list[tuple[str, int, int]]) -> list[records.TensorSeries]:
+def _merge(
+    tags: Mapping[str, _TagData], overlaps: list[tuple[str, int, int]], restarts: list[tuple[str, int, int]]
+) -> list[records.TensorSeries]:
     """Every tensor's series: its own tag's, and its parts in packed blocks.
 
     Blocks are taken oldest first (by their last write), so a step written
@@ -167,8 +171,8 @@ def _merge(tags: Mapping[str, _TagData], overlaps: list[tuple[str, int, int]]) -
     (a view of the block's events, maybe float32) is replaced by a slice of
     the merged series: the snapshot then holds each record once, and
     the next refresh, which re-reads only the blocks that grew, still has them.
-    Tensors that several writers wrote at once go to ``overlaps`` (see
-    ``packed.merge``).
+    Tensors that several writers wrote at once go to ``overlaps``, steps a
+    later training wrote again to ``restarts`` (see ``packed.merge``).
     """
     out = [t.series for t in tags.values() if t.series is not None]
     blocks = sorted((t.version[1], tag) for tag, t in tags.items() if t.parts)
@@ -182,7 +186,7 @@ def _merge(tags: Mapping[str, _TagData], overlaps: list[tuple[str, int, int]]) -
     shared_steps: dict[tuple[int, ...], np.ndarray] = {}
     step_slices: dict[tuple[int, int, int], np.ndarray] = {}
     for name, placed in by_tensor.items():
-        merged, offsets = packed.merge([part for _, part in placed], shared_steps, overlaps)
+        merged, offsets = packed.merge([part for _, part in placed], shared_steps, overlaps, restarts)
         if offsets is not None:
             for (tag, part), at in zip(placed, offsets):
                 n = len(part.steps)
@@ -425,6 +429,7 @@ class Answer:
     stale: bool  # TensorBoard holds newer records; a refresh is under way
     as_of_step: int | None  # last step of the records analysed
     latest_step: int | None  # last step TensorBoard holds
+    restarts: list = dataclasses.field(default_factory=list)  # steps a later training wrote again
 
     def freshness(self) -> dict[str, Any]:
         """The routes' freshness fields (see ``http_api.md``)."""
@@ -561,7 +566,7 @@ class RunStore:
         cache.remember(safe_range, self._limits.analyses_per_run)
         snapshot, fresh = self._snapshot_to_answer_from(ctx, experiment, run, cache, listing)
         result = snapshot.analysis(run, safe_range, self._extra_problems(run))
-        return Answer(result, not fresh, snapshot.as_of_step, latest)
+        return Answer(result, not fresh, snapshot.as_of_step, latest, snapshot.restarts)
 
     def refresh_round(self) -> None:
         """One round of the refresher: the runs that ``answer`` left stale,
