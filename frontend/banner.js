@@ -70,17 +70,28 @@ function lastHealthyWords(a) {
   return el("p", { class: "last-healthy" }, words.join(" "));
 }
 
-/** One input's range at the failing step: "#1: min 0 · max 3.2 · 12 zeros of 4,096". */
+/** "64×1024", or null for a shape that is not a list of sizes. */
+function shapeWords(shape) {
+  return Array.isArray(shape) && shape.every((d) => d === null || Number.isInteger(d)) ? shape.map((d) => d ?? "?").join("×") || "scalar" : null;
+}
+
+/**
+ * One input at the failing step: what made it (the op, where the replay saw
+ * it run) and its shape, then its range: "input 1 (mlp/dense_2/Relu,
+ * 64×64): min 0 · max 3.2 · 12 exact zeros of 4,096".
+ */
 function inputWords(input, i) {
   if (!isObject(input)) return null;
   const parts = [];
   if (input.min !== undefined) parts.push(`min ${fmt.number(toNumber(input.min))}`);
   if (input.max !== undefined) parts.push(`max ${fmt.number(toNumber(input.max))}`);
   const zeros = countOf(input.zeros);
-  const size = countOf(input.size);
+  const size = countOf(input.size) ?? countOf(input.count);
   if (zeros !== null) parts.push(`${fmt.count(zeros)} exact zero${zeros === 1 ? "" : "s"}${size !== null ? ` of ${fmt.count(size)}` : ""}`);
   else if (size !== null) parts.push(`${fmt.count(size)} values`);
-  return parts.length ? el("li", {}, `input ${i + 1}: ${parts.join(" · ")}`) : null;
+  const what = [text(input.name), shapeWords(input.shape)].filter(Boolean).join(", ");
+  if (!parts.length && !what) return null;
+  return el("li", {}, `input ${i + 1}`, what ? [" (", el("span", { class: "tensor-name" }, what), ")"] : null, parts.length ? `: ${parts.join(" · ")}` : "");
 }
 
 /** first_anomaly.op, or for an op-level anomaly without it, the same from its own record. */

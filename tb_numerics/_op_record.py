@@ -50,9 +50,11 @@ class OpRecord:
     ``source`` is the user's line that made the op, ``file.py:LINE
     (function)``; for a gradient op, the line of the forward op it
     differentiates (``description`` says which). ``inputs`` holds, for each
-    float input of the op at that step, its element count, min, max
-    (of the finite values), zero count and NaN / +Inf / -Inf counts, where the
-    recorder saw them (``replay_step``); else it is empty.
+    float input of the op at that step, its element count, shape, min, max
+    (of the finite values), zero count and NaN / +Inf / -Inf counts, and
+    ``name``, the scoped name of the op that made it (``mlp/dense_2/Relu``)
+    where the replay saw that op run, where the recorder saw them
+    (``replay_step``); else it is empty.
     """
 
     tag: str
@@ -90,15 +92,19 @@ class OpRecord:
         }
 
 
-def _input_ranges(inputs) -> tuple[dict[str, float], ...]:
-    """Count, min, max, zeros and non-finite counts of each float input (eager tensors)."""
+def _input_ranges(inputs, names: Sequence[str | None] = ()) -> tuple[dict[str, Any], ...]:
+    """Count, shape, min, max, zeros and non-finite counts of each float input
+    (eager tensors), and the name of the op that made it where ``names`` has one."""
     out = []
-    for t in inputs or ():
+    for k, t in enumerate(inputs or ()):
         if t is None or not t.dtype.is_floating:
             continue
         x = np.asarray(t.numpy(), np.float64).reshape(-1)
         fin = x[np.isfinite(x)]
+        name = names[k] if k < len(names) else None
         out.append({
+            **({"name": name} if name else {}),
+            "shape": list(t.shape.as_list()) if t.shape.rank is not None else None,
             "count": int(x.size),
             "min": float(fin.min()) if fin.size else float("nan"),
             "max": float(fin.max()) if fin.size else float("nan"),
@@ -111,8 +117,9 @@ def _input_ranges(inputs) -> tuple[dict[str, float], ...]:
 
 
 def op_record(tag: str, vec: Any, info: metadata.TensorInfo, step: int | None,
-              inputs: Any = None) -> OpRecord:
-    """The OpRecord of one record, with its op's inputs' ranges where ``inputs`` are given."""
+              inputs: Any = None, names: Sequence[str | None] = ()) -> OpRecord:
+    """The OpRecord of one record, with its op's inputs' ranges where ``inputs``
+    are given (named by ``names``, the ops that made them, where known)."""
     v = np.asarray(vec, np.float64)
     return OpRecord(
         tag=tag,
@@ -122,7 +129,7 @@ def op_record(tag: str, vec: Any, info: metadata.TensorInfo, step: int | None,
         phase=info.phase,
         step=step,
         record=tuple(float(x) for x in v),
-        inputs=_input_ranges(inputs),
+        inputs=_input_ranges(inputs, names),
     )
 
 

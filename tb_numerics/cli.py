@@ -138,11 +138,20 @@ def _op_lines(a: dict) -> list[str]:
         if op.get("source"):
             line += " at %s" % _safe_text(str(op["source"]))
         inputs = op.get("inputs") if isinstance(op.get("inputs"), list) else []
-        return [line] + ["    input %d: %s" % (k, hints.input_range(i)) for k, i in enumerate(inputs, 1)
+        return [line] + ["    input %d%s: %s" % (k, _input_name(i), hints.input_range(i)) for k, i in enumerate(inputs, 1)
                          if isinstance(i, dict)]
     if isinstance(replay, dict) and replay.get("reproduced") is False:
         return ["  replay: did not reproduce the failure (%s)" % _safe_text(str(replay.get("why", "")))]
     return []
+
+
+def _input_name(i: dict) -> str:
+    """" (mlp/dense_2/Relu, 64x64)": the op that made an input and its shape, where known."""
+    shape = i.get("shape")
+    parts = [_safe_text(str(i["name"]))] if i.get("name") else []
+    if isinstance(shape, list):
+        parts.append("x".join("?" if d is None else str(d) for d in shape) or "scalar")
+    return " (%s)" % ", ".join(parts) if parts else ""
 
 
 def _table(summaries: list[dict]) -> str:

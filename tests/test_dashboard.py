@@ -484,7 +484,8 @@ def _replayed(summary):
             "type": "<b>Log</b>",
             "source": "<img src=x onerror=alert(1)>.py:12 (call)",
             "phase": "forward",
-            "inputs": [{"min": 0, "max": "Infinity", "zeros": 3, "size": 64}, "junk", {"min": "NaN"}],
+            "inputs": [{"name": "<b>mlp</b>/Relu", "shape": [8, 8], "min": 0, "max": "Infinity", "zeros": 3, "size": 64},
+                       "junk", {"min": "NaN", "shape": "<i>"}],
         },
         replay={"reproduced": False, "why": "dropout drew other masks"},
         occurrence={"index": "x", "of": None},
@@ -511,7 +512,9 @@ def test_op_input_ranges_replay_and_new_kinds_render_as_text(open_page, tb_more)
     expect(anomaly.locator(".op")).to_contain_text(
         "Op: logrelu/Log (<b>Log</b>, forward pass), created at <img src=x onerror=alert(1)>.py:12 (call)."
     )
-    expect(anomaly.locator(".inputs li")).to_have_text(["input 1: min 0 · max +Inf · 3 exact zeros of 64", "input 3: min NaN"])
+    expect(anomaly.locator(".inputs li")).to_have_text(
+        ["input 1 (<b>mlp</b>/Relu, 8×8): min 0 · max +Inf · 3 exact zeros of 64", "input 3: min NaN"]
+    )
     expect(anomaly.locator(".replay")).to_have_text(
         "Replay: replaying this step at op level did not reproduce the failure (dropout drew other masks); "
         "the answer above is from the layer-level records."
