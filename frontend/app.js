@@ -86,7 +86,8 @@ export class Dashboard {
     this.reloadButton.hidden = this.host !== null;
     const [fromHost] = await Promise.all([this.host ? this.host.urlData() : null, this.readSafeRangeKeys()]);
     this.takeState(fromHost && Object.keys(fromHost).length ? fromHost : null);
-    watchTheme(() => this.redraw());
+    // Run colours have a dark variant: compared charts are drawn again.
+    watchTheme(() => (this.state.compare ? this.loadCharts() : this.redraw()));
     window.addEventListener("hashchange", () => this.takeState(null, true));
     if (this.host) {
       this.host.on("experimental.DataReloaded", () => this.load());
@@ -316,7 +317,10 @@ export class Dashboard {
     this.showZoom();
     if (this.timeline) {
       this.timeline.select(this.state.tensor, this.state.step);
-      this.timeline.revealSelected();
+      // Scrolled to a newly selected row only: a reload keeps where the user scrolled.
+      const key = JSON.stringify([this.state.run, this.state.tensor]);
+      if (key !== this.revealed) this.timeline.revealSelected();
+      this.revealed = key;
     }
     if (charts) this.loadCharts();
   }

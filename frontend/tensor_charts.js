@@ -50,6 +50,15 @@ export function wholeTensor(f) {
   return out;
 }
 
+/**
+ * min, max or max |x| with a gap (null: no marker) where a record has no
+ * finite value: they are undefined there, not NaN; the counts chart and
+ * the tinted column say what the values were.
+ */
+function finiteOnly(ys, whole) {
+  return ys.map((v, i) => (whole.finite[i] === 0 ? null : v));
+}
+
 /** Whether the series is an op's: its records hold no sums (a record with no finite value says nothing). */
 function opLevel(series, whole) {
   return (typeof series.tensor === "string" && series.tensor.startsWith(OP_PREFIX)) || whole.mean.every((m) => m === null);
@@ -98,15 +107,16 @@ export class TensorCharts {
     const f = series.fields;
     const w = wholeTensor(f);
     const noFinite = (i) => (w.finite[i] === 0 ? "no finite values" : null);
+    const range = (ys) => finiteOnly(ys, w);
     this.range.set({
       ...base,
       log,
       lines: log
-        ? [{ label: "max |x|", colour: "series-3", ys: f.max_abs, words: noFinite }]
+        ? [{ label: "max |x|", colour: "series-3", ys: range(f.max_abs), words: noFinite }]
         : [
-            { label: "min", colour: "series-1", ys: f.min, words: noFinite },
-            { label: "max", colour: "series-2", ys: f.max, words: noFinite },
-            { label: "max |x|", colour: "series-3", ys: f.max_abs, dash: [5, 3], words: noFinite },
+            { label: "min", colour: "series-1", ys: range(f.min), words: noFinite },
+            { label: "max", colour: "series-2", ys: range(f.max), words: noFinite },
+            { label: "max |x|", colour: "series-3", ys: range(f.max_abs), dash: [5, 3], words: noFinite },
           ],
     });
     if (opLevel(series, w)) {
@@ -132,7 +142,7 @@ export class TensorCharts {
     const [own, ref] = runs;
     const line = (field, label, s, who, dash) => {
       const w = wholeTensor(s.fields);
-      const ys = field === "mean" || field === "l2" ? w[field] : s.fields[field];
+      const ys = field === "mean" || field === "l2" ? w[field] : finiteOnly(s.fields[field], w);
       return { label: `${label} · ${who.run}`, hex: who.colour, dash, steps: s.steps, ys, words: (i) => (w.finite[i] === 0 ? "no finite values" : null) };
     };
     const pair = (field, label) => [line(field, label, series, own, []), ...(ref.series ? [line(field, label, ref.series, ref, [6, 3])] : [])];

@@ -270,9 +270,11 @@ export class Timeline {
     }
   }
 
-  /** Scrolls the timeline's box (not the page) to the selected row. */
+  /** Scrolls the timeline's box (not the page) so that the selected row is in its middle. */
   revealSelected() {
-    if (this.selected && this.rowY) this.scrollToRow(this.selected.row);
+    if (!this.selected || !this.rowY) return;
+    const box = this.element;
+    box.scrollTop = Math.max(0, this.rowY[this.selected.row] - (box.clientHeight - ROW_H) / 2);
   }
 
   /** Keeps a row inside the timeline's scroll box (long runs have many rows). */
