@@ -349,12 +349,21 @@ def _kept_records(
         at_once = [q.steps for q in later if _at_once(p, q)]
         replaced = [q.steps for q in later if not _at_once(p, q)]
         mine = ~np.isin(p.steps, np.concatenate(replaced)) if replaced else np.ones(len(p.steps), bool)
-        replaced_steps = np.union1d(replaced_steps, p.steps[~mine])
+        # A restart only where both wall-time spans are known to follow each
+        # other (a per-tensor part has none: the same writer may have written it).
+        later_training = [q.steps for q in later if _follows(p, q)]
+        if later_training:
+            replaced_steps = np.union1d(replaced_steps, p.steps[np.isin(p.steps, np.concatenate(later_training))])
         if at_once:
             shared = np.union1d(shared, p.steps[mine & np.isin(p.steps, np.concatenate(at_once))])
         kept.append((p.steps[mine], p.values[mine]))
         later.append(p)
     return kept, shared, replaced_steps
+
+
+def _follows(earlier: records.TensorSeries, later: records.TensorSeries) -> bool:
+    """Whether ``later`` was known to start after ``earlier`` ended (a restart)."""
+    return earlier.written is not None and later.written is not None and later.written[0] >= earlier.written[1]
 
 
 def _at_once(earlier: records.TensorSeries, later: records.TensorSeries) -> bool:
@@ -379,7 +388,10 @@ def overlap_problem(overlaps: Sequence[tuple[str, int, int]]) -> str:
 
 def restart_summary(restarts: Sequence[tuple[str, int, int]]) -> list[dict[str, int]]:
     """The steps written again by a later training, for a run's summary:
-    ``[{"first_step", "last_step", "tensors"}]`` (one entry: the span of all)."""
+    ``[{"first_step", "last_step", "tensors"}]`` (one entry: the span of all).
+    Op-level records (``ops/...``) are left out: a replay writes a step's op
+    records again by design."""
+    restarts = [r for r in restarts if not r[0].startswith("ops/")]
     if not restarts:
         return []
     return [{"first_step": min(lo for _, lo, _ in restarts), "last_step": max(hi for _, _, hi in restarts),

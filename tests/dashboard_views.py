@@ -123,12 +123,15 @@ def _restarted(logdir: str) -> None:
     first = [*range(0, 11), 100]
     second = range(RESTART_STEPS[0], RESTART_STEPS[1] + 1)
     for k, steps in enumerate((first, second)):
-        with NumericsRecordWriter(os.path.join(logdir, RESTARTED), filename_suffix=".%d" % k) as w:
+        with NumericsRecordWriter(os.path.join(logdir, RESTARTED)) as w:
             for step in steps:
                 # The second training starts an hour after the first ended.
                 w.write_many(step, [("loss", numpy_stats(np.float32([1.0 + k + 0.01 * step])), info)],
                              wall_time=1.7e9 + 3600 * k + step)
                 w.flush()
+        # Its file is named for its start, as a writer an hour later names it.
+        rest = os.path.basename(w.path).split(".", 4)[4]  # events.out.tfevents.<time>.<rest>
+        os.rename(w.path, os.path.join(logdir, RESTARTED, "events.out.tfevents.%010d.%s" % (1_700_000_000 + 3600 * k, rest)))
 
 
 def write(logdir: str) -> str:
