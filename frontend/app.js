@@ -38,6 +38,7 @@ export class Dashboard {
     this.host = null;
     this.runList = []; // /runs
     this.tbRuns = null; // TensorBoard's run names, in the order of its colours
+    this.tbRunsAsked = Promise.resolve(null);
     this.summary = null; // /summary of the run shown
     this.timeline = null;
     this.invalid = {}; // safe-range parameter -> the server's message: left out of requests
@@ -169,9 +170,11 @@ export class Dashboard {
     const gen = ++this.generation;
     this.series.clear();
     this.busy.textContent = "Loading…";
+    // TensorBoard's run list (its colours' order) is asked beside, never waited for before the banner.
+    if (this.host) this.tbRunsAsked = this.host.runs().then((r) => (this.tbRuns = r));
     let runs;
     try {
-      [{ runs }, this.tbRuns] = await Promise.all([api.runs(this.requestParams()), this.host ? this.host.runs() : null]);
+      ({ runs } = await api.runs(this.requestParams()));
     } catch (e) {
       if (gen !== this.generation) return;
       if (this.refuse(e)) return this.load();
@@ -237,6 +240,8 @@ export class Dashboard {
     } catch (e) {
       answer = { error: e.message };
     }
+    if (gen !== this.generation) return;
+    await this.tbRunsAsked;
     if (gen !== this.generation) return;
     this.comparison.hidden = false;
     renderComparison(this.comparison, answer, { run, compare, colours: [this.colourOf(run), this.colourOf(compare)] }, (tensor, step) => this.showMe([tensor], step));
@@ -414,6 +419,7 @@ export class Dashboard {
         compare ? seriesOf(compare, tensor) : null,
         compare ? seriesOf(compare, globalTag) : null,
       ]);
+      if (compare) await this.tbRunsAsked;
       if (gen !== this.chartGeneration) return;
       this.charts.set({
         series,

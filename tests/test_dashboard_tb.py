@@ -131,12 +131,17 @@ def test_charts_draw_the_run_alone_and_compared_runs_in_tensorboards_colours(pag
         assert colour == "rgb(%d, %d, %d)" % tuple(int(hex_[i : i + 2], 16) for i in (1, 3, 5)), (run, colour)
 
 
-def hover_cell(page, frame, tensor, step, steps):
+def cell_centre(frame, tensor, step):
+    """The page coordinates of a timeline cell (one column per step here)."""
     label = frame.locator(".timeline .label.row", has_text=re.compile("^%s$" % re.escape(tensor))).first
     label.scroll_into_view_if_needed()
     lb = label.bounding_box()
     cb = frame.locator(".timeline canvas").bounding_box()
-    page.mouse.move(cb["x"] + (step + 0.5) / steps * cb["width"], lb["y"] + lb["height"] / 2)
+    return cb["x"] + (step + 0.5) / data.STEPS * cb["width"], lb["y"] + lb["height"] / 2
+
+
+def hover_cell(page, frame, tensor, step):
+    page.mouse.move(*cell_centre(frame, tensor, step))
     return frame.locator(".timeline .tooltip .numbers")
 
 
@@ -144,11 +149,11 @@ def test_numbers_say_what_is_known(page, tb):
     """Item 3: a +Inf loss has no finite values (not "NaN"), the norm of a
     tensor holding NaN is NaN (not its finite values'), a count of 1 in 512 shows."""
     frame = open_tab(page, tb, {"tensor": "loss", "step": str(data.LOSS_INF_STEP)})
-    tip = hover_cell(page, frame, "loss", data.LOSS_INF_STEP, data.STEPS)
+    tip = hover_cell(page, frame, "loss", data.LOSS_INF_STEP)
     expect(tip).to_contain_text("1 +Inf of 1 value")
     expect(tip).to_contain_text("no finite values")
     assert "NaN" not in tip.inner_text()
-    tip = hover_cell(page, frame, "dense/output", data.NAN_STEP, data.STEPS)
+    tip = hover_cell(page, frame, "dense/output", data.NAN_STEP)
     expect(tip).to_contain_text("2 NaN of 512 values")
     expect(tip).to_contain_text("L2 of the tensor NaN")
     # The count chart of the gradient: 1 -Inf of 512 is a visible bar (its colour in the canvas).
@@ -172,6 +177,15 @@ def test_numbers_say_what_is_known(page, tb):
     box = canvas.bounding_box()
     page.mouse.move(box["x"] + box["width"] * 0.95, box["y"] + box["height"] / 2)
     expect(frame.locator('.chart[aria-label^="NaN / Inf counts"] .readout')).to_contain_text("-Inf 1 of 512 values")
+    # After the NaN, the L2 norm of dense/output is NaN (a marker), not its finite values' norm.
+    page.mouse.click(*cell_centre(frame, "dense/output", data.NAN_STEP + 2))
+    expect(selected(frame)).to_have_text("dense/output")
+    l2 = frame.locator('.chart[aria-label^="L2 norm"] canvas')
+    l2.scroll_into_view_if_needed()
+    frame.locator('.chart[aria-label^="L2 norm"] .chart-legend span').first.wait_for()
+    box = l2.bounding_box()
+    page.mouse.move(box["x"] + box["width"] * 0.97, box["y"] + box["height"] / 2)
+    expect(frame.locator('.chart[aria-label^="L2 norm"] .readout')).to_contain_text("L2 NaN")
 
 
 def test_op_rows_say_what_is_not_recorded_and_sit_under_their_layer(page, tb):
