@@ -12,7 +12,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=["tb_numerics", "tb_numerics.frontend"],
+    packages=["tb_numerics", "tb_numerics.backends", "tb_numerics.frontend"],
     # The dashboard's ES modules live at the top in frontend/ and ship inside
     # the package, where the plugin serves them from.
     package_dir={"tb_numerics": "tb_numerics", "tb_numerics.frontend": "frontend"},
