@@ -27,9 +27,10 @@ import torch
 from tb_numerics import metadata
 from tb_numerics.records import F
 
-__all__ = ["check_dtype", "quick", "records", "sq_norm"]
+__all__ = ["FLOAT_DTYPES", "check_dtype", "quick", "records", "sq_norm"]
 
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float64: "float64"}
+FLOAT_DTYPES = frozenset(_DTYPES)
 # quick()'s numbers: element count, sum, sum of squares, min, max, nonzero count.
 _N, _SUM, _SQ, _MIN, _MAX, _NONZERO = range(6)
 
