@@ -62,4 +62,5 @@ def format_where(frame: tuple[str, int, str] | None) -> str:
         filename = filename if rel.startswith(os.pardir) else rel
     except ValueError:  # another drive on Windows
         pass
-    return "%s:%d (%s)" % (filename, frame[1], frame[2])
+    # A function's own name, as TensorFlow's creation stacks give it (Python's qualified name is Class.method).
+    return "%s:%d (%s)" % (filename, frame[1], frame[2].rsplit(".", 1)[-1])

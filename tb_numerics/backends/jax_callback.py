@@ -290,7 +290,7 @@ class JaxNumericsCallback(_host.BackendCallback):
 
 
 def _VALUE_DTYPE():  # noqa: N802 - a dtype, decided when traced
-    return jnp.float64 if jax.config.jax_enable_x64 else jnp.float32
+    return jnp.float64 if jax_stats.x64() else jnp.float32
 
 
 def _widened(rec: tuple) -> tuple:

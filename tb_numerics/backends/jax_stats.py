@@ -63,7 +63,12 @@ def check_dtype(x, name: str) -> str:
 
 
 def _acc(dtype: str):
-    return jnp.float64 if dtype == "float64" and jax.config.jax_enable_x64 else jnp.float32
+    return jnp.float64 if dtype == "float64" and x64() else jnp.float32
+
+
+def x64() -> bool:
+    """Whether JAX has 64-bit types here (``jax_enable_x64``, or its context manager)."""
+    return jax.dtypes.canonicalize_dtype(jnp.float64) == jnp.float64
 
 
 def _bits_of(value: float, dtype: str) -> int:
