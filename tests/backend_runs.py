@@ -156,6 +156,10 @@ def main(out: str, root: str) -> None:
         results[kind] = run_fault(kind, root)
         if BACKEND == "jax":
             results[kind]["oracle"] = jax_debug_oracle(kind)
+    from demo.stories import keras_fit
+
+    keras_fit.run(root)
+    results["keras_fit"] = {"report": report(os.path.join(root, keras_fit.NAME))}
     if BACKEND != "tensorflow":  # TensorFlow's own tests cover these there
         results["every_n"] = run_fault("log0", root, every_n_steps=5, stop_on_anomaly=True)
         for policy in ("mixed_float16", "mixed_bfloat16"):

@@ -35,6 +35,7 @@ def runs(tmp_path_factory):
     procs = {}
     for b in BACKENDS:
         env = dict(os.environ, KERAS_BACKEND=b, TF_CPP_MIN_LOG_LEVEL="2")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(HERE), env.get("PYTHONPATH")]))  # demo/
         procs[b] = subprocess.Popen([sys.executable, os.path.join(HERE, "backend_runs.py"), str(root / (b + ".json")),
                                      str(root / b)], env=env, cwd=HERE, stdout=subprocess.PIPE,
                                     stderr=subprocess.STDOUT, text=True)
@@ -115,3 +116,15 @@ def test_the_records_are_the_same_rows_on_every_backend(runs):
     for b in BACKENDS:
         infos = runs[b]["log0"]["report"]["infos"]
         assert [infos[t]["order"] for t in tags[b]] == sorted(infos[t]["order"] for t in tags[b])
+
+
+def test_the_demos_keras_fit_story_fails_alike_on_every_backend(runs):
+    # Its initial weights are drawn with numpy: the same model on every backend.
+    firsts = {b: runs[b]["keras_fit"]["report"]["first_anomaly"] for b in BACKENDS}
+    for b, a in firsts.items():
+        assert (a["step"], a["tensor"], a["posinf"]) == (9, "dense_3/output", 15), b
+        assert a["op"]["source"].startswith("demo/stories/keras_fit.py:") or a["op"]["source"].startswith(
+            os.path.join(os.path.dirname(HERE), "demo", "stories", "keras_fit.py")), (b, a["op"])
+        assert hints.op_family(a["op"]["name"], a["op"]["type"]) is None and a["op"]["name"].split("/")[-2] == "dense_1", b
+    sources = {a["op"]["source"] for a in firsts.values()}
+    assert len(sources) == 1, sources

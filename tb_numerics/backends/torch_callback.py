@@ -7,7 +7,7 @@ the instances only and for the duration of ``fit``, the same places:
 * each top-level layer's ``call``, to keep its outputs;
 * the optimizer's ``scale_loss``, for the loss, and ``apply``, where the
   gradients are known: there the step's records are computed (``torch_stats``:
-  four reductions per tensor on its device, one copy of a few numbers per
+  six reductions per tensor on its device, one copy of a few numbers per
   tensor to the host for the whole step), the weights are recorded before
   the update on their steps, and the update of a step whose loss or
   gradients are not finite is held back (a replay needs the weights the

@@ -31,8 +31,6 @@ __all__ = ["FLOAT_DTYPES", "check_dtype", "quick", "records", "sq_norm"]
 
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float64: "float64"}
 FLOAT_DTYPES = frozenset(_DTYPES)
-# quick()'s numbers: element count, sum, sum of squares, min, max, nonzero count.
-_N, _SUM, _SQ, _MIN, _MAX, _NONZERO = range(6)
 
 
 def check_dtype(x: torch.Tensor, name: str) -> str:
@@ -61,22 +59,37 @@ def sq_norm(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(flat, dtype=torch.float32) ** 2
 
 
+_MANTISSA_BITS = {"float16": 10, "bfloat16": 7, "float32": 23, "float64": 52}
+
+
+def _below_smallest_normal(dtype: str) -> float:
+    """The largest value of ``dtype`` below its smallest normal (its largest subnormal)."""
+    tiny = metadata.smallest_normal(dtype)
+    return tiny - tiny * 2.0 ** -_MANTISSA_BITS[dtype]
+
+
 def quick(x: torch.Tensor, name: str = "tensor") -> torch.Tensor:
-    """Float64 ``[6]`` on ``x``'s device: count, sum, sum of squares, min, max
-    and nonzero count of ``x`` (min and max NaN where ``x`` is empty).
+    """Float64 ``[7]`` on ``x``'s device: count, sum, sum of squares, min, max,
+    nonzero count, and the count of values of magnitude below the smallest
+    normal (zeros too) of ``x``; min and max NaN where ``x`` is empty.
+
+    Six reductions and no tensor-sized temporary (on a CPU an op that writes
+    one costs more than a reduction: its pages are new at every step); the
+    near-zero count is a one-bin ``histc``.
 
     Raises:
       TypeError: ``x`` is not a float16, bfloat16, float32 or float64 tensor.
     """
-    check_dtype(x, name)
+    dtype = check_dtype(x, name)
     flat = x.detach().reshape(-1)
     if not flat.numel():
         nan = torch.tensor(float("nan"), dtype=torch.float64, device=flat.device)
         zero = torch.zeros((), dtype=torch.float64, device=flat.device)
-        return torch.stack([zero, zero, zero, nan, nan, zero])
-    lo, hi = torch.aminmax(flat)
+        return torch.stack([zero, zero, zero, nan, nan, zero, zero])
+    edge = _below_smallest_normal(dtype)
     parts = [torch.tensor(float(flat.numel()), dtype=torch.float64, device=flat.device),
-             flat.sum(dtype=_acc(flat)), sq_norm(flat), lo, hi, torch.count_nonzero(flat)]
+             flat.sum(dtype=_acc(flat)), sq_norm(flat), flat.min(), flat.max(), torch.count_nonzero(flat),
+             torch.histc(flat, bins=1, min=-edge, max=edge)[0]]
     return torch.stack([p.to(torch.float64) for p in parts])
 
 
@@ -116,18 +129,16 @@ def records(tensors: Sequence[torch.Tensor | None], quicks: Sequence[torch.Tenso
     q = torch.stack([quicks[i] for i in have]).cpu().numpy()
     more: list[tuple[int, int | None, torch.Tensor]] = []  # (row, field or None for all, tensor)
     for k, i in enumerate(have):
-        x, (n, total, sq, lo, hi, nonzero) = tensors[i], q[k]
+        x, (n, total, sq, lo, hi, nonzero, near_zero) = tensors[i], q[k]
         dtype = _DTYPES[x.dtype]
         if not (np.isfinite(total) and np.isfinite(sq) and (n == 0 or (np.isfinite(lo) and np.isfinite(hi)))):
             more.append((i, None, _exact(x, dtype)))
             continue
-        out[i, [F["count"], F["min"], F["max"], F["sum"], F["sum_sq"], F["zeros"]]] = n, lo, hi, total, sq, n - nonzero
-        flat = x.detach().reshape(-1)
-        tiny, margin = metadata.smallest_normal(dtype), metadata.overflow_margin(dtype)
-        if n and lo < tiny and hi > -tiny:  # values near zero: some may be subnormal (zeros are subtracted below)
-            more.append((i, F["underflow"], torch.count_nonzero(flat < tiny if lo >= 0 else flat.abs() < tiny)))
+        out[i, [F["count"], F["min"], F["max"], F["sum"], F["sum_sq"], F["zeros"], F["underflow"]]] = (
+            n, lo, hi, total, sq, n - nonzero, near_zero - (n - nonzero))
+        margin = metadata.overflow_margin(dtype)
         if n and max(abs(lo), abs(hi)) > margin:
-            more.append((i, F["overflow"], torch.count_nonzero(flat.abs() > margin)))
+            more.append((i, F["overflow"], torch.count_nonzero(x.detach().reshape(-1).abs() > margin)))
     if more:
         values = torch.cat([t.reshape(-1).to(torch.float64) for _, _, t in more]).cpu().numpy()
         at = 0
@@ -136,6 +147,6 @@ def records(tensors: Sequence[torch.Tensor | None], quicks: Sequence[torch.Tenso
                 out[i] = values[at:at + metadata.NUM_FIELDS]
                 at += metadata.NUM_FIELDS
             else:
-                out[i, field] = values[at] - (out[i, F["zeros"]] if field == F["underflow"] else 0)
+                out[i, field] = values[at]
                 at += 1
     return out
