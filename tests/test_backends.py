@@ -113,9 +113,9 @@ def test_the_records_are_the_same_rows_on_every_backend(runs):
     # The layer-level rows; TensorFlow's replay also writes op-level records (ops/...).
     tags = {b: [t for t in runs[b]["log0"]["report"]["infos"] if not t.startswith("ops/")] for b in BACKENDS}
     assert tags["jax"] == tags["tensorflow"] and tags["torch"] == tags["tensorflow"]
-    for b in BACKENDS:
-        infos = runs[b]["log0"]["report"]["infos"]
-        assert [infos[t]["order"] for t in tags[b]] == sorted(infos[t]["order"] for t in tags[b])
+    fields = ("order", "role", "phase", "dtype", "shape", "op_type", "activation")
+    meta = {b: [[runs[b]["log0"]["report"]["infos"][t][k] for k in fields] for t in tags[b]] for b in BACKENDS}
+    assert meta["jax"] == meta["tensorflow"] and meta["torch"] == meta["tensorflow"]
 
 
 def test_the_demos_keras_fit_story_fails_alike_on_every_backend(runs):
