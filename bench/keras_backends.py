@@ -47,6 +47,8 @@ def _model(keras, np):
 def _driver(backend: str, keras, model, callbacks, x, y):
     """A zero-argument step of fit's per-batch loop, and a settle() that waits for it."""
     cbs = keras.callbacks.CallbackList(callbacks, model=model)
+    if not model.optimizer.built:  # fit builds it before the first step
+        model.optimizer.build(model.trainable_variables)
     model.make_train_function()
     cbs.on_train_begin()
     batch = [0]
@@ -95,7 +97,7 @@ def _driver(backend: str, keras, model, callbacks, x, y):
     return step, settle
 
 
-def worker(reps: int, steps: int) -> dict:
+def worker(reps: int, steps: int, callback_args: dict) -> dict:
     """Runs in a process whose KERAS_BACKEND is set; the per-block step times of each mode."""
     import keras
     import numpy as np
@@ -108,7 +110,7 @@ def worker(reps: int, steps: int) -> dict:
     y = rng.normal(size=(BATCH, WIDTH)).astype(np.float32)
     root = tempfile.mkdtemp(prefix="tbn_bench_backends_")
     modes = {"fit": _driver(backend, keras, _model(keras, np), [], x, y),
-             "fit_callback": _driver(backend, keras, _model(keras, np), [NumericsCallback(root)], x, y)}
+             "fit_callback": _driver(backend, keras, _model(keras, np), [NumericsCallback(root, **callback_args)], x, y)}
     for step, settle in modes.values():  # compile, and the first weights step
         for _ in range(2):
             step()
@@ -144,19 +146,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--backends", default="tensorflow,jax,torch")
     p.add_argument("--reps", type=int, default=9)
     p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--callback-args", default="{}", help='NumericsCallback arguments as JSON, e.g. \'{"replay": false}\'')
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        print(json.dumps(worker(args.reps, args.steps)))
+        print(json.dumps(worker(args.reps, args.steps, json.loads(args.callback_args))))
         return 0
     here = os.path.dirname(os.path.abspath(__file__))
-    print("bench/keras_backends.py --backends %s --reps %d --steps %d (6x1024 MLP, batch 512, SGD)"
-          % (args.backends, args.reps, args.steps), flush=True)
+    print("bench/keras_backends.py --backends %s --reps %d --steps %d --callback-args '%s' (6x1024 MLP, batch 512, SGD)"
+          % (args.backends, args.reps, args.steps, args.callback_args), flush=True)
     for backend in args.backends.split(","):
         env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="2",
                    PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(here), os.environ.get("PYTHONPATH")])))
         out = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", "--reps", str(args.reps),
-                              "--steps", str(args.steps)], env=env, capture_output=True, text=True)
+                              "--steps", str(args.steps), "--callback-args", args.callback_args],
+                             env=env, capture_output=True, text=True)
         if out.returncode:
             print("%s failed:\n%s" % (backend, out.stderr[-3000:]))
             continue

@@ -1,16 +1,18 @@
-"""Statistics of tensors in PyTorch: the numerics record, one host round trip per step.
+"""Statistics of tensors in PyTorch: the numerics record, a copy of a few numbers to the host per step.
 
 A step's tensors are summarised in two rounds. ``quick(x)`` runs on the
-device as the step runs: four plain reductions (sum, sum of squares, min and
-max, the nonzero count), which are also the finite check (a sum of squares
-is finite only where no element is NaN or Inf). After the step, ``records``
-copies every tensor's quick numbers to the host at once, and only where they
-do not settle the record does it count more, on the device: the exact NaN,
-+Inf and -Inf counts and the masked statistics of a tensor that is not
-finite (in float64), the subnormals of one whose values come near zero, the
-values beyond the overflow margin of one whose max |x| passes it. So a
-healthy step costs four passes over each tensor and one copy of a few
-numbers per tensor, never a round trip per tensor.
+device as the step runs: five plain reductions (sum, sum of squares, min,
+max and min |x|), which are also the finite check (a sum of squares is
+finite only where no element is NaN or Inf). After the step, ``records``
+copies every tensor's quick numbers to the host at once, and only where
+they do not settle the record does it count more, on the device, in one
+more round: the exact NaN, +Inf and -Inf counts and the masked statistics
+of a tensor that is not finite (in float64), the zeros and subnormals of
+one whose min |x| is below the smallest normal (a ReLU's output), the
+values beyond the overflow margin of one whose max |x| passes it. No round
+trip per tensor; no tensor-sized temporary on the healthy path (on a CPU
+an op that writes one costs more than a reduction: its pages are new at
+every step).
 
 Accumulation is in float32 for float16, bfloat16 and float32 tensors and in
 float64 for float64 ones. ``records.numpy_stats`` is the reference: counts
@@ -69,27 +71,26 @@ def _below_smallest_normal(dtype: str) -> float:
 
 
 def quick(x: torch.Tensor, name: str = "tensor") -> torch.Tensor:
-    """Float64 ``[7]`` on ``x``'s device: count, sum, sum of squares, min, max,
-    nonzero count, and the count of values of magnitude below the smallest
-    normal (zeros too) of ``x``; min and max NaN where ``x`` is empty.
+    """Float64 ``[6]`` on ``x``'s device: count, sum, sum of squares, min, max,
+    and min |x| of ``x`` (min and max NaN where ``x`` is empty).
 
-    Six reductions and no tensor-sized temporary (on a CPU an op that writes
-    one costs more than a reduction: its pages are new at every step); the
-    near-zero count is a one-bin ``histc``.
+    Five reductions and no tensor-sized temporary (on a CPU an op that writes
+    one costs more than a reduction: its pages are new at every step). Only a
+    tensor whose min |x| is below the smallest normal (it holds a zero or a
+    subnormal) has them counted, in ``records``' second round.
 
     Raises:
       TypeError: ``x`` is not a float16, bfloat16, float32 or float64 tensor.
     """
-    dtype = check_dtype(x, name)
+    check_dtype(x, name)
     flat = x.detach().reshape(-1)
     if not flat.numel():
         nan = torch.tensor(float("nan"), dtype=torch.float64, device=flat.device)
         zero = torch.zeros((), dtype=torch.float64, device=flat.device)
-        return torch.stack([zero, zero, zero, nan, nan, zero, zero])
-    edge = _below_smallest_normal(dtype)
+        return torch.stack([zero, zero, zero, nan, nan, nan])
     parts = [torch.tensor(float(flat.numel()), dtype=torch.float64, device=flat.device),
-             flat.sum(dtype=_acc(flat)), sq_norm(flat), flat.min(), flat.max(), torch.count_nonzero(flat),
-             torch.histc(flat, bins=1, min=-edge, max=edge)[0]]
+             flat.sum(dtype=_acc(flat)), sq_norm(flat), flat.min(), flat.max(),
+             torch.linalg.vector_norm(flat, ord=float("-inf"))]
     return torch.stack([p.to(torch.float64) for p in parts])
 
 
@@ -129,16 +130,20 @@ def records(tensors: Sequence[torch.Tensor | None], quicks: Sequence[torch.Tenso
     q = torch.stack([quicks[i] for i in have]).cpu().numpy()
     more: list[tuple[int, int | None, torch.Tensor]] = []  # (row, field or None for all, tensor)
     for k, i in enumerate(have):
-        x, (n, total, sq, lo, hi, nonzero, near_zero) = tensors[i], q[k]
+        x, (n, total, sq, lo, hi, min_abs) = tensors[i], q[k]
         dtype = _DTYPES[x.dtype]
         if not (np.isfinite(total) and np.isfinite(sq) and (n == 0 or (np.isfinite(lo) and np.isfinite(hi)))):
             more.append((i, None, _exact(x, dtype)))
             continue
-        out[i, [F["count"], F["min"], F["max"], F["sum"], F["sum_sq"], F["zeros"], F["underflow"]]] = (
-            n, lo, hi, total, sq, n - nonzero, near_zero - (n - nonzero))
+        out[i, [F["count"], F["min"], F["max"], F["sum"], F["sum_sq"]]] = n, lo, hi, total, sq
+        flat = x.detach().reshape(-1)
+        if n and min_abs < metadata.smallest_normal(dtype):  # zeros or subnormals: count them
+            more.append((i, F["zeros"], n - torch.count_nonzero(flat)))
+            more.append((i, F["underflow"], torch.histc(flat, bins=1, min=-_below_smallest_normal(dtype),
+                                                        max=_below_smallest_normal(dtype))[0]))
         margin = metadata.overflow_margin(dtype)
         if n and max(abs(lo), abs(hi)) > margin:
-            more.append((i, F["overflow"], torch.count_nonzero(x.detach().reshape(-1).abs() > margin)))
+            more.append((i, F["overflow"], torch.count_nonzero(flat.abs() > margin)))
     if more:
         values = torch.cat([t.reshape(-1).to(torch.float64) for _, _, t in more]).cpu().numpy()
         at = 0
@@ -146,7 +151,7 @@ def records(tensors: Sequence[torch.Tensor | None], quicks: Sequence[torch.Tenso
             if field is None:
                 out[i] = values[at:at + metadata.NUM_FIELDS]
                 at += metadata.NUM_FIELDS
-            else:
-                out[i, field] = values[at]
+            else:  # the near-zero count holds the zeros, counted just before it
+                out[i, field] = values[at] - (out[i, F["zeros"]] if field == F["underflow"] else 0)
                 at += 1
     return out
