@@ -38,7 +38,7 @@ from tb_numerics import analysis, event_reader  # noqa: E402
 from tb_numerics.keras import NumericsCallback  # noqa: E402
 
 BATCH, STEPS, BAD_STEP = 8, 12, 7
-FAULTS = ("log0", "div00", "overflow")
+FAULTS = ("log0", "div00", "overflow", "sqrt0")
 
 
 @keras.saving.register_keras_serializable("tbn_tests")
@@ -48,10 +48,14 @@ class Fault(keras.layers.Layer):
     def __init__(self, kind: str, **kwargs):
         super().__init__(**kwargs)
         self.kind = kind
+        if kind == "sqrt0":
+            self.scale = self.add_weight(shape=(), initializer="ones", name="scale")
 
     def call(self, x):
         head, trigger = x[:, :-1], x[:, -1:]
-        if self.kind == "log0":
+        if self.kind == "sqrt0":  # finite forward (sqrt(0) = 0), NaN gradient (inf * 0) where the trigger is 0
+            out = keras.ops.sqrt(keras.ops.square(self.scale * (1.0 - trigger)))  # FAULT_LINE sqrt0
+        elif self.kind == "log0":
             out = keras.ops.log(trigger)  # FAULT_LINE log0
         elif self.kind == "overflow":
             out = keras.ops.exp(100.0 * (1.0 - trigger))  # FAULT_LINE overflow
@@ -81,6 +85,9 @@ def data(kind: str) -> tuple[np.ndarray, np.ndarray]:
     bad = slice(BAD_STEP * BATCH, BAD_STEP * BATCH + 2)
     if kind == "div00":
         y[bad, 1] = 0.0
+    elif kind == "sqrt0":
+        x[:, -1] = 0.0
+        x[bad, -1] = 1.0
     else:
         x[bad, -1] = 0.0
     return x, y
@@ -127,20 +134,27 @@ def run_mixed(policy: str, root: str) -> dict:
 
 
 def jax_debug_oracle(kind: str) -> str:
-    """JAX's own word on the bad batch: the forward pass and the loss run
-    un-jitted under ``jax_debug_nans`` and ``jax_debug_infs``, which raise at
-    the first primitive whose output is NaN or Inf ("invalid value (nan)
-    encountered in div")."""
+    """JAX's own word on the bad batch: the forward pass, the loss and their
+    gradient run un-jitted under ``jax_debug_nans`` and ``jax_debug_infs``,
+    which raise at the first primitive whose output is NaN or Inf ("invalid
+    value (nan) encountered in div")."""
     import jax
 
     m = model(kind)
     x, y = data(kind)
     bad = slice(BAD_STEP * BATCH, (BAD_STEP + 1) * BATCH)
+    ntv = [v.value for v in m.non_trainable_variables]
+    loss_fn = keras.losses.get(m.loss)
+
+    def loss(tv):  # the forward pass and the loss, differentiated: the backward pass too
+        y_pred, _ = m.stateless_call(tv, ntv, x[bad], training=True)
+        return keras.ops.mean(loss_fn(y[bad], y_pred))
+
     jax.config.update("jax_debug_nans", True)
     jax.config.update("jax_debug_infs", True)
     try:
         with jax.disable_jit():
-            m.compute_loss(x=x[bad], y=y[bad], y_pred=m(x[bad], training=True))
+            jax.grad(loss)([v.value for v in m.trainable_variables])
     except FloatingPointError as e:  # Keras may wrap it: "Exception encountered when calling Fault.call()..."
         found = re.search(r"invalid value \((?:nan|inf)\) encountered in \w+", str(e))
         return found.group(0) if found else str(e)
@@ -150,12 +164,35 @@ def jax_debug_oracle(kind: str) -> str:
     return ""
 
 
+def torch_anomaly_oracle(kind: str) -> str:
+    """PyTorch's own word on the bad batch: the step's forward and backward
+    passes under ``torch.autograd.detect_anomaly()``, which raises at the
+    first backward function that returned NaN ("Function 'SqrtBackward0'
+    returned nan values in its 0th output"); "" where it raised nothing (it
+    checks the backward pass only)."""
+    import torch
+
+    m = model(kind)
+    x, y = data(kind)
+    bad = slice(BAD_STEP * BATCH, (BAD_STEP + 1) * BATCH)
+    loss_fn = keras.losses.get(m.loss)
+    try:
+        with torch.autograd.detect_anomaly():
+            keras.ops.mean(loss_fn(torch.as_tensor(y[bad]), m(torch.as_tensor(x[bad]), training=True))).backward()
+    except RuntimeError as e:
+        found = re.search(r"Function '(\w+)' returned nan", str(e))
+        return found.group(1) if found else str(e)
+    return ""
+
+
 def main(out: str, root: str) -> None:
     results = {"backend": keras.backend.backend()}
     for kind in FAULTS:
         results[kind] = run_fault(kind, root)
         if BACKEND == "jax":
             results[kind]["oracle"] = jax_debug_oracle(kind)
+        elif BACKEND == "torch":
+            results[kind]["oracle"] = torch_anomaly_oracle(kind)
     from demo.stories import keras_fit
 
     keras_fit.run(root)

@@ -8,7 +8,8 @@ its primitive is the type (``log``, ``div``, ``dot_general``), its name is
 the Keras name scope it ran in with the primitive (``dense_3/dot_general``),
 its phase comes from the transformations JAX wrote into the name stack
 (``jvp(...)``: forward; ``transpose(jvp(...))``: backward; after the
-gradients: update), its line is the innermost frame of the user's code in
+gradients: update; a ``jvp`` equation that only the backward pass reads, a
+derivative's coefficient such as ``0.5 / sqrt(x)``, is backward), its line is the innermost frame of the user's code in
 the equation's traceback, and its inputs' ranges are those it was given.
 Control flow (``cond``, ``while``, ``scan``) runs as one op. The evaluation
 is pure: nothing of the model's state changes.
@@ -60,11 +61,37 @@ def _clean(component: str) -> str:
     return m.group(1) if m else component
 
 
+def _for_backward(jaxpr: Any) -> set[int]:
+    """Indices of the forward (``jvp``) equations of ``jaxpr`` whose outputs
+    only the backward pass reads: the derivatives' coefficients that JAX's
+    linearization computes beside the forward ops (``0.5 / sqrt(x)`` for a
+    sqrt), which belong to the backward phase."""
+    consumers: dict[Any, list[int]] = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        for v in eqn.invars:
+            if not isinstance(v, core.Literal):
+                consumers.setdefault(v, []).append(i)
+    outputs = {v for v in jaxpr.outvars if not isinstance(v, core.Literal)}
+    backward: set[int] = set()
+    for i in reversed(range(len(jaxpr.eqns))):
+        names = str(jaxpr.eqns[i].source_info.name_stack)
+        if "transpose(" in names:
+            backward.add(i)
+        elif "jvp(" in names:
+            outs = [v for v in jaxpr.eqns[i].outvars if not isinstance(v, core.DropVar)]
+            if outs and not any(v in outputs for v in outs) and all(
+                    c in backward for v in outs for c in consumers.get(v, [])):
+                backward.add(i)
+    return backward
+
+
 class _Evaluator:
     """Evaluates a jaxpr equation by equation, noting where the backward pass begins."""
 
     def __init__(self) -> None:
         self.seen_backward = False
+        self.backward_eqns: set[int] = set()  # of the top-level jaxpr (``_for_backward``)
+        self._forced: str | None = None  # the phase of the top-level equation being stepped into
 
     def run(self, jaxpr: Any, consts: list, args: list, prefix: list[str]) -> list:
         env: dict[Any, Any] = {}
@@ -73,12 +100,15 @@ class _Evaluator:
             env[var] = value
         for var, value in zip(jaxpr.invars, args):
             env[var] = value
-        for eqn in jaxpr.eqns:
+        top = not prefix and self._forced is None
+        for i, eqn in enumerate(jaxpr.eqns):
             invals = [read(v) for v in eqn.invars]
             names = prefix + [c for c in str(eqn.source_info.name_stack).split("/") if c]
+            if top:
+                self._forced = "backward" if i in self.backward_eqns else None
             sub = _sub_jaxpr(eqn)
             if sub is not None:
-                outvals = self.run(sub[0], sub[1], invals, names)
+                outvals = self.run(sub[0], sub[1], invals, names or [""])
             else:
                 outvals = self._bind(eqn, invals, names)
             for var, value in zip(eqn.outvars, outvals):
@@ -98,7 +128,7 @@ class _Evaluator:
         return outvals
 
     def _phase(self, names: list[str]) -> str:
-        if any(c.startswith("transpose(") for c in names):
+        if self._forced == "backward" or any(c.startswith("transpose(") for c in names):
             self.seen_backward = True
             return "backward"
         if any(c.startswith("jvp(") for c in names):
@@ -170,8 +200,10 @@ def replay(train_step: Any, state: Any, data: Any, step: int) -> dict[str, Any]:
     fallback = _source.format_where(_source.user_frame(_source.python_stack()))
     closed = jax.make_jaxpr(train_step)(state, data)
     args = jax.tree_util.tree_leaves((state, data))
+    evaluator = _Evaluator()
+    evaluator.backward_eqns = _for_backward(closed.jaxpr)
     try:
-        _Evaluator().run(closed.jaxpr, list(closed.consts), args, [])
+        evaluator.run(closed.jaxpr, list(closed.consts), args, [])
     except _Found as found:
         op = _op(found, step, fallback)
         if any(i["nan"] or i["posinf"] or i["neginf"] for i in op.inputs):
