@@ -26,7 +26,7 @@ import sys
 BACKEND = os.environ.get("KERAS_BACKEND", "tensorflow")
 
 
-if BACKEND != "tensorflow":
+if __name__ == "__main__" and BACKEND != "tensorflow":
     # As if TensorFlow were not installed: ``import tensorflow`` raises
     # ModuleNotFoundError, ``importlib.util.find_spec`` finds nothing.
     sys.modules["tensorflow"] = None
@@ -134,15 +134,15 @@ def run_mixed(policy: str, root: str) -> dict:
 
 
 def jax_debug_oracle(kind: str) -> str:
-    """JAX's own word on the bad batch: the forward pass, the loss and their
-    gradient run un-jitted under ``jax_debug_nans`` and ``jax_debug_infs``,
+    """JAX's own word on the bad batch: the forward pass and the loss, then
+    their gradient, run un-jitted under ``jax_debug_nans`` and ``jax_debug_infs``,
     which raise at the first primitive whose output is NaN or Inf ("invalid
     value (nan) encountered in div")."""
     import jax
 
     m = model(kind)
-    x, y = data(kind)
-    bad = slice(BAD_STEP * BATCH, (BAD_STEP + 1) * BATCH)
+    x, y = (jax.numpy.asarray(a[BAD_STEP * BATCH:(BAD_STEP + 1) * BATCH]) for a in data(kind))
+    bad = slice(None)
     ntv = [v.value for v in m.non_trainable_variables]
     loss_fn = keras.losses.get(m.loss)
 
@@ -150,11 +150,13 @@ def jax_debug_oracle(kind: str) -> str:
         y_pred, _ = m.stateless_call(tv, ntv, x[bad], training=True)
         return keras.ops.mean(loss_fn(y[bad], y_pred))
 
+    tv = [v.value for v in m.trainable_variables]
     jax.config.update("jax_debug_nans", True)
     jax.config.update("jax_debug_infs", True)
     try:
         with jax.disable_jit():
-            jax.grad(loss)([v.value for v in m.trainable_variables])
+            loss(tv)  # the forward pass first, as the step runs it
+            jax.grad(loss)(tv)
     except FloatingPointError as e:  # Keras may wrap it: "Exception encountered when calling Fault.call()..."
         found = re.search(r"invalid value \((?:nan|inf)\) encountered in \w+", str(e))
         return found.group(0) if found else str(e)
@@ -197,7 +199,7 @@ def main(out: str, root: str) -> None:
 
     keras_fit.run(root)
     results["keras_fit"] = {"report": report(os.path.join(root, keras_fit.NAME))}
-    if BACKEND != "tensorflow":  # TensorFlow's own tests cover these there
+    if __name__ == "__main__" and BACKEND != "tensorflow":  # TensorFlow's own tests cover these there
         results["every_n"] = run_fault("log0", root, every_n_steps=5, stop_on_anomaly=True)
         for policy in ("mixed_float16", "mixed_bfloat16"):
             results[policy] = run_mixed(policy, root)
