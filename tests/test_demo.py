@@ -44,10 +44,11 @@ ANOMALIES = {
     # that tensor (its max |x| jumped 1e3x at step 4).
     "exploding_lr": dict(step=5, tensor="dense_4/output", phase="forward",
                          nan=0, neginf=0, last_healthy_step=3),
-    # model.fit + NumericsCallback at lr 0.1: the gradient norm spikes 178x
-    # at step 5, 1e14x at 7, and the last hidden layer overflows at step 8.
-    "keras_fit": dict(step=8, tensor="dense_3/output", op_type="Dense", phase="forward",
-                      nan=0, posinf=192, neginf=0, size=4096, last_healthy_step=6),
+    # model.fit + NumericsCallback at lr 0.1: the gradient norm spikes 29x
+    # at step 3, and the last hidden layer overflows at step 9 (the same on
+    # JAX and PyTorch: the story draws its initial weights with numpy).
+    "keras_fit": dict(step=9, tensor="dense_3/output", op_type="Dense", phase="forward",
+                      nan=0, posinf=15, neginf=0, size=4096, last_healthy_step=7),
     # The record holding 1e38 is read at step 20; its squared error is +Inf.
     "bad_input": dict(step=20, tensor="loss", phase="forward",
                       nan=0, posinf=1, neginf=0, size=1, last_healthy_step=19),
@@ -122,10 +123,8 @@ def test_exploding_lr_warns_before_the_anomaly(demo):
 def test_keras_fit_warns_before_the_anomaly_and_hints_at_the_learning_rate(demo):
     _, _, runs = demo
     run = runs["keras_fit"]
-    assert run["first_warning"]["step"] == 5 < run["first_anomaly"]["step"]
-    assert (run["first_warning"]["tensor"], run["first_warning"]["kind"]) == ("gradients/mlp/head/kernel", "fast_growth")
-    kinds = {(w["tensor"], w["kind"], w["first_step"]) for w in run["warnings"]}
-    assert ("gradients/global_norm", "gradient_spike", 5) in kinds
+    assert run["first_warning"]["step"] == 3 < run["first_anomaly"]["step"]
+    assert (run["first_warning"]["tensor"], run["first_warning"]["kind"]) == ("gradients/global_norm", "gradient_spike")
     assert "learning rate" in run["first_anomaly"]["hint"]
 
 
