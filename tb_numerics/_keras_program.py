@@ -19,41 +19,20 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Callable, NamedTuple
+from typing import Any, Callable
 
 import keras
 import numpy as np
 import tensorflow as tf
 
 from tb_numerics import _keras_replay, _tf_internal, analysis, metadata, stats
-from tb_numerics._keras_plan import RowPlan, strategy_of
+from tb_numerics._keras_host import AUX_FIELDS, AUX_INDEX, StepValues
+from tb_numerics._keras_plan import RowPlan
 from tb_numerics.records import F
 
-__all__ = ["AUX_FIELDS", "StepProgram", "StepValues", "Trace"]
+__all__ = ["AUX_FIELDS", "StepProgram", "StepValues", "Trace", "strategy_of"]
 
 NUM_FIELDS = metadata.NUM_FIELDS
-# A step's values besides its records, by name: their slots at the head of
-# the step's aux row. With update ratios, the row goes on with
-# ||w_new - w_old||^2 and ||w_old||^2 of each variable.
-AUX_FIELDS = ("call", "step", "loss_scale", "weights_due")
-_AUX = {name: i for i, name in enumerate(AUX_FIELDS)}
-
-
-class StepValues(NamedTuple):
-    """One step's values besides its records, as the host reads them."""
-
-    call: int  # the number of the train_step call that stored them (0, 1, ...)
-    step: int  # the step its records are written at
-    loss_scale: float  # a LossScaleOptimizer's scale (1 without one)
-    weights_due: bool  # whether the weights and update ratios were computed
-    update_norms: np.ndarray  # [variables, 2]: ||w_new - w_old||^2, ||w_old||^2 (empty without update ratios)
-
-    @classmethod
-    def of(cls, aux: np.ndarray) -> "StepValues":
-        """The values of one aux row (``StepProgram``'s layout)."""
-        head = {name: aux[i] for name, i in _AUX.items()}
-        return cls(call=int(head["call"]), step=int(head["step"]), loss_scale=float(head["loss_scale"]),
-                   weights_due=bool(head["weights_due"] > 0), update_norms=aux[len(AUX_FIELDS):].reshape(-1, 2))
 
 
 def _aux_row(norms: tf.Tensor, **values: tf.Tensor) -> tf.Tensor:
@@ -90,6 +69,11 @@ def _state_variable(initial_value: Any) -> tf.Variable:
     return _tf_internal.untracked_variable(initial_value, "tb_numerics_callback")
 
 
+def strategy_of(model: Any) -> tf.distribute.Strategy:
+    """The strategy ``fit`` runs the model's steps under (the default one on one device)."""
+    return getattr(model, "distribute_strategy", None) or tf.distribute.get_strategy()
+
+
 class StepProgram:
     """The step's records and gated update, inside the training step.
 
@@ -122,7 +106,7 @@ class StepProgram:
         nv = len(plan.variables)
         self._stats_var = _state_variable(tf.zeros([self._slots, len(plan.rows), NUM_FIELDS], tf.float64))
         aux0 = np.zeros([self._slots, len(AUX_FIELDS) + (2 * nv if self._update_ratios else 0)])
-        aux0[:, _AUX["call"]] = -1
+        aux0[:, AUX_INDEX["call"]] = -1
         self._aux_var = _state_variable(tf.constant(aux0, tf.float64))
         self._calls = _state_variable(tf.constant(0, tf.int64))
         self._skipped = _state_variable(tf.constant(0, tf.int64))
@@ -140,7 +124,7 @@ class StepProgram:
         one's records ``[rows, NUM_FIELDS]`` and values (copies: the next
         step may overwrite the variables)."""
         stats_np, aux_np = self._stats_var.numpy(), self._aux_var.numpy()
-        order = np.argsort(aux_np[:, _AUX["call"]], kind="stable")
+        order = np.argsort(aux_np[:, AUX_INDEX["call"]], kind="stable")
         values = [(stats_np[slot], StepValues.of(aux_np[slot])) for slot in order]
         return [(s, v) for s, v in values if v.call > last_call]
 
@@ -332,7 +316,7 @@ class StepProgram:
         else:
             # A scatter, not a slice assignment: XLA wants a slice's bounds
             # known when it compiles, and the slot is this call's number.
-            slot = tf.reshape(tf.cast(aux[_AUX["call"]], tf.int64) % self._slots, [1, 1])
+            slot = tf.reshape(tf.cast(aux[AUX_INDEX["call"]], tf.int64) % self._slots, [1, 1])
             self._stats_var.scatter_nd_update(slot, stacked[None])
             self._aux_var.scatter_nd_update(slot, aux[None])
         if per_replica is not None:
