@@ -1,6 +1,39 @@
+"""The tests' shared set-up: the helper modules on the path, and the tiers.
+
+Every test carries exactly one tier marker, ``unit``, ``e2e`` or ``browser``
+(pytest.ini says what each means, tests/README.md how to pick one): a module
+sets it with ``pytestmark``; a module whose tests share one expensive
+fixture across tiers marks each test. Collection stops with the names of the
+tests that carry none or several, so that ``-m unit`` and ``-m "not unit"``
+always split the suite in two.
+"""
+
+from __future__ import annotations
+
 import os
 import sys
+
+import pytest
 
 os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
 # tests/ holds shared helpers (tb_process) imported by the test modules.
 sys.path.insert(0, os.path.dirname(__file__))
+
+TIERS = ("unit", "e2e", "browser")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Refuses a test without exactly one tier marker (checked before ``-m`` selects)."""
+    wrong = []
+    for item in items:
+        tiers = sorted({m.name for m in item.iter_markers() if m.name in TIERS})
+        if len(tiers) != 1:
+            wrong.append("%s: %s" % (item.nodeid, " and ".join(tiers) or "no tier marker"))
+    if wrong:
+        raise pytest.UsageError(
+            "each test needs exactly one tier marker, unit, e2e or browser (see tests/README.md):\n  "
+            + "\n  ".join(wrong[:20])
+            + ("\n  ... and %d more" % (len(wrong) - 20) if len(wrong) > 20 else "")
+        )
+
