@@ -37,3 +37,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             + ("\n  ... and %d more" % (len(wrong) - 20) if len(wrong) > 20 else "")
         )
 
+
+@pytest.fixture(scope="module", params=[True, False], ids=["rust", "python"])
+def served_logdir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """(tensorboard, logdir): one real ``tensorboard`` process per loader (the
+    Rust data server, then the Python loader) for all of a module's tests.
+
+    The logdir starts empty; each test writes its runs under a name of its
+    own and waits for TensorBoard to read them (``tb_process.wait_for``).
+    """
+    import tb_process
+
+    root = tmp_path_factory.mktemp("served") / "logs"
+    root.mkdir()
+    with tb_process.tensorboard(str(root), load_fast=request.param) as tb:
+        yield tb, root
