@@ -18,5 +18,9 @@ if ! command -v chromium >/dev/null 2>&1; then
 fi
 
 export TF_CPP_MIN_LOG_LEVEL=2
+# Two workers (pytest-xdist), each taking a whole module at a time
+# (--dist loadfile), so that a module's fixtures (its tensorboard processes,
+# its trainings) are built once. Arguments go to pytest after these:
+# "-n 0" runs in this process alone.
 # pytest exits 5 when it collects no test: set -e turns that into a failure.
-exec .venv/bin/python -m pytest -q "$@"
+exec .venv/bin/python -m pytest -q -n 2 --dist loadfile "$@"
