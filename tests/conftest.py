@@ -24,7 +24,15 @@ TIERS = ("unit", "e2e", "browser")
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Refuses a test without exactly one tier marker (checked before ``-m`` selects)."""
+    """Refuses a test without exactly one tier marker (checked before ``-m``
+    selects), and puts the modules that hold slow tests first.
+
+    Slow first: on two workers (scripts/test.sh) the longest modules start
+    at once rather than run alone at the end while the other worker idles.
+    A module's tests stay together and in order, so its fixtures are built once.
+    """
+    slow = {_module(item) for item in items if item.get_closest_marker("slow")}
+    items.sort(key=lambda item: _module(item) not in slow)
     wrong = []
     for item in items:
         tiers = sorted({m.name for m in item.iter_markers() if m.name in TIERS})
@@ -36,6 +44,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             + "\n  ".join(wrong[:20])
             + ("\n  ... and %d more" % (len(wrong) - 20) if len(wrong) > 20 else "")
         )
+
+
+def _module(item: pytest.Item) -> str:
+    return item.nodeid.split("::")[0]
 
 
 @pytest.fixture(scope="module", params=[True, False], ids=["rust", "python"])
