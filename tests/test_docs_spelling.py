@@ -15,7 +15,7 @@ import tb_numerics
 
 from tb_numerics import event_reader
 
-pytestmark = pytest.mark.e2e
+pytestmark = pytest.mark.unit
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", ROOT / "tb_numerics" / "http_api.md"]
