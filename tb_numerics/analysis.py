@@ -296,16 +296,19 @@ def _warning_masks(series: TensorSeries, v: np.ndarray, d: dict[str, np.ndarray]
     norm = v[:, F["max"]]
     if is_norm and sr.grad_norm_limit is not None:
         yield "exploding_gradient", norm > sr.grad_norm_limit
+    finite = records.nonfinite_count(v) == 0
     if is_norm:
         med = _rolling_median_before(norm, sr.spike_window)
-        yield "gradient_spike", (med > 0) & (norm > sr.spike_factor * med)
+        spike = (med > 0) & (norm > sr.spike_factor * med)
+        yield "gradient_spike", spike & ~detectors.transient(spike, norm, med, finite)
     yield "square_overflow", detectors.square_overflow(series, d)
-    yield "fast_growth", _jump_flags(max_abs, sr)
+    jump = _jump_flags(max_abs, sr)
+    yield "fast_growth", jump & ~detectors.transient(jump, max_abs, np.r_[np.nan, max_abs[:-1]], finite)
     if series.info.role != "input":  # data's range drifting over steps is no divergence of training
         yield "headroom", detectors.headroom(series, d, sr.growth_window, sr.headroom_steps, sr.growth_floor)
         yield "growth", growth_flags(max_abs, sr)
     if is_norm:
-        yield "vanishing_gradient", norm < sr.vanishing_floor
+        yield "vanishing_gradient", detectors.vanishing(norm, sr.vanishing_floor)
     nonzero = d["finite"] - v[:, F["zeros"]]
     share = np.where(nonzero > 0, v[:, F["underflow"]] / np.maximum(nonzero, 1), 0.0)
     yield "underflow", (v[:, F["underflow"]] > 0) & (share >= sr.underflow_share)
@@ -333,6 +336,28 @@ def series_health(series: TensorSeries, sr: SafeRange) -> SeriesHealth:
     codes[kinds > 0] = WARNING
     codes[records.nonfinite_count(v, neginf_intended(series.tag, series.info, sr)) > 0] = NONFINITE
     return SeriesHealth(series, codes, kinds)
+
+
+def _confirm_by_run(health: list[SeriesHealth], sr: SafeRange) -> None:
+    """Keeps the dead-units and update-ratio warnings that other series confirm:
+    dead units where the layer's bias gradient says its units are dead, large
+    updates where they span the layers or last (``detectors``)."""
+    dead, ratio = _KIND_CODE["dead_units"], _KIND_CODE["update_ratio"]
+    grads = [h.series for h in health if h.series.info.role == "gradient"]
+    for h in health:
+        if (h.kinds == dead).any():
+            keep = detectors.dead_units_by_gradient(h.series, h.kinds == dead, grads, sr.dead_share, sr.sustain)
+            _clear(h, (h.kinds == dead) & ~keep)
+    ratios = [h for h in health if h.series.tag.startswith("update_ratio/")]
+    kept = detectors.update_ratio_kept([h.series for h in ratios], [h.kinds == ratio for h in ratios])
+    for h, keep in zip(ratios, kept):
+        _clear(h, (h.kinds == ratio) & ~keep)
+
+
+def _clear(h: SeriesHealth, mask: np.ndarray) -> None:
+    """Takes back the warnings of ``mask`` (the record is healthy unless non-finite)."""
+    h.kinds[mask] = 0
+    h.codes[mask & (h.codes == WARNING)] = HEALTHY
 
 
 def _mark_by_depth(health: list[SeriesHealth], sr: SafeRange) -> None:
@@ -463,6 +488,7 @@ def analyze_run(
     marks = [_op_mark(s) for s in series if s.tag == metadata.OP_MARK_TAG]
     ordered = sorted((s for s in series if s.tag not in metadata.VERDICT_TAGS), key=lambda s: s.sort_key)
     health = [series_health(s, sr) for s in ordered]
+    _confirm_by_run(health, sr)
     _mark_by_depth(health, sr)
     _mark_skipped_steps(health)
     return RunAnalysis(run, health, sr, list(problems), [r for r in replays if r is not None],
