@@ -25,7 +25,7 @@ from typing import Any, Iterable, Mapping, Sequence
 
 import numpy as np
 
-from tb_numerics import detectors, hints, metadata
+from tb_numerics import detectors, evidence, hints, metadata
 from tb_numerics.hints import number, percent
 from tb_numerics import records
 from tb_numerics.records import F, TensorSeries, derived
@@ -848,8 +848,14 @@ def _evidence(ra: RunAnalysis, cell, cause: dict[str, Any] | None, op: dict[str,
         before.setdefault(WARNING_KINDS[h.kinds[j] - 1], _warning_json(ra, (int(h.series.steps[j]), row, int(j))))
     if cause is not None:
         before[cause["kind"]] = cause
+    every = [g.series for g in ra.health]
     return hints.Evidence(h.series.tag, h.series.info, step, before, _loss_input(ra, row, step), op,
-                          negative_loss=_negative_loss(ra, step), batch=_batch_fault(ra, cell, cause))
+                          negative_loss=_negative_loss(ra, step), batch=_batch_fault(ra, cell, cause),
+                          unscaled=evidence.unscaled(every, step), amplified=evidence.amplified(every, step),
+                          saturating=evidence.saturating(every, step),
+                          large_update=evidence.large_update(every, step, ra.safe_range.update_ratio_max),
+                          op_output=evidence.op_output(every, op, step), zero_labels=evidence.zero_labels(every, step),
+                          unbounded=evidence.unbounded(every, step))
 
 
 def _negative_loss(ra: RunAnalysis, step: int) -> hints.NegativeLoss | None:
