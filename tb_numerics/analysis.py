@@ -889,7 +889,8 @@ def _batch_fault(ra: RunAnalysis, cell, cause: dict[str, Any] | None) -> hints.B
         return None
     where = next((t for b in ra.batches if b["step"] == at for t in b["tensors"]
                   if isinstance(t, dict) and t.get("tensor") == tag), None)
-    return hints.BatchFault(tag, at, what, nonfinite=h.series.info.role == "input", where=where)
+    return hints.BatchFault(tag, at, what, nonfinite=h.series.info.role == "input", where=where,
+                            kind="" if h.series.info.role == "input" else cause["kind"])
 
 
 def _loss_input(ra: RunAnalysis, row: int, step: int) -> hints.LossInput | None:

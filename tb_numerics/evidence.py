@@ -76,6 +76,7 @@ class Saturating:
     tag: str
     step: int
     max_abs: float
+    loss_function: str = ""  # the loss's function name, "" where unknown
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,9 +104,12 @@ def _inputs(series: Sequence[TensorSeries]) -> list[TensorSeries]:
 
 
 def unscaled(series: Sequence[TensorSeries], step: int) -> Unscaled | None:
-    """The input (or target) whose root mean square was at least ``UNSCALED_RMS``
-    at every batch up to ``step`` (at least one): data in raw units, not an outlier."""
+    """The input whose root mean square was at least ``UNSCALED_RMS`` at every
+    batch up to ``step`` (at least one): data in raw units, not an outlier.
+    Targets are left out: a regression's targets in their own units are usual."""
     for s in _inputs(series):
+        if not s.tag.startswith("input"):
+            continue
         at = s.steps <= step
         if not at.any():
             continue
@@ -164,7 +168,7 @@ def saturating(series: Sequence[TensorSeries], step: int) -> Saturating | None:
         j = np.flatnonzero(layer[out].steps == step)
         mx = derived(layer[out].values[j].astype(np.float64))["max_abs"] if len(j) else np.zeros(0)
         if mx.size and np.nanmax(mx) >= SATURATES_AT:
-            return Saturating(layer[out].tag, step, float(np.nanmax(mx)))
+            return Saturating(layer[out].tag, step, float(np.nanmax(mx)), loss.info.activation)
         return None
     return None
 

@@ -99,6 +99,8 @@ _LOG_PARAMETER = re.compile(r"log_?(var|variance|sigma|std|scale)(?![A-Za-z])", 
 
 # Loss functions that take the log of (or divide by the sum of) their input.
 _LOG_LOSS = re.compile(r"crossentropy|cross_entropy|kl_?div|kld|poisson|nll|log_?loss", re.I)
+# Keras' loss functions known to take no log of a probability.
+_NO_LOG_LOSS = re.compile(r"squared|absolute|\bms[el]e?\b|\bmae\b|mape|huber|hinge|cosine|log_?cosh", re.I)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,6 +149,9 @@ class BatchFault:
     # (untrusted JSON): {"examples", "bad_examples", "first_bad_example",
     # "features", "bad_features", "by_feature": [{"feature", "nan", ...}]}.
     where: dict[str, Any] | None = None
+    # The finite batch's warning kind: "overflow_risk" where it was beyond the
+    # safe range itself (a record holding 1e38), "fast_growth" for an outlier.
+    kind: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -281,8 +286,8 @@ def _by_unbounded(ev: Evidence) -> str:
     if u is None:
         return ""
     return (
-        "%s fell from %s at step %d to %s at step %d, below 0 and on: it has no lower bound, so "
-        "training lowers it by growing the values until they overflow; the loss rewards growth. Check its terms "
+        "%s fell from %s at step %d to %s at step %d, below 0 and on: it has no lower bound, and the values "
+        "grew to lower it until they overflowed; the loss rewards growth. Check its terms "
         "and their signs: a penalty or regulariser subtracted instead of added, targets outside a "
         "cross-entropy's domain, a likelihood without its normaliser. The learning rate only sets how fast."
         % ("The loss" if u.tag == "loss" else "The loss %s" % u.tag, number(u.first), u.first_step, number(u.last),
@@ -316,8 +321,8 @@ def _by_amplified(ev: Evidence) -> str:
 
 def _by_saturating(ev: Evidence) -> str:
     sat = ev.saturating
-    if sat is None:
-        return ""
+    if sat is None or _NO_LOG_LOSS.search(sat.loss_function):
+        return ""  # a loss known to take no log (a squared error) meets no log(0)
     exp = (" Beyond 88, exp(x) overflows too: if the loss takes exp of it, bound it or use a stable form."
            if sat.max_abs >= 88.7 else "")
     return (
@@ -352,10 +357,14 @@ def _by_outlier(ev: Evidence) -> str:
             a.input_factor), ""
     else:
         return ""
+    return _finite_batch(at, what, detail, where)
+
+
+def _finite_batch(step: int, what: str, detail: str, where: str) -> str:
     return (
         "The batch at step %d was already far out of range in %s, before the first non-finite value: %s%s. "
         "A corrupt or unscaled record, finite but large enough for a layer or the loss to overflow: validate "
-        "or clip the inputs in the data pipeline (a range check, normalisation)." % (at, what, detail, where))
+        "or clip the inputs in the data pipeline (a range check, normalisation)." % (step, what, detail, where))
 
 
 def _inputs_evidence(op: dict[str, Any] | None) -> str:
@@ -378,8 +387,10 @@ def _by_batch(ev: Evidence) -> str:
         return ""
     what = "the targets (%s)" % b.tag if b.tag.startswith("target") else b.tag
     where = _batch_where(b.where)
-    if not b.nonfinite:
+    if not b.nonfinite and b.kind != "overflow_risk":
         return ""  # a finite outlier: the op or the output may say how it failed (``_by_outlier``)
+    if not b.nonfinite:
+        return _finite_batch(b.step, what, b.what, where)
     effect = _BATCH_EFFECT.get(b.tag.split("/")[0], _BATCH_EFFECT["input"])
     return (
         "The batch at step %d held %s in %s%s: it arrived so from the data pipeline, before any layer "
