@@ -131,10 +131,6 @@ def make_loss(task: str, fault: str | None, decay: Callable[[], tf.Tensor] | Non
     plus ``decay()`` (a weight penalty) where one is given."""
 
     def zoo_loss(y: tf.Tensor, out: tf.Tensor) -> tf.Tensor:
-        data = _data_loss(y, out)
-        return data if decay is None else data + decay()
-
-    def _data_loss(y: tf.Tensor, out: tf.Tensor) -> tf.Tensor:
         out = tf.cast(out, tf.float32)
         target, w = y[:, :-1], y[:, -1]
         if task == "cls" and fault == "log_softmax":
@@ -144,7 +140,8 @@ def make_loss(task: str, fault: str | None, decay: Callable[[], tf.Tensor] | Non
         else:
             rate = tf.exp(out) if fault == "exp_out" else tf.nn.softplus(out)
             per = tf.reduce_sum(rate - target * tf.math.log(rate + 1e-6), axis=-1)
-        return masked_mean(per, w, fault)
+        loss = masked_mean(per, w, fault)
+        return loss if decay is None else loss + decay()
 
     return zoo_loss
 
