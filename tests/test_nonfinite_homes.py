@@ -40,6 +40,8 @@ ALLOWED = {
     "_stats_replicas.py:combine_stats": "NaN in min/max marks 'no finite value' in a record, not a count",
     # The reading side (issue 29's rules core owns these modules and their rules).
     "detectors.py": "reading side: finite values of a per-step series (norms, max |x|), not a record's counts",
+    "evidence.py": "reading side: finite values of a per-step series (a factor over its history, a mean), "
+                   "not a record's counts",
     "rules/kinds.py:rolling_median_before": "a per-step series' finite values (the spike rule's median), not counts",
     "rules/kinds.py:_spike_detail": "how many finite norms the spike's median used, for its words",
     "rules/numbers.py:number": "a number's text ('NaN', '+Inf'), not a count",
