@@ -34,8 +34,7 @@ if __name__ == "__main__" and BACKEND != "tensorflow":
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
-from tb_numerics import analysis, event_reader  # noqa: E402
-from tb_numerics.rules import numbers  # noqa: E402
+from tb_numerics import analysis, event_reader, rules  # noqa: E402
 from tb_numerics.keras import NumericsCallback  # noqa: E402
 
 BATCH, STEPS, BAD_STEP = 8, 12, 7
@@ -113,7 +112,7 @@ def report(logdir: str) -> dict:
     first = analysis.first_anomaly(ra)
     tags = {h.series.tag: sorted({int(s) for s in h.series.steps}) for h in ra.health}
     infos = {h.series.tag: h.series.info.to_json() for h in ra.health}
-    return {"first_anomaly": json.loads(numbers.dumps(first)), "steps": tags, "infos": infos, "problems": rr.problems}
+    return {"first_anomaly": json.loads(rules.dumps(first)), "steps": tags, "infos": infos, "problems": rr.problems}
 
 
 def run_fault(kind: str, root: str, **callback_args) -> dict:

@@ -1,7 +1,7 @@
 """The user's source line of an op on JAX and PyTorch: the innermost frame of the user's own code.
 
 Frames of tb-numerics, Keras, JAX, PyTorch, numpy and the standard library
-are never "the user's line" (as ``_op_source`` does for TensorFlow, without
+are never "the user's line" (as ``oplevel.source`` does for TensorFlow, without
 importing it). A built-in Keras layer has no user frame of its own inside
 the step; its line is then the one that started training (``model.fit``),
 as on TensorFlow.

@@ -29,7 +29,7 @@ import numpy as np
 from jax.extend import core
 
 from tb_numerics import metadata, records
-from tb_numerics._op_record import OpRecord
+from tb_numerics.oplevel.record import OpRecord
 from tb_numerics.backends import _source
 
 __all__ = ["replay"]

@@ -31,7 +31,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tb_numerics import records
-from tb_numerics._op_record import OpRecord
+from tb_numerics.oplevel.record import OpRecord
 from tb_numerics.backends import _source, torch_stats
 
 __all__ = ["StepReplay"]
