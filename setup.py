@@ -51,6 +51,10 @@ setup(
             "playwright>=1.40",
             # Builds the wheel that the packaging test installs.
             "build>=1",
+            # scripts/test.sh runs the suite on two workers, a module per
+            # worker at a time: most tests keep one core busy (tracing,
+            # a tensorboard process, a subprocess), so two halve the wall time.
+            "pytest-xdist>=3",
         ],
     },
     entry_points={

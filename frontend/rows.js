@@ -9,6 +9,8 @@
 // whose scope names no layer (a loss's ops, an optimizer's) under the next
 // layer row of their phase after the op before them.
 
+import * as rules from "./rules.js";
+
 const OP_PREFIX = "ops/";
 const GRADIENT_SCOPE = "gradient_tape/";
 
@@ -16,7 +18,7 @@ const GRADIENT_SCOPE = "gradient_tape/";
 function layerScope(row) {
   const parts = row.tensor.split("/");
   if (parts.length < 2) return null;
-  const body = ["gradients", "update_ratio", "update"].includes(parts[0]) ? parts.slice(1) : parts;
+  const body = rules.scopedTagHeads().includes(parts[0]) ? parts.slice(1) : parts;
   return body.length > 1 ? body.slice(0, -1).join("/") : body.join("/");
 }
 

@@ -24,5 +24,10 @@ if ! command -v chromium >/dev/null 2>&1; then
 fi
 
 export TF_CPP_MIN_LOG_LEVEL=2
+# Two workers (pytest-xdist), each taking a whole module at a time
+# (--dist loadfile), so that a module's fixtures (its tensorboard processes,
+# its trainings) are built once; in the order tests/conftest.py gives them
+# (slow modules first), not xdist's most-tests-first. Arguments go to pytest
+# after these: "-n 0" runs in this process alone.
 # pytest exits 5 when it collects no test: set -e turns that into a failure.
-exec .venv/bin/python -m pytest -q "$@"
+exec .venv/bin/python -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder "$@"

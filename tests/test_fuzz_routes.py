@@ -28,7 +28,7 @@ from tb_numerics import analysis, compare, metadata, plugin
 from tb_numerics.record_writer import NumericsRecordWriter
 from tb_numerics.records import numpy_stats
 
-pytestmark = pytest.mark.e2e
+pytestmark = pytest.mark.unit
 
 P = "/data/plugin/numerics"
 API_ROUTES = ("runs", "summary", "timeline", "series", "safe_range", "compare")

@@ -26,7 +26,8 @@ from tb_numerics.records import numpy_stats
 import chromium
 from tb_process import tensorboard, wait_for
 
-pytestmark = pytest.mark.e2e
+# The module's TensorBoard processes serve the e2e tests and the browser test:
+# each test carries its own tier.
 
 XSS_IMG = "<img src=x onerror=alert(1)>"
 XSS_SCRIPT = "<script>alert(2)</script>"
@@ -88,6 +89,7 @@ def run_cli(*args: str) -> tuple[int, bytes, bytes]:
     return p.returncode, p.stdout, p.stderr
 
 
+@pytest.mark.e2e
 def test_cli_table_escapes_every_name(logdir: str) -> None:
     code, out, err = run_cli("report", logdir)
     assert code == 1, err
@@ -101,6 +103,7 @@ def test_cli_table_escapes_every_name(logdir: str) -> None:
     assert "run %s\n" % XSS_SCRIPT in text and "run %s\n" % XSS_IMG in text
 
 
+@pytest.mark.e2e
 def test_cli_json_keeps_every_name_exactly(logdir: str) -> None:
     code, out, _ = run_cli("report", logdir, "--json")
     assert code == 1
@@ -130,6 +133,7 @@ def _q(name: str) -> str:
     return urllib.parse.quote(name.encode("utf-8", "surrogateescape"), safe="")
 
 
+@pytest.mark.e2e
 def test_tensorboard_serves_every_name_as_data(served) -> None:
     tb, load_fast = served
     runs = [r["run"] for r in tb.get_json("/data/plugin/numerics/runs")["runs"]]

@@ -17,7 +17,7 @@ import tensorflow as tf
 from op_records import line_of, marks
 from tb_numerics import cli, oplevel, records
 
-pytestmark = pytest.mark.e2e
+pytestmark = pytest.mark.unit
 
 
 
