@@ -186,7 +186,8 @@ class NumericsCallbackBase(keras.callbacks.Callback):
         self.every_n_steps = _positive_int("every_n_steps", every_n_steps)
         if weights_every_n_steps is None:
             weights_every_n_steps = 10 * every_n_steps
-        if _positive_int("weights_every_n_steps", weights_every_n_steps) % every_n_steps:
+        w = weights_every_n_steps
+        if isinstance(w, bool) or not isinstance(w, int) or w < 1 or w % every_n_steps:
             raise ValueError("weights_every_n_steps must be a positive multiple of every_n_steps (%d), got %r"
                              % (every_n_steps, weights_every_n_steps))
         self.log_dir = log_dir
