@@ -156,13 +156,13 @@ class _Flat:
         inf = jnp.asarray(jnp.inf, self.acc)
         total, total_sq = jnp.sum(xa), jnp.sum(xa * xa)
         lo, hi = jnp.min(xa, initial=inf), jnp.max(xa, initial=-inf)
-        absx = jnp.abs(xa)
-        # 1 for a normal value, 0 for a zero (or, flushed, a subnormal): no compare in the loop.
-        normal = _count_ones(jnp.floor(jnp.minimum(absx * jnp.asarray(1 / self.tiny, self.acc), 1)))
+        # 1 for a nonzero value, 0 for a zero (or, flushed, a subnormal): no compare in the loop.
+        nonzero = _count_ones(jnp.abs(jnp.sign(xa)))
         if self.flush:
-            zeros, underflow = n - normal, zero
+            zeros, underflow = n - nonzero, zero
         else:
-            nonzero = _count_ones(jnp.abs(jnp.sign(xa)))
+            # 1 for a normal value, 0 for a zero or a subnormal.
+            normal = _count_ones(jnp.floor(jnp.minimum(jnp.abs(xa) * jnp.asarray(1 / self.tiny, self.acc), 1)))
             zeros, underflow = n - nonzero, nonzero - normal
         lo, hi = self.extremes(lo, hi, jnp.asarray(xa.size == 0))
         biggest = jnp.nan_to_num(jnp.maximum(jnp.abs(lo), jnp.abs(hi)))
