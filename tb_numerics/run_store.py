@@ -65,6 +65,11 @@ class Limits:
     records_per_read: int = 200_000
     # Analyses kept per run (one per distinct set of safe-range parameters).
     analyses_per_run: int = 8
+    # A run of more records than this is held compact (``compact``): what
+    # the rules read of each record, the rest read back on demand.
+    compact_above_records: int = 500_000
+    # Analyses kept per compact run (each holds 2 bytes a record).
+    analyses_per_compact_run: int = 2
     # A run whose background refresh failed is tried again after this long.
     retry_after_failure_s: float = 30.0
     # The refresher's period while TensorBoard is loading a run that changed.
@@ -241,7 +246,7 @@ class RunStore:
         run_problems: Callable[[str], list[str]] | None = None,
     ):
         self._provider = data_provider
-        self._reader = ProviderReader(data_provider, limits.records_per_read)
+        self._reader = ProviderReader(data_provider, limits.records_per_read, limits.compact_above_records)
         self._sample_limit = sample_limit or None
         self._run_problems = run_problems
         self._limits = limits
