@@ -12,7 +12,7 @@ holds, for each record of a tensor logged in packed blocks:
   which every mask answers as on the real ones (the rules core's masks read
   nothing else of such a tensor; ``tests/test_compact.py`` checks each kind);
 - chart aggregates of each ``CHUNK`` records (min of mins, max of maxes,
-  sums of counts, sums of the finite means, stds and L2 norms): 2.7 bytes a
+  sums of counts, sums of the finite means, stds and L2 norms): 2.5 bytes a
   record, exact for any chart point made of whole chunks;
 - where each record came from (its packed block): a record's full
   statistics (``record``), a range of them (``records``) and, where
@@ -299,10 +299,12 @@ def _compact_values(block: str, tensors: Sequence[tuple[str, metadata.TensorInfo
     flags = np.zeros(t * n, np.uint8)
     for k, bit in (("nan", _NAN), ("posinf", _POSINF), ("neginf", _NEGINF), ("overflow", _OVERFLOW)):
         flags |= np.where(v64[:, F[k]] > 0, bit, 0).astype(np.uint8)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        nonzero = d["finite"] - v64[:, F["zeros"]]
-        share = np.where(nonzero > 0, v64[:, F["underflow"]] / np.maximum(nonzero, 1), 0.0).reshape(t, n)
     under = (v64[:, F["underflow"]] > 0).reshape(t, n).any(axis=1)
+    share = None
+    if under.any():  # the share of nonzero values below the smallest normal, as the underflow rule reads it
+        with np.errstate(invalid="ignore", divide="ignore"):
+            nonzero = d["finite"] - v64[:, F["zeros"]]
+            share = np.where(nonzero > 0, v64[:, F["underflow"]] / np.maximum(nonzero, 1), 0.0).reshape(t, n)
     max_abs = d["max_abs"].astype(values.dtype).reshape(t, n)
     chunks = ChunkStats.of_each(values, d)
     flags = flags.reshape(t, n)

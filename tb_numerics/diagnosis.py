@@ -281,7 +281,15 @@ def warnings_by_tensor(ra: RunAnalysis) -> list[dict[str, Any]]:
 
 
 def run_summary(ra: RunAnalysis) -> dict[str, Any]:
-    """The per-run summary shared by the CLI's JSON and the HTTP API."""
+    """The per-run summary shared by the CLI's JSON and the HTTP API
+    (computed once per analysis: a long run's takes a second; a new dict
+    each call, for the caller to add to)."""
+    if "summary" not in ra.memo:
+        ra.memo["summary"] = _run_summary(ra)
+    return dict(ra.memo["summary"])
+
+
+def _run_summary(ra: RunAnalysis) -> dict[str, Any]:
     steps = ra.steps
     return {
         "run": ra.run,

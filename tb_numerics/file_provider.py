@@ -9,11 +9,12 @@ has TensorBoard keep only a sample of its records (``plugin.NumericsLoader``)
 and reads them itself, from the event files, through this provider:
 
 - ``index_round`` reads what was appended to the logdir's event files since
-  its last round (a background thread runs it every reload interval, and at
-  once again while there is more to read, as TensorBoard's own loader
-  does) and keeps, per run and numerics tag, the tag's metadata and where
-  each of its events lies (file and byte offset): about 40 bytes an event,
-  whatever it holds;
+  its last round and keeps, per run and numerics tag, the tag's metadata
+  and where each of its events lies (file and byte offset): about 40 bytes
+  an event, whatever it holds. ``list_plugins`` and ``list_tensors`` run a
+  round first (the run store lists every reload interval, and every 0.5 s
+  while a run is loading), publishing what it indexed as it goes, so that
+  a long run grows in the listings while it is read, as with TensorBoard;
 - ``list_plugins``, ``list_tensors`` and ``read_tensors`` answer as
   TensorBoard's data provider does, from that index; ``read_tensors`` reads
   the tags' events again from the files, each checked against its checksum.
@@ -30,8 +31,6 @@ import dataclasses
 import logging
 import os
 import threading
-import time
-import weakref
 from typing import Any, Iterable
 
 from google.protobuf.message import DecodeError
@@ -78,29 +77,33 @@ class FileProvider:
 
     Args:
       logdir: the local logdir TensorBoard serves.
-      reload_interval: seconds between index rounds once nothing new was found.
-      background: start the indexing thread. False: the caller runs
-        ``index_round`` (tests, tools).
+      on_listing: index what was appended before each listing. False: the
+        caller runs ``index_round`` (tests, tools).
     """
 
-    def __init__(self, logdir: str, *, reload_interval: float = 5.0, background: bool = True):
+    def __init__(self, logdir: str, *, on_listing: bool = True):
         self._logdir = logdir
-        self._reload_interval = max(0.5, float(reload_interval or 0))
+        self._on_listing = on_listing
         self._lock = threading.Lock()  # guards _runs and every index in it
+        self._rounds = threading.Lock()  # one round at a time; a listing waits for the one under way
         self._runs: dict[str, _RunIndex] = {}
-        self.wake = threading.Event()
-        if background:
-            _IndexThread(self).start()
+        self._warned = False
 
     # ---------------------------------------------------------- indexing
 
     def index_round(self) -> bool:
         """Indexes what was appended to the logdir's event files since the
         last round; returns whether anything new was found."""
+        with self._rounds:
+            return self._round()
+
+    def _round(self) -> bool:
         try:
-            found = event_files.find_runs(self._logdir)
+            found = {_run_name(run): paths for run, paths in event_files.find_runs(self._logdir).items()}
         except (event_files.LogdirError, OSError) as e:
-            logger.warning("numerics: cannot list %s: %s", self._logdir, e)
+            if not self._warned:  # a logdir not made yet: said once
+                logger.warning("numerics: cannot list %s: %s", self._logdir, e)
+                self._warned = True
             return False
         with self._lock:
             for run in [r for r in self._runs if r not in found]:
@@ -151,8 +154,8 @@ class FileProvider:
                 self._publish(held, path, inode, pending, end)
                 pending = []
         self._publish(held, path, inode, pending, end)
-        with self._lock:
-            held.problems.extend(problems)
+        with self._lock:  # a file's damage found again next round is said once
+            held.problems.extend(p for p in problems if p not in held.problems)
         return grew
 
     def _publish(self, held: _RunIndex, path: str, inode: int, pending: list, end: int) -> None:
@@ -173,12 +176,16 @@ class FileProvider:
             return list(held.problems) if held is not None else []
 
     def list_plugins(self, ctx=None, *, experiment_id) -> list[str]:
+        if self._on_listing:
+            self.index_round()
         with self._lock:
             return [metadata.PLUGIN_NAME] if any(r.tags for r in self._runs.values()) else []
 
     def list_tensors(self, ctx=None, *, experiment_id, plugin_name, run_tag_filter=None) -> dict:
         if plugin_name != metadata.PLUGIN_NAME:
             return {}
+        if self._on_listing:
+            self.index_round()
         out = {}
         with self._lock:
             for run in _wanted_runs(self._runs, run_tag_filter):
@@ -209,6 +216,13 @@ class FileProvider:
                 for run in _wanted_runs(self._runs, run_tag_filter)
             }
         return {run: {tag: _read_tag(tag, *where) for tag, where in tags.items()} for run, tags in wanted.items()}
+
+
+def _run_name(run: str) -> str:
+    """A run's name as TensorBoard's Rust data server gives it: its
+    directory decoded as UTF-8, bytes that are not replaced by U+FFFD (a
+    name a browser can send back; the CLI shows those bytes escaped)."""
+    return run.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
 def _file_state(path: str) -> tuple[int, int] | None:
@@ -293,31 +307,3 @@ def _wanted_runs(runs: dict[str, _RunIndex], rtf: provider.RunTagFilter | None) 
 
 def _tag_wanted(tag: str, rtf: provider.RunTagFilter | None) -> bool:
     return rtf is None or rtf.tags is None or tag in rtf.tags
-
-
-class _IndexThread(threading.Thread):
-    """Runs ``index_round`` every reload interval, and at once again while
-    a round finds more (a logdir being loaded). Holds the provider weakly."""
-
-    def __init__(self, owner: FileProvider):
-        super().__init__(name="numerics-file-index", daemon=True)
-        self._owner = weakref.ref(owner)
-        self._wake = owner.wake
-
-    def run(self) -> None:
-        while True:
-            owner = self._owner()
-            if owner is None:
-                return
-            self._wake.clear()
-            try:
-                grew = owner.index_round()
-            except Exception:  # noqa: BLE001 - the index must outlive any failure
-                logger.exception("numerics: indexing the logdir failed")
-                grew = False
-            period = 0.0 if grew else owner._reload_interval
-            del owner
-            if period:
-                self._wake.wait(period)
-            else:
-                time.sleep(0)

@@ -167,7 +167,7 @@ class NumericsPlugin(base_plugin.TBPlugin):
         if logdir is not None:
             # The records come from the files: none is lost to TensorBoard's
             # sampling, and none depends on its data server staying up.
-            self._data_provider: Any = file_provider.FileProvider(logdir, reload_interval=reload_interval)
+            self._data_provider: Any = file_provider.FileProvider(logdir)
             sample_limit = None
         else:
             self._data_provider = _failover(context)

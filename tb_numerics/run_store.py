@@ -461,7 +461,8 @@ class RunStore:
         try:
             snapshot = self._refresh(ctx, experiment, run, cache, listing, work.done)
             for safe_range in dict.fromkeys([analysis.SafeRange(), *work.recent]):
-                snapshot.analysis(run, safe_range, self._extra_problems(run))
+                # The summary too: the first thing the tab asks for.
+                analysis.run_summary(snapshot.analysis(run, safe_range, self._extra_problems(run)))
         except Exception:  # noqa: BLE001 - one bad run must not stop the others
             logger.exception("numerics: background refresh of run %r failed", run)
 

@@ -40,6 +40,9 @@ CHUNK_BYTES = 4 << 20
 # read again only where its checksum holds: a damaged 1 GiB record once
 # took 2.6 GB to check. (A packed event of 10,000 tensors is about 30 MB.)
 LARGE_RECORD_BYTES = 64 << 20
+# An incomplete record claiming more than this is damage, not a record
+# still being written (a packed event of 10,000 tensors is about 30 MB).
+LIVE_RECORD_BYTES = 1 << 30
 # How much of a damaged large record is kept, to name its tags.
 _NAME_BYTES = 64 << 10
 
@@ -280,7 +283,8 @@ def scan_records(
       start: where a record begins (0, or the end of one read before):
         reading a growing file again, only what was appended is read.
       live: an incomplete last record is one still being written: reading
-        stops before it without a problem (read it next time from there).
+        stops before it without a problem (read it next time from there),
+        unless its header claims more than ``LIVE_RECORD_BYTES``.
       make_reader: how a record's checksums are checked.
     """
     name = os.path.basename(path)
@@ -309,7 +313,7 @@ def scan_records(
             (length,) = struct.unpack_from("<Q", header)
             end = offset + _HEADER + length + _FOOTER
             if end > size:
-                if not (live and _header_ok(header)):
+                if not (live and _header_ok(header) and length <= LIVE_RECORD_BYTES):
                     problems.append(cut("truncated" if _header_ok(header) else _bad_header(count + start)))
                 return
             if length > LARGE_RECORD_BYTES and _header_ok(header):

@@ -35,7 +35,7 @@ def logdir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def store(logdir) -> run_store.RunStore:
-    files = file_provider.FileProvider(logdir, background=False)
+    files = file_provider.FileProvider(logdir, on_listing=False)
     files.index_round()
     return run_store.RunStore(files, reload_interval=0, background=False, limits=COMPACT)
 

@@ -34,7 +34,7 @@ def test_records_are_indexed_as_they_are_appended_and_read_back(tmp_path):
     for step in range(3):
         w.write("x", step, numpy_stats(np.float32([step, 1.0])), INFO)
     w.flush()
-    fp = file_provider.FileProvider(str(tmp_path), background=False)
+    fp = file_provider.FileProvider(str(tmp_path), on_listing=False)
     assert fp.list_plugins(experiment_id="") == []
     assert fp.index_round() and not fp.index_round()  # nothing new the second time
     assert fp.list_plugins(experiment_id="") == [metadata.PLUGIN_NAME]
@@ -60,7 +60,7 @@ def test_a_record_still_being_written_is_read_next_round(tmp_path):
         whole = f.read()
     with open(w.path, "wb") as f:
         f.write(whole[:-20])  # the last record half written
-    fp = file_provider.FileProvider(str(tmp_path), background=False)
+    fp = file_provider.FileProvider(str(tmp_path), on_listing=False)
     fp.index_round()
     assert [d.step for d in _read(fp, ".", "x")] == [0]
     with open(w.path, "ab") as f:
@@ -82,7 +82,7 @@ def test_a_damaged_record_is_skipped_and_named_and_the_rest_read(tmp_path):
         at += 12 + int.from_bytes(data[at : at + 8], "little") + 4
     data[offsets[3] + 12 + 5] ^= 0xFF  # the record of step 2
     open(w.path, "wb").write(bytes(data))
-    fp = file_provider.FileProvider(str(tmp_path), background=False)
+    fp = file_provider.FileProvider(str(tmp_path), on_listing=False)
     fp.index_round()
     assert [d.step for d in _read(fp, "r", "x")] == [0, 1, 3]
     assert any("checksum" in p for p in fp.problems("r"))
@@ -94,7 +94,7 @@ def test_a_replaced_file_is_read_again_from_the_start_and_a_removed_run_forgotte
     for step in range(5):
         w.write("x", step, numpy_stats(np.float32([1.0])), INFO)
     w.close()
-    fp = file_provider.FileProvider(str(tmp_path), background=False)
+    fp = file_provider.FileProvider(str(tmp_path), on_listing=False)
     fp.index_round()
     os.remove(w.path)
     w = NumericsRecordWriter(str(run))
