@@ -1,4 +1,4 @@
-"""A long packed run with a warning and an anomaly late in it, for the tests of long runs.
+"""A long packed run with warnings and an anomaly late in it, for the tests of long runs.
 
 ``write(logdir, steps, width)`` writes one run as the Keras callback's
 writer does (``write_many``: packed blocks), with statistics made in numpy
@@ -8,10 +8,11 @@ whole), gradients (compact, but for the two the by-depth rule compares),
 the loss and the global norm. Faults are injected at fixed fractions of the
 run, so that their steps are known without any reader:
 
-- a gradient underflows (a share of its values below float32's smallest
-  normal) for a stretch in the first half;
 - a gradient jumps to 1e20 for one step at ``jump_at`` (fast growth, a
-  square its optimizer cannot hold, and a spike of the global norm);
+  square its optimizer cannot hold, and a spike of the global norm): the
+  first warning, at 60 % of the run;
+- a gradient underflows (a fifth of its values below float32's smallest
+  normal) for 40 steps from ``underflow_from``;
 - a linear activation grows 10x a step for 12 steps from ``growth_at``
   (growth, then headroom running out);
 - a gradient holds 3 NaN of 4,096 values at ``NAN_AT``: the first anomaly;
@@ -32,7 +33,7 @@ RUN = "long"
 
 def faults(steps: int) -> dict[str, int]:
     """The steps of the injected faults in a run of ``steps`` steps."""
-    return {"underflow_from": steps // 5, "underflow_to": steps // 5 + 40, "jump_at": steps * 3 // 5,
+    return {"jump_at": steps * 3 // 5, "underflow_from": steps * 7 // 10, "underflow_to": steps * 7 // 10 + 40,
             "growth_at": steps * 3 // 4,
             "nan_at": steps * 9 // 10, "neginf_at": steps * 9 // 10 + 7}
 

@@ -1,7 +1,7 @@
 """A long run in a real TensorBoard answers as ``tb-numerics report`` does.
 
-The run (``long_run``: a gradient's underflow early, a spike, growth and a
-NaN late in it) is big enough to be held compact (more records than
+The run (``long_run``: a gradient's jump and spike, an underflow, growth
+and a NaN, all in its last 40 %) is big enough to be held compact (more records than
 ``run_store.Limits.compact_above_records``), and written once for the
 module. The CLI reads every record from the files and is the oracle: the
 plugin's first anomaly, first warning and warnings must be its own, with
@@ -47,7 +47,7 @@ def report(logdir) -> dict:
 def test_the_run_is_long_enough_to_be_held_compact(report):
     assert report["records"] > run_store.Limits().compact_above_records
     f = long_run.faults(STEPS)
-    assert (report["first_anomaly"]["step"], report["first_warning"]["step"]) == (f["nan_at"], f["underflow_from"])
+    assert (report["first_anomaly"]["step"], report["first_warning"]["step"]) == (f["nan_at"], f["jump_at"])
 
 
 @pytest.mark.parametrize("load_fast", [True, False], ids=["rust", "python"])
