@@ -34,7 +34,7 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from tb_numerics import detectors, metadata
+from tb_numerics import detectors, metadata, packed
 from tb_numerics.records import F, TensorSeries, derived
 
 __all__ = ["CHART_COUNTS", "CHART_MOMENTS", "CHUNK", "ChunkStats", "CompactSeries", "PartCache", "Piece",
@@ -127,6 +127,22 @@ class Piece:
     flags: np.ndarray  # uint8 [n]: NaN, +Inf, -Inf, overflow counts above 0
     underflow: np.ndarray | None  # float64 [n]: the underflow share; None where all 0
     chunks: ChunkStats
+
+    def prefix(self, n: int, tag: str, load: PartLoader) -> "Piece":
+        """Its first ``n`` records (a restarted job wrote the others again):
+        views, but for the chunk the cut falls in, made again from the
+        records read back."""
+        whole = self.chunks.start + CHUNK <= n
+        cut = {f.name: getattr(self.chunks, f.name)[whole] for f in dataclasses.fields(ChunkStats)}
+        chunks = ChunkStats(**cut)
+        at = int(self.chunks.start[~whole][0]) if (~whole).any() else n
+        if at < n:
+            values = load(self.block, tag).values[at:n]
+            last = ChunkStats.of_each(values[None], derived(values.astype(np.float64)))[0]
+            chunks = ChunkStats(**{f.name: np.concatenate([getattr(chunks, f.name), getattr(last, f.name) + (
+                at if f.name == "start" else 0)]) for f in dataclasses.fields(ChunkStats)})
+        return Piece(self.block, self.max_abs[:n], self.flags[:n],
+                     None if self.underflow is None else self.underflow[:n], chunks)
 
 
 class CompactSeries(TensorSeries):
@@ -316,22 +332,41 @@ def _compact_values(block: str, tensors: Sequence[tuple[str, metadata.TensorInfo
 
 
 def merge(parts: Sequence[CompactSeries], shared_steps: dict | None = None) -> CompactSeries | None:
-    """One tensor's compact series from its compact parts, where they lie
-    end to end by step (the usual case): their pieces, not copied. None
-    where they overlap (a step written twice: ``packed.merge`` then decides
-    on the full records)."""
-    laid = sorted((p for p in parts if len(p.steps)), key=lambda p: int(p.steps[0]))
-    if not laid or not all(a.steps[-1] < b.steps[0] for a, b in zip(laid, laid[1:])):
+    """One tensor's compact series from its compact parts of one block each,
+    given in the order written, as ``packed.merge`` would make it: where a
+    later part writes again the steps at the end of an earlier one (a job
+    restarted from a checkpoint), the later records replace them; the parts
+    then lie end to end by step, and their pieces are shared, not copied.
+    None where that cannot be (two writers at once, a later part holding
+    only some of the steps it overlaps): ``packed.merge`` then decides on
+    the full records."""
+    keep = [len(p.steps) for p in parts]
+    for j, later in enumerate(parts):
+        for i in range(j):
+            earlier = parts[i]
+            if not keep[i] or not len(later.steps) or earlier.steps[keep[i] - 1] < later.steps[0]:
+                continue
+            if packed.written_at_once(earlier, later) or len(earlier.pieces) > 1:
+                return None
+            cut = int(np.searchsorted(earlier.steps, later.steps[0]))
+            rewritten = earlier.steps[cut : keep[i]]
+            if not (rewritten[-1] <= later.steps[-1] and np.isin(rewritten, later.steps).all()):
+                return None
+            keep[i] = cut
+    laid = sorted((i for i in range(len(parts)) if keep[i]), key=lambda i: int(parts[i].steps[0]))
+    if not laid or not all(parts[a].steps[keep[a] - 1] < parts[b].steps[0] for a, b in zip(laid, laid[1:])):
         return None
-    key = tuple(id(p.steps) for p in laid)
+    pieces = [pc if keep[i] == len(parts[i].steps) else pc.prefix(keep[i], parts[i].tag, parts[i].load)
+              for i in laid for pc in parts[i].pieces]
+    key = tuple((id(parts[i].steps), keep[i]) for i in laid)
     steps = None if shared_steps is None else shared_steps.get(key)
     if steps is None:
-        steps = np.concatenate([p.steps for p in laid]) if len(laid) > 1 else laid[0].steps
+        steps = np.concatenate([parts[i].steps[: keep[i]] for i in laid])
         if shared_steps is not None:
             shared_steps[key] = steps
     last = parts[-1]
-    return CompactSeries(last.tag, last.info, steps, [pc for p in laid for pc in p.pieces], last.load,
-                         last.written, max(p.width for p in laid))
+    return CompactSeries(last.tag, last.info, steps, pieces, last.load, last.written,
+                         max(parts[i].width for i in laid))
 
 
 class PartCache:

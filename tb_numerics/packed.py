@@ -361,8 +361,8 @@ def _kept_records(parts: Sequence[records.TensorSeries]) -> tuple[list[tuple[np.
     and the steps that parts written at the same time both hold."""
     kept, later, shared = [], [], np.zeros(0, np.int64)
     for p in reversed(parts):
-        at_once = [q.steps for q in later if _at_once(p, q)]
-        replaced = [q.steps for q in later if not _at_once(p, q)]
+        at_once = [q.steps for q in later if written_at_once(p, q)]
+        replaced = [q.steps for q in later if not written_at_once(p, q)]
         mine = ~np.isin(p.steps, np.concatenate(replaced)) if replaced else np.ones(len(p.steps), bool)
         if at_once:
             shared = np.union1d(shared, p.steps[mine & np.isin(p.steps, np.concatenate(at_once))])
@@ -371,7 +371,7 @@ def _kept_records(parts: Sequence[records.TensorSeries]) -> tuple[list[tuple[np.
     return kept, shared
 
 
-def _at_once(earlier: records.TensorSeries, later: records.TensorSeries) -> bool:
+def written_at_once(earlier: records.TensorSeries, later: records.TensorSeries) -> bool:
     """Whether ``later`` was being written before ``earlier`` ended: two
     writers at once, not a restart (unknown wall times count as a restart)."""
     if earlier.written is None or later.written is None:

@@ -77,8 +77,8 @@ def _stats(rng: np.random.Generator, n: int, size: int, scale: np.ndarray) -> np
     return v.astype(np.float32).astype(np.float64)
 
 
-def _values(name: str, info: metadata.TensorInfo, i: int, steps: int) -> np.ndarray:
-    """Every record of one tensor, faults included."""
+def _values(name: str, info: metadata.TensorInfo, i: int, steps: int, nan: bool = True) -> np.ndarray:
+    """Every record of one tensor, faults included (the NaN where ``nan``)."""
     rng = np.random.default_rng(i)
     f = faults(steps)
     size = 1 if info.shape == () else int(np.prod(info.shape))
@@ -107,23 +107,25 @@ def _values(name: str, info: metadata.TensorInfo, i: int, steps: int) -> np.ndar
             v[g : g + 12, F[k]] *= grow
         v[g : g + 12, F["sum_sq"]] *= grow**2
         v[g + 12 :] = v[g + 11]
-    if name == "dense03/kernel":
+    if name == "dense03/kernel" and nan:
         v[f["nan_at"], F["nan"]] = 3
     if name == "input":
         v[f["neginf_at"], F["neginf"]] = 2
     return v
 
 
-def write(logdir: str, steps: int, width: int) -> str:
-    """Writes the run ``RUN`` under ``logdir``; returns the run's directory."""
+def write(logdir: str, steps: int, width: int, start: int = 0, nan: bool = True) -> str:
+    """Writes the run ``RUN`` under ``logdir`` from step ``start`` (a
+    restarted job writes again from there), its NaN where ``nan``; returns
+    the run's directory."""
     run_dir = "%s/%s" % (logdir, RUN)
     table = tensors(width)
-    values = [_values(name, info, i, steps) for i, (name, info) in enumerate(table)]
+    values = [_values(name, info, i, steps, nan) for i, (name, info) in enumerate(table)]
     grads = [j for j, (_, info) in enumerate(table) if info.role == "gradient"]
     norm = np.sqrt(sum(values[j][:, F["sum_sq"]] for j in grads)).astype(np.float32).astype(np.float64)
     values[-1][:, F["min"]] = values[-1][:, F["max"]] = values[-1][:, F["sum"]] = norm
     values[-1][:, F["sum_sq"]] = norm**2
     with NumericsRecordWriter(run_dir) as w:
-        for step in range(steps):
+        for step in range(start, steps):
             w.write_many(step, [(name, vals[step], info) for (name, info), vals in zip(table, values)])
     return run_dir

@@ -120,6 +120,34 @@ def test_a_wide_chart_is_made_of_whole_chunks_with_their_exact_statistics(store,
     assert max(got["health"]) == rules.NONFINITE  # the NaN's chunk shows it
 
 
+def test_a_restarted_job_over_a_compact_run_reads_as_the_cli_does(tmp_path, monkeypatch):
+    """A job restarted from the middle of a block writes its steps again,
+    without the NaN: the later records replace the earlier ones, as
+    ``packed.merge`` has it, and the run stays compact."""
+    logdir = str(tmp_path)
+    long_run.write(logdir, 1200, width=3)
+    long_run.write(logdir, 1200, width=3, start=700, nan=False)
+    files = file_provider.FileProvider(logdir, on_listing=False)
+    files.index_round()
+    store = run_store.RunStore(files, reload_interval=0, background=False, limits=COMPACT)
+    truth = cli.report(logdir, analysis.SafeRange())[0][0]
+    got = analysis.run_summary(_answer(store, {}))
+    assert truth["first_anomaly"]["step"] == long_run.faults(1200)["neginf_at"]  # the NaN was written over
+    for key in ("first_anomaly", "first_warning", "warnings", "records", "problems"):
+        assert rules.dumps(got[key]) == rules.dumps(truth[key]), key
+    h = _answer(store, {}).find("dense00/output")
+    assert isinstance(h.series, compact.CompactSeries) and len(h.series.pieces) == 2
+    monkeypatch.setattr(views, "READ_BACK_RECORDS", 100)  # a chart of chunks across the restart
+    got = analysis.series_points(h, 1000)
+    whole = event_reader.read_run(long_run.RUN, event_reader.find_runs(logdir)[long_run.RUN])
+    values = next(s for s in whole.series if s.tag == "dense00/output").values
+    ends = np.searchsorted(h.series.steps, got["step_end"], side="right")
+    starts = np.searchsorted(h.series.steps, got["steps"])
+    assert [int(values[a:b, F["count"]].sum()) for a, b in zip(starts, ends)] == got["fields"]["count"]
+    assert [float(np.min(values[a:b, F["min"]])) for a, b in zip(starts, ends)] == got["fields"]["min"]
+    assert 700 in got["steps"]  # the restart's first step begins a chunk
+
+
 def _fault_series(rng: np.random.Generator, info: metadata.TensorInfo, tag: str, n: int) -> TensorSeries:
     """Records of ``n`` steps of a 4,096-value float32 tensor with every
     fault a usual tensor can hold: NaN, +-Inf, overflow, underflow, steady
