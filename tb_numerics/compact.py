@@ -341,10 +341,15 @@ def merge(parts: Sequence[CompactSeries], shared_steps: dict | None = None) -> C
     only some of the steps it overlaps): ``packed.merge`` then decides on
     the full records."""
     keep = [len(p.steps) for p in parts]
+    first = [int(p.steps[0]) if len(p.steps) else 0 for p in parts]
+    last = [int(p.steps[-1]) if len(p.steps) else -1 for p in parts]
+    by_first = sorted(range(len(parts)), key=first.__getitem__)
+    if all(last[a] < first[b] for a, b in zip(by_first, by_first[1:])):
+        return _laid_end_to_end(parts, keep, shared_steps)  # the usual case: no step written twice
     for j, later in enumerate(parts):
         for i in range(j):
             earlier = parts[i]
-            if not keep[i] or not len(later.steps) or earlier.steps[keep[i] - 1] < later.steps[0]:
+            if not keep[i] or not len(later.steps) or int(earlier.steps[keep[i] - 1]) < first[j]:
                 continue
             if packed.written_at_once(earlier, later) or len(earlier.pieces) > 1:
                 return None
@@ -353,6 +358,12 @@ def merge(parts: Sequence[CompactSeries], shared_steps: dict | None = None) -> C
             if not (rewritten[-1] <= later.steps[-1] and np.isin(rewritten, later.steps).all()):
                 return None
             keep[i] = cut
+    return _laid_end_to_end(parts, keep, shared_steps)
+
+
+def _laid_end_to_end(parts: Sequence[CompactSeries], keep: list[int], shared_steps: dict | None) -> CompactSeries | None:
+    """The series of each part's first ``keep`` records laid end to end by
+    step; None where they overlap."""
     laid = sorted((i for i in range(len(parts)) if keep[i]), key=lambda i: int(parts[i].steps[0]))
     if not laid or not all(parts[a].steps[keep[a] - 1] < parts[b].steps[0] for a, b in zip(laid, laid[1:])):
         return None
