@@ -13,8 +13,8 @@ and reads them itself, from the event files, through this provider:
   and where each of its events lies (file and byte offset): about 40 bytes
   an event, whatever it holds. ``list_plugins`` and ``list_tensors`` run a
   round first (the run store lists every reload interval, and every 0.5 s
-  while a run is loading), publishing what it indexed as it goes, so that
-  a long run grows in the listings while it is read, as with TensorBoard;
+  while a run is loading; a listing waits for a round under way), so a
+  reload of TensorBoard and a listing see the same files;
 - ``list_plugins``, ``list_tensors`` and ``read_tensors`` answer as
   TensorBoard's data provider does, from that index; ``read_tensors`` reads
   the tags' events again from the files, each checked against its checksum.
@@ -175,8 +175,14 @@ class FileProvider:
             held = self._runs.get(run)
             return list(held.problems) if held is not None else []
 
-    def list_plugins(self, ctx=None, *, experiment_id) -> list[str]:
-        if self._on_listing:
+    def list_plugins(self, ctx=None, *, experiment_id, index: bool = True) -> list[str]:
+        """[``metadata.PLUGIN_NAME``] where a run holds numerics records.
+
+        Args:
+          index: run a round first (where on listing); False: answer from
+            the index as it stands, at once.
+        """
+        if self._on_listing and index:
             self.index_round()
         with self._lock:
             return [metadata.PLUGIN_NAME] if any(r.tags for r in self._runs.values()) else []

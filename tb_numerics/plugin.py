@@ -163,6 +163,8 @@ class NumericsPlugin(base_plugin.TBPlugin):
           frontend: the folder of the dashboard's files (default: ``frontend_dir()``).
         """
         reload_interval = getattr(context.flags, "reload_interval", 5.0)
+        # Asked whether the tab is active: TensorBoard's own index, which it loads itself.
+        self._tensorboard = context.data_provider
         logdir = local_logdir(context.flags) if context.data_provider is not None else None
         if logdir is not None:
             # The records come from the files: none is lost to TensorBoard's
@@ -198,17 +200,21 @@ class NumericsPlugin(base_plugin.TBPlugin):
         }
 
     def is_active(self) -> bool:
-        """Whether any run holds numerics records (in the index the plugin reads through)."""
+        """Whether any run holds numerics records: TensorBoard's index says
+        so at once (TensorBoard asks before its first page shows; indexing a
+        long run's files would hold every tab back), else, for a local
+        logdir, the plugin's index of its files as it stands."""
         if self._data_provider is None:
             return False
+        ctx = tb_context.RequestContext()
         try:
-            plugins = self._data_provider.list_plugins(
-                tb_context.RequestContext(), experiment_id=""
-            )
+            if self.plugin_name in (self._tensorboard.list_plugins(ctx, experiment_id="") or ()):
+                return True
         except Exception:  # noqa: BLE001 - an inactive tab beats a broken listing
             logger.warning("numerics: is_active could not list plugins", exc_info=True)
-            return False
-        return self.plugin_name in (plugins or ())
+        if isinstance(self._data_provider, file_provider.FileProvider):
+            return self.plugin_name in self._data_provider.list_plugins(ctx, experiment_id="", index=False)
+        return False
 
     def frontend_metadata(self) -> base_plugin.FrontendMetadata:
         return base_plugin.FrontendMetadata(es_module_path="/index.js", tab_name="Numerics")
