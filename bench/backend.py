@@ -21,8 +21,11 @@ gives records no float32 holds exactly, stored as float64: twice the bytes.
 Targets (issue 28): a complete first anomaly <= 2 s after TensorBoard has
 loaded the run, a width-1,000 timeline <= 0.5 s, <= 2 GB resident in all
 (TensorBoard, its data server and the plugin). Also shown: TensorBoard's
-own memory on an empty logdir, each process's share, and the ratios to the
-raw record bytes (each record's 11 float64 numbers) and to the event files.
+own memory on an empty logdir, each process's share, the ratios to the raw
+record bytes (each record's 11 float64 numbers) and to the event files, and
+the CPU seconds each process had used when TensorBoard had loaded the run
+and when the answer was complete: the work done, whatever else the machine
+runs (on a shared machine the wall times are mostly waiting).
 """
 
 from __future__ import annotations
@@ -136,8 +139,23 @@ def write_run(logdir: str, steps: int, n_tensors: int, processes: int, dtype: st
     return run_dir
 
 
-def _tree_rss_bytes(pid: int) -> dict[str, int]:
-    """VmRSS of ``pid`` and each descendant (TensorBoard + data server), by name."""
+def _tree_cpu_seconds(pid: int) -> dict[str, float]:
+    """CPU seconds (user + system) ``pid`` and each descendant used so far,
+    by name: the work done, whatever else the machine runs."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {}
+    for name, p in _tree(pid).items():
+        try:
+            with open("/proc/%d/stat" % p) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        out[name] = round((int(fields[11]) + int(fields[12])) / tick, 1)
+    return out
+
+
+def _tree(pid: int) -> dict[str, int]:
+    """``pid`` and each descendant, by "name[pid]"."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
@@ -148,17 +166,28 @@ def _tree_rss_bytes(pid: int) -> dict[str, int]:
         except (OSError, IndexError, ValueError):
             continue
         children.setdefault(ppid, []).append(int(entry))
-    rss: dict[str, int] = {}
+    out: dict[str, int] = {}
     todo = [pid]
     while todo:
         p = todo.pop()
         todo.extend(children.get(p, []))
         try:
+            with open("/proc/%d/comm" % p) as f:
+                out["%s[%d]" % (f.read().strip(), p)] = p
+        except OSError:
+            continue
+    return out
+
+
+def _tree_rss_bytes(pid: int) -> dict[str, int]:
+    """VmRSS of ``pid`` and each descendant (TensorBoard + data server), by name."""
+    rss: dict[str, int] = {}
+    for name, p in _tree(pid).items():
+        try:
             with open("/proc/%d/status" % p) as f:
                 fields = dict(line.split(":", 1) for line in f if ":" in line)
         except OSError:
             continue
-        name = "%s[%d]" % (fields["Name"].strip(), p)
         rss[name] = int(fields.get("VmRSS", "0 kB").split()[0]) * 1024
     return rss
 
@@ -203,6 +232,7 @@ def main() -> int:
             tb_process.wait_for(lambda: tb.get_json(marker), timeout=1800, interval=0.2)
             t_loaded = time.perf_counter()
             loaded = t_loaded - t_start
+            cpu_loaded = _tree_cpu_seconds(tb.proc.pid)
             summary_url = "/data/plugin/numerics/summary?run=%s" % q(RUN)
             t_summary, first = _timed(tb, summary_url)
             expected = args.steps * args.tensors
@@ -212,6 +242,7 @@ def main() -> int:
                 timeout=3600, interval=0.5,
             )
             t_complete = time.perf_counter() - t_loaded
+            cpu_complete = _tree_cpu_seconds(tb.proc.pid)
             t_summary2, _ = _timed(tb, summary_url)
             t_timeline, timeline = _timed(tb, "/data/plugin/numerics/timeline?run=%s&width=1000" % q(RUN))
             anomaly = summary["first_anomaly"] or {}
@@ -245,6 +276,10 @@ def main() -> int:
             "tensorboard_loaded_s": round(loaded, 2),
             # From TensorBoard's start until /summary answered with every record.
             "summary_complete_after_start_s": round(loaded + t_complete, 2),
+            # CPU seconds each process had used by then (the work, whatever
+            # the machine's load; TensorBoard's process runs the plugin).
+            "cpu_s_when_loaded": cpu_loaded,
+            "cpu_s_when_complete": cpu_complete,
             "first_anomaly": {k: anomaly.get(k) for k in ("step", "tensor", "last_healthy_step")},
             # The first /summary asked once TensorBoard had loaded everything.
             "summary_first_s": round(t_summary, 3),
