@@ -316,16 +316,10 @@ def scan_records(
                 if not (live and _header_ok(header) and length <= LIVE_RECORD_BYTES):
                     problems.append(cut("truncated" if _header_ok(header) else _bad_header(count + start)))
                 return
-            if length > LARGE_RECORD_BYTES and _header_ok(header):
-                record = _large_record(window, offset, length)
-            else:
-                try:
-                    record = Record(read(offset), True)
-                except _Damaged:
-                    if not _header_ok(header):
-                        problems.append(cut(_bad_header(count + start)))
-                        return
-                    record = Record(window.at(offset + _HEADER, length), False)
+            record = _record_at(window, read, offset, length, header)
+            if record is None:
+                problems.append(cut(_bad_header(count + start)))
+                return
             if record.intact:
                 count += 1
             else:
@@ -397,6 +391,19 @@ class RecordFile:
             if bad:
                 raise OSError("%s: the record at byte offset %s fails its checksum" % (name, _offsets_text(bad)))
         return [data for data, _ in frames]
+
+
+def _record_at(window: _Window, read: RecordReader, offset: int, length: int, header: bytes) -> Record | None:
+    """The record at ``offset`` of ``length`` bytes, checked; None where its
+    header is damaged too (nothing after it can be framed)."""
+    if length > LARGE_RECORD_BYTES and _header_ok(header):
+        return _large_record(window, offset, length)
+    try:
+        return Record(read(offset), True)
+    except _Damaged:
+        if not _header_ok(header):
+            return None
+        return Record(window.at(offset + _HEADER, length), False)
 
 
 def _large_record(window: _Window, offset: int, length: int) -> Record:
