@@ -27,6 +27,7 @@ import argparse
 import collections
 import contextlib
 import dataclasses
+import http.client
 import io
 import json
 import os
@@ -163,7 +164,7 @@ def _client(base: str, urls: list[str], stop: threading.Event, seed: int, out: l
             status, body = _get(base + url)
             json.loads(body)
             ok = True
-        except (OSError, ValueError):
+        except (OSError, ValueError, http.client.HTTPException):  # a server that died mid-answer too
             pass
         out.append((url, status, ok, time.perf_counter() - t0))
 

@@ -214,7 +214,7 @@ class StepReplay:
         """``reproduced`` and ``op``, or ``why`` not, of a replay that found ``found``."""
         if found is None:
             return {"reproduced": False, "why": _XLA_DRAWS if self._xla_draws else _NOT_REPRODUCED}
-        if any(i.get("nan") or i.get("posinf") or i.get("neginf") for i in found.to_json()["inputs"]):
+        if found.reads_nonfinite():
             # Not born in the step: it read a variable the failing step had already made non-finite.
             return {"reproduced": False, "why": "the first non-finite op (%s) read values that were already "
                     "non-finite (a variable the failing step updated): %s" % (found.name, _NOT_REPRODUCED)}

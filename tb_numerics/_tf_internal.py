@@ -17,7 +17,11 @@ privately, the same ones its own ``enable_check_numerics`` and
   eager function call runs;
 * the eager name scope; the variable class's ``assign`` methods, to put
   back what a replayed step wrote (``variable_writes_undone``); and variables that bypass ``tf.function``'s
-  "variables only on the first trace" rule (ring buffers made per trace).
+  "variables only on the first trace" rule (ring buffers made per trace);
+* for the summary API and the writers around it: the default summary
+  writer (``tf.summary`` has no public getter), ``smart_cond`` (a cond
+  decided when tracing where its predicate is known then), whether an op
+  is stateful, and a tensor's unique id.
 
 ``check_supported()`` verifies the TensorFlow version and that each hook is
 present, and raises ``UnsupportedTensorFlowError`` saying what is missing.
@@ -72,8 +76,8 @@ def check_supported() -> None:
     try:
         from tensorflow.python import pywrap_tfe
         from tensorflow.python.eager import backprop, context
-        from tensorflow.python.framework import op_callbacks
-        from tensorflow.python.ops import control_flow_util, gradients_util, resource_variable_ops
+        from tensorflow.python.framework import op_callbacks, smart_cond
+        from tensorflow.python.ops import control_flow_util, gradients_util, resource_variable_ops, summary_ops_v2
 
         missing = [
             name
@@ -95,6 +99,8 @@ def check_supported() -> None:
                  hasattr(tf.Graph(), "_add_control_dependencies")),
                 ("_GradientsHelper's local 'op'",
                  "op" in _local_names(gradients_util._GradientsHelper)),
+                ("summary_ops_v2._summary_state", hasattr(summary_ops_v2, "_summary_state")),
+                ("smart_cond.smart_cond", hasattr(smart_cond, "smart_cond")),
             )
             if not ok
         ]
@@ -345,6 +351,37 @@ def at_trace_end(graph: Any, fn: Callable[[], list]) -> None:
         graph.control_outputs.extend(fn())
 
     ops.add_exit_callback_to_default_func_graph(run)
+
+
+# ------------------------------------------------------- summaries and graphs
+
+
+def default_summary_writer() -> Any:
+    """The default ``tf.summary`` writer, or None. ``tf.summary`` has no
+    public getter; the summary API's per-writer state (first-record
+    metadata, execution order, the packed buffer) needs its identity."""
+    from tensorflow.python.ops import summary_ops_v2
+
+    return summary_ops_v2._summary_state.writer
+
+
+def smart_cond(pred: Any, true_fn: Callable[[], Any], false_fn: Callable[[], Any]) -> Any:
+    """``tf.cond``, decided when tracing where ``pred`` is known then (a
+    Python bool, or ``tf.summary.should_record_summaries()`` outside any
+    ``record_if``): a disabled summary then costs no op at all."""
+    from tensorflow.python.framework import smart_cond as sc
+
+    return sc.smart_cond(pred, true_fn, false_fn)
+
+
+def stateful_ops(graph: Any) -> list[Any]:
+    """The stateful ops of ``graph`` (variable writes, summary writes, random ops)."""
+    return [op for op in graph.get_operations() if op._is_stateful]
+
+
+def tensor_id(t: Any) -> int:
+    """A tensor's id, unique in the process (a symbolic or an eager tensor)."""
+    return t._id
 
 
 # ------------------------------------------------------- tape gradient hook

@@ -26,7 +26,7 @@ import os
 import sys
 from typing import Sequence
 
-from tb_numerics import analysis, event_reader, hints, rules, scalars
+from tb_numerics import analysis, compare, event_reader, report_text, rules, scalars
 
 EXIT_OK = 0
 EXIT_ANOMALY = 1
@@ -57,6 +57,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     r.add_argument("logdir", help="a TensorBoard logdir: a local path, or gs://, s3://, hdfs://, ram:// with TensorFlow")
     r.add_argument("--json", action="store_true", help="print one JSON object")
+    r.add_argument("--against", metavar="RUN", default=None,
+                   help="compare every other run with RUN (a healthy rerun): the first step and tensor where "
+                        "its records leave RUN's band (tb_numerics.compare)")
     for name, (kind, help_text) in analysis.SAFE_RANGE_PARAMS.items():
         r.add_argument(_flag(name), dest=name, default=None, help=help_text)
     return p
@@ -79,118 +82,40 @@ def _parse_flags(args: argparse.Namespace) -> analysis.SafeRange:
         raise
 
 
-def _safe_text(s: str) -> str:
-    """A name from a log, with control characters escaped for a terminal."""
-    return "".join(
-        c if c.isprintable() else "\\x%02x" % ord(c) if ord(c) < 256 else "\\u%04x" % ord(c)
-        for c in s
-    )
-
-
-# A phase in words where its name alone reads oddly ("step 2, input, input").
-_PHASE_WORDS = {"input": "input batch"}
-
-
-def anomaly_lines(a: dict, head: str = "first anomaly: ") -> list[str]:
-    """A first anomaly (``analysis.first_anomaly``) in words, names escaped
-    for a terminal: the report's lines, and the Keras callback's stop message."""
-    op = " (%s)" % _safe_text(a["op_type"]) if a["op_type"] else ""
-    occurrence = ""
-    if a.get("occurrence"):
-        occurrence = " (record %d of %d in that step)" % (a["occurrence"]["index"], a["occurrence"]["of"])
-    phase = ", %s" % _PHASE_WORDS.get(a["phase"], a["phase"]) if a["phase"] else " (%s)" % a.get("source", "")
-    lines = ["%sstep %d, %s%s%s: %s%s" % (
-        head, a["step"], _safe_text(a["tensor"]), op, phase, a["description"], occurrence)]
-    if a.get("tensor_description"):
-        lines.append("  tensor: %s" % _safe_text(a["tensor_description"]))
-    lines.extend(_op_lines(a))
-    lines.append(_last_steps_line(a))
-    if a["hint"]:
-        lines.append("  hint: %s" % a["hint"])
-    c = a["likely_cause"]
-    if c is not None:
-        lines.append("  likely cause: step %d, %s: %s (%s)" % (
-            c["step"], _safe_text(c["tensor"]), c["kind"], c["detail"]))
-    return lines
-
-
-def _last_steps_line(a: dict) -> str:
-    """The last healthy step and, where it differs, the last finite one, each
-    saying what it is (a warning is finite but not healthy)."""
-    line = "  last healthy step: %s" % a["last_healthy_step"]
-    finite = a.get("last_finite_step")
-    if finite is not None and finite != a["last_healthy_step"]:
-        line += " (no warning and no NaN/Inf in this tensor); last finite step: %d (a warning, but no NaN/Inf)" % finite
-    return line
-
-
-def _op_lines(a: dict) -> list[str]:
-    """The exact op (from op-level records or a replay) and its inputs' ranges,
-    or why a replay did not reproduce the failure."""
-    op, replay = a.get("op"), a.get("replay")
-    if isinstance(op, dict):
-        kind = ", ".join(_safe_text(str(op[k])) for k in ("type", "phase") if op.get(k))
-        line = "  op: %s%s" % (_safe_text(str(op.get("name", ""))), " (%s)" % kind if kind else "")
-        if op.get("source"):
-            line += " at %s" % _safe_text(str(op["source"]))
-        inputs = op.get("inputs") if isinstance(op.get("inputs"), list) else []
-        return [line] + ["    input %d: %s" % (k, hints.input_range(i)) for k, i in enumerate(inputs, 1)
-                         if isinstance(i, dict)]
-    if isinstance(replay, dict) and replay.get("reproduced") is False:
-        return ["  replay: did not reproduce the failure (%s)" % _safe_text(str(replay.get("why", "")))]
-    return []
-
-
-def _table(summaries: list[dict]) -> str:
-    lines = []
-    for s in summaries:
-        lines.append("run %s" % _safe_text(s["run"]))
-        a = s["first_anomaly"]
-        if a is None:
-            lines.append("  first anomaly: " + _none_text(s))
-        else:
-            lines.extend("  " + line for line in anomaly_lines(a))
-        w = s["first_warning"]
-        if w is None:
-            lines.append("  first warning: none")
-        else:
-            lines.append("  first warning: step %d, %s: %s (%s)" % (
-                w["step"], _safe_text(w["tensor"]), w["kind"], w["detail"]))
-    return "\n".join(lines)
-
-
-def _none_text(s: dict) -> str:
-    """A run with no anomaly: what was read, and whether all of it was."""
-    read = "%d tensors, steps %s-%s" % (s["tensors"], s["first_step"], s["last_step"]) if s["tensors"] else ""
-    if s.get("scalars"):
-        read += "%s%d scalar summaries, all finite" % ("; " if read else "", s["scalars"])
-        if not s["tensors"]:
-            read += "; no numerics records: log them with tb_numerics.log_numerics to check every tensor"
-    if not s["problems"]:
-        return "none (%s)" % read
-    return "none among the records read (%s), but %d problem(s) reading the run: see the warnings" % (
-        read or "none could be read", len(s["problems"]))
-
-
-def report(logdir: str, sr: analysis.SafeRange) -> tuple[list[dict], list[str]]:
+def report(logdir: str, sr: analysis.SafeRange, against: str | None = None) -> tuple[list[dict], list[str]]:
     """The run summaries of a logdir and the problems met reading it.
 
     A logdir that is itself a run is named by its directory's name, not
     ".". A run with no numerics anomaly takes the first non-finite value of
     its scalar summaries (``scalars.first_anomaly``) as its first anomaly;
-    ``scalars``, where it has any, counts its scalar tags.
+    ``scalars``, where it has any, counts its scalar tags. With ``against``,
+    every other run's summary gets ``against``: ``compare.compare_runs``
+    of it with that run, and its ``run``.
+
+    Raises:
+      event_reader.LogdirError: ``against`` names no run of the logdir.
     """
-    summaries, problems = [], []
+    summaries, problems, series = [], [], {}
     for rr in event_reader.read_logdir(logdir):
         run = rr.run if rr.run != "." else os.path.basename(os.path.normpath(logdir)) or logdir
         ra = analysis.analyze_run(run, rr.series, sr, rr.problems)
         problems.extend("%s: %s" % (run, p) for p in rr.problems)
         s = analysis.run_summary(ra)
+        s["restarts"] = rr.restarts
         if s["first_anomaly"] is None:
             s["first_anomaly"] = scalars.first_anomaly(rr.scalars)
         if rr.scalars:
             s["scalars"] = len(rr.scalars)
         summaries.append(s)
+        if against is not None:
+            series[run] = rr.series
+    if against is not None:
+        if against not in series:
+            raise event_reader.LogdirError("--against: no run named %r in %s (runs: %s)" % (
+                against, logdir, ", ".join(sorted(series)) or "none"))
+        for s in summaries:
+            if s["run"] != against:
+                s["against"] = {"run": against, **compare.compare_runs(series[s["run"]], series[against])}
     return summaries, problems
 
 
@@ -205,20 +130,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         event_reader.check_logdir(args.logdir)
         sr = _parse_flags(args)
-        summaries, problems = report(args.logdir, sr)
+        summaries, problems = report(args.logdir, sr, args.against)
     except (event_reader.LogdirError, analysis.SafeRangeError, OSError) as e:
-        print("tb-numerics: error: %s" % _safe_text(str(e)), file=sys.stderr)
+        print("tb-numerics: error: %s" % report_text.safe_text(str(e)), file=sys.stderr)
         return EXIT_USAGE
     for p in problems:
-        print("tb-numerics: warning: %s" % _safe_text(p), file=sys.stderr)
+        print("tb-numerics: warning: %s" % report_text.safe_text(p), file=sys.stderr)
     if args.json:
         # One JSON rule with the HTTP API: NaN and +-Inf as the strings "NaN", "Infinity", "-Infinity".
         sys.stdout.write(rules.dumps({"runs": summaries}) + "\n")
     elif not summaries:
-        print("no numerics records and no scalar summaries in %s: log them with tb_numerics.log_numerics"
-              % _safe_text(args.logdir))
+        print(report_text.nothing_found(args.logdir))
     else:
-        print(_table(summaries))
+        print(report_text.table(summaries))
     return exit_status(summaries)
 
 

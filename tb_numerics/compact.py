@@ -331,7 +331,11 @@ def _compact_values(block: str, tensors: Sequence[tuple[str, metadata.TensorInfo
     ]
 
 
-def merge(parts: Sequence[CompactSeries], shared_steps: dict | None = None) -> CompactSeries | None:
+def merge(
+    parts: Sequence[CompactSeries],
+    shared_steps: dict | None = None,
+    restarts: list[tuple[str, int, int]] | None = None,
+) -> CompactSeries | None:
     """One tensor's compact series from its compact parts of one block each,
     given in the order written, as ``packed.merge`` would make it: where a
     later part writes again the steps at the end of an earlier one (a job
@@ -339,13 +343,15 @@ def merge(parts: Sequence[CompactSeries], shared_steps: dict | None = None) -> C
     then lie end to end by step, and their pieces are shared, not copied.
     None where that cannot be (two writers at once, a later part holding
     only some of the steps it overlaps): ``packed.merge`` then decides on
-    the full records."""
+    the full records. Steps a later training wrote again go to ``restarts``
+    as ``packed.merge`` puts them there."""
     keep = [len(p.steps) for p in parts]
     first = [int(p.steps[0]) if len(p.steps) else 0 for p in parts]
     last = [int(p.steps[-1]) if len(p.steps) else -1 for p in parts]
     by_first = sorted(range(len(parts)), key=first.__getitem__)
     if all(last[a] < first[b] for a, b in zip(by_first, by_first[1:])):
         return _laid_end_to_end(parts, keep, shared_steps)  # the usual case: no step written twice
+    replaced: list[tuple[int, int]] = []
     for j, later in enumerate(parts):
         for i in range(j):
             earlier = parts[i]
@@ -358,7 +364,12 @@ def merge(parts: Sequence[CompactSeries], shared_steps: dict | None = None) -> C
             if not (rewritten[-1] <= later.steps[-1] and np.isin(rewritten, later.steps).all()):
                 return None
             keep[i] = cut
-    return _laid_end_to_end(parts, keep, shared_steps)
+            if restarts is not None and packed.follows(earlier, later):
+                replaced.append((int(rewritten[0]), int(rewritten[-1])))
+    got = _laid_end_to_end(parts, keep, shared_steps)
+    if got is not None and replaced and restarts is not None:
+        restarts.append((parts[-1].tag, min(lo for lo, _ in replaced), max(hi for _, hi in replaced)))
+    return got
 
 
 def _laid_end_to_end(parts: Sequence[CompactSeries], keep: list[int], shared_steps: dict | None) -> CompactSeries | None:

@@ -33,7 +33,7 @@ from tensorboard.compat.proto import event_pb2
 from tensorboard.data import provider
 from tensorboard.util import tensor_util
 
-from tb_numerics import event_reader, metadata
+from tb_numerics import event_reader, loader_guard, metadata
 
 __all__ = ["DataServerUnavailable", "FailoverProvider", "LogdirProvider"]
 
@@ -211,18 +211,21 @@ class FailoverProvider:
 
     def __init__(self, primary: Any, logdir: str | None, clock=time.time):
         self._primary = primary
+        self._logdir = logdir
         self._fallback = LogdirProvider(logdir) if logdir else None
         self._clock = clock
         self._lock = threading.Lock()
         self._outage: str | None = None  # why the primary was left, once it was
 
     def problems(self, run: str) -> list[str]:
-        """What every answer for ``run`` should say about where its records came from."""
+        """What every answer for ``run`` should say about where its records came
+        from, and the damage ``loader_guard`` kept TensorBoard's loader from."""
         with self._lock:
             outage = self._outage
+        guarded = loader_guard.problems(os.path.join(self._logdir, run)) if self._logdir else []
         if outage is None:
-            return []
-        return [outage] + self._fallback.problems(run)
+            return guarded
+        return [outage] + self._fallback.problems(run) + guarded
 
     def list_plugins(self, ctx=None, *, experiment_id):
         return self._call("list_plugins", ctx, experiment_id=experiment_id)

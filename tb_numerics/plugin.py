@@ -31,7 +31,7 @@ from tensorboard import errors, plugin_util
 from tensorboard.backend import http_util
 from tensorboard.plugins import base_plugin
 
-from tb_numerics import analysis, file_provider, logdir_provider, metadata, rules, run_store
+from tb_numerics import analysis, compare, file_provider, loader_guard, logdir_provider, metadata, rules, run_store
 
 __all__ = ["NumericsLoader", "NumericsPlugin", "frontend_dir"]
 
@@ -195,6 +195,7 @@ class NumericsPlugin(base_plugin.TBPlugin):
             "/summary": self._serve_summary,
             "/timeline": self._serve_timeline,
             "/series": self._serve_series,
+            "/compare": self._serve_compare,
             # Everything else under the plugin: the frontend's other files.
             "/*": self._serve_static,
         }
@@ -262,6 +263,7 @@ class NumericsPlugin(base_plugin.TBPlugin):
         answer = self._store.answer(ctx, experiment, run, safe_range)
         summary = analysis.run_summary(answer.analysis)
         summary["safe_range"] = analysis.safe_range_to_json(safe_range)
+        summary["restarts"] = answer.restarts
         summary.update(answer.freshness())
         return summary
 
@@ -292,6 +294,15 @@ class NumericsPlugin(base_plugin.TBPlugin):
             **analysis.series_points(health, max_points, start, end),
             **answer.freshness(),
         }
+
+    def compare_impl(self, ctx, experiment: str, run: str, against: str, band: compare.Band) -> dict[str, Any]:
+        """Where ``run`` first leaves ``against``'s band (``compare.compare_runs``)."""
+        mine = self._store.answer(ctx, experiment, run, analysis.SafeRange())
+        theirs = self._store.answer(ctx, experiment, against, analysis.SafeRange())
+        out = compare.compare_runs(
+            [h.series for h in mine.analysis.health], [h.series for h in theirs.analysis.health], band
+        )
+        return {"run": run, "against": against, **out, **mine.freshness()}
 
     # ---------------------------------------------------------- routes
 
@@ -330,6 +341,16 @@ class NumericsPlugin(base_plugin.TBPlugin):
         start, end = _step_range(args)
         max_points = _int_param(args, "max_points", DEFAULT_MAX_POINTS, 1, MAX_POINTS)
         return self.series_impl(*_ids(request), run, tag, safe_range, start, end, max_points)
+
+    @_route
+    def _serve_compare(self, request: wrappers.Request) -> dict:
+        args = request.args
+        run, against = _required(args, "run"), _required(args, "against")
+        try:
+            band = compare.parse_band(args)
+        except compare.BandError as e:
+            raise _BadRequest(str(e)) from None
+        return self.compare_impl(*_ids(request), run, against, band)
 
     @wrappers.Request.application
     def _serve_static(self, request: wrappers.Request) -> wrappers.Response:
@@ -423,10 +444,14 @@ class NumericsLoader(base_plugin.TBLoader):
     can (``numerics=1``, the latest record of each series: a long run's
     records are then held once, by the plugin, compactly); otherwise it
     keeps every one (``numerics=0``). A value the user set explicitly is
-    respected.
+    respected. It also installs ``loader_guard``, without which one damaged
+    record header crashes TensorBoard's Python loader.
     """
 
     def fix_flags(self, flags: Any) -> None:
+        # Before the loader reads a file: a damaged record header must not
+        # crash TensorBoard's Python loader (see ``loader_guard``).
+        loader_guard.install()
         spp = getattr(flags, "samples_per_plugin", None)
         if spp is None:
             spp = {}

@@ -77,10 +77,12 @@ class Snapshot:
     def __init__(self, tags: dict[str, TagData], limits: "Limits"):
         self.tags = tags
         overlaps: list[tuple[str, int, int]] = []
-        self.series = _merge(tags, overlaps)
+        restarts: list[tuple[str, int, int]] = []
+        self.series = _merge(tags, overlaps, restarts)
         # A long run's records are read back for what its compact series do not hold.
         self.compact = any(isinstance(s, compact.CompactSeries) for s in self.series)
         self._merge_problems = [packed.overlap_problem(overlaps)] if overlaps else []
+        self.restarts = packed.restart_summary(restarts)
         self.as_of_step = max(
             [int(s.steps[-1]) for s in self.series if s.steps.size]
             + [int(t.version[0]) for t in tags.values() if t.series is None and t.parts is None],
@@ -120,7 +122,9 @@ class Snapshot:
             return result
 
 
-def _merge(tags: Mapping[str, TagData], overlaps: list[tuple[str, int, int]]) -> list[records.TensorSeries]:
+def _merge(
+    tags: Mapping[str, TagData], overlaps: list[tuple[str, int, int]], restarts: list[tuple[str, int, int]]
+) -> list[records.TensorSeries]:
     """Every tensor's series: its own tag's, and its parts in packed blocks.
 
     Blocks are taken oldest first (by their last write), so a step written
@@ -129,8 +133,8 @@ def _merge(tags: Mapping[str, TagData], overlaps: list[tuple[str, int, int]]) ->
     (a view of the block's events, maybe float32) is replaced by a slice of
     the merged series: the snapshot then holds each record once, and
     the next refresh, which re-reads only the blocks that grew, still has them.
-    Tensors that several writers wrote at once go to ``overlaps`` (see
-    ``packed.merge``).
+    Tensors that several writers wrote at once go to ``overlaps``, steps a
+    later training wrote again to ``restarts`` (see ``packed.merge``).
     """
     out = [t.series for t in tags.values() if t.series is not None]
     blocks = sorted((t.version[1], tag) for tag, t in tags.items() if t.parts)
@@ -144,7 +148,7 @@ def _merge(tags: Mapping[str, TagData], overlaps: list[tuple[str, int, int]]) ->
     shared_steps: dict[tuple[int, ...], np.ndarray] = {}
     step_slices: dict[tuple[int, int, int], np.ndarray] = {}
     for name, placed in by_tensor.items():
-        merged, offsets = _merge_parts([part for _, part in placed], shared_steps, overlaps)
+        merged, offsets = _merge_parts([part for _, part in placed], shared_steps, overlaps, restarts)
         if offsets is not None:
             for (tag, part), at in zip(placed, offsets):
                 n = len(part.steps)
@@ -160,21 +164,24 @@ def _merge(tags: Mapping[str, TagData], overlaps: list[tuple[str, int, int]]) ->
 
 
 def _merge_parts(
-    parts: list[records.TensorSeries], shared_steps: dict, overlaps: list[tuple[str, int, int]]
+    parts: list[records.TensorSeries],
+    shared_steps: dict,
+    overlaps: list[tuple[str, int, int]],
+    restarts: list[tuple[str, int, int]],
 ) -> tuple[records.TensorSeries, list[int] | None]:
     """``packed.merge`` of one tensor's parts; compact parts (a long run's)
     make a compact series of their pieces where they lie end to end (the
     parts then stay as they are: the series shares their arrays), else
     their records are read back and merged in full."""
     if not any(isinstance(p, compact.CompactSeries) for p in parts):
-        return packed.merge(parts, shared_steps, overlaps)
+        return packed.merge(parts, shared_steps, overlaps, restarts)
     if all(isinstance(p, compact.CompactSeries) for p in parts):
-        got = compact.merge(parts, shared_steps)
+        got = compact.merge(parts, shared_steps, restarts)
         if got is not None:
             return got, None
     full = [records.TensorSeries(p.tag, p.info, p.steps, p.records(0, len(p.steps)), p.written)
             if isinstance(p, compact.CompactSeries) else p for p in parts]
-    return packed.merge(full, None, overlaps)[0], None
+    return packed.merge(full, None, overlaps, restarts)[0], None
 
 
 def return_freed_memory() -> None:

@@ -30,15 +30,29 @@ _lost_in: set[str] = set()
 def warn_lost_records(where: str, error: BaseException) -> None:
     """Says on stderr, once per ``where`` (a logdir), that numerics records
     could not be written there (a full disk) and are lost: training goes on,
-    but the report will not hold those steps, maybe the first NaN's."""
+    but the report will not hold those steps, maybe the first NaN's.
+
+    A write that failed part way leaves a cut record, and no reader
+    (TensorBoard's or the report's) reads a file past one: records written
+    there after space came back are lost too (seen on a tmpfs that filled
+    and was freed)."""
     if where in _lost_in:
         return
     _lost_in.add(where)
     print(
-        "tb-numerics: warning: numerics records could not be written to %s (%s); the steps being written "
-        "are lost, and later ones until writing works again (training goes on)" % (where, error),
+        "tb-numerics: warning: numerics records could not be written to %s (%s); the steps being written are "
+        "lost, and a record cut by the failed write ends what can be read of that event file, so later records "
+        "there are lost too, even once there is space again (training goes on; `tb-numerics report` names the "
+        "cut file)" % (where, _first_line(error)),
         file=sys.stderr,
     )
+
+
+def _first_line(error: BaseException) -> str:
+    """The line of a (TensorFlow: many-line) error that says what failed."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    said = [line for line in lines if "No space left" in line or "quota" in line.lower() or "too large" in line]
+    return (said or lines or [type(error).__name__])[0][:300]
 
 
 def _masked_crc32c_python(data: bytes) -> int:

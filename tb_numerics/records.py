@@ -41,11 +41,13 @@ _SUM_OVERFLOW = float(np.finfo(np.float32).max) / 2
 _CHECK_ROWS = 1 << 15
 
 
-def nonfinite_count(values: np.ndarray, neginf_ok: bool = False) -> np.ndarray:
-    """NaN + Inf (+ -Inf unless it is intended) of records ``[..., F]``."""
+def nonfinite_count(values: np.ndarray, neginf_ok: bool | np.ndarray = False) -> np.ndarray:
+    """NaN + Inf (+ -Inf unless it is intended) of records ``[..., F]``;
+    ``neginf_ok`` is one bool, or one per record. Its TensorFlow twin is
+    ``stats.nonfinite_count``."""
     v = np.asarray(values)
     bad = v[..., F["nan"]].astype(np.float64) + v[..., F["posinf"]]
-    return bad if neginf_ok else bad + v[..., F["neginf"]]
+    return bad + np.where(np.asarray(neginf_ok, bool), 0.0, v[..., F["neginf"]])
 
 
 @dataclasses.dataclass

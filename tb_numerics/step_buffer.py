@@ -52,12 +52,10 @@ from typing import Callable
 import numpy as np
 import tensorflow as tf
 
-from tb_numerics import _tf_internal, metadata, packed, record_writer, stats
+from tb_numerics import _tf_internal, metadata, packed, record_writer, records, stats, write_check
 
 __all__ = ["Entry", "StepBuffer", "traced_body_graph", "traced_step_graph"]
 
-F = metadata.FIELD_INDEX
-_NONFINITE = [2 + F["nan"], 2 + F["posinf"], 2 + F["neginf"]]
 traced_step_graph = _tf_internal.traced_step_graph
 traced_body_graph = _tf_internal.traced_body_graph
 
@@ -102,6 +100,8 @@ class StepBuffer:
         # Eager calls' rows of the step being logged, not yet in the buffer.
         self._eager: list[np.ndarray] = []
         self._eager_step: int | None = None
+        # Whether the writer's file grows by what is written (see write_check).
+        self.growth = write_check.GrowthCheck(self._prefix)
         _hook_flush(writer, self)
 
     def index_of(self, tag: str, info: metadata.TensorInfo) -> int:
@@ -157,7 +157,7 @@ class StepBuffer:
             return []
         # Made after the trace's automatic control dependencies: ordered by
         # hand after the loops and conds whose calls committed rows.
-        after = [op for op in graph.get_operations() if op._is_stateful] if in_bodies else []  # noqa: SLF001
+        after = _tf_internal.stateful_ops(graph) if in_bodies else []
         # Rows are kept where summaries were recorded at their call; once
         # kept, they are written whatever record_if says at the end.
         with writer.as_default(), tf.summary.record_if(True), tf.control_dependencies(after):
@@ -210,6 +210,9 @@ class StepBuffer:
         with tf.control_dependencies([written]):
             flushed = type(writer).flush(writer)  # the writer's own flush, not _hook_flush's
         with tf.control_dependencies([] if flushed is None else [flushed]):
+            # On the host, after the flush: TensorFlow's writer ignores a failed append.
+            checked = tf.numpy_function(self.growth, [rows_all], tf.bool, stateful=True)
+        with tf.control_dependencies([checked]):
             updates = [
                 self._rows.assign(tf.zeros([0, packed.COLUMNS], tf.float64)),
                 self._counts.assign(tf.stack([tf.constant(0, tf.int64), step, seq, in_block])),
@@ -225,7 +228,7 @@ class StepBuffer:
             self._push(force=False)
         self._eager_step = step
         self._eager.append(np.concatenate([[index, step], record]))
-        if np.sum(record[[F["nan"], F["posinf"], F["neginf"]]] * _nonfinite_weights(self._neginf_ok[[index]])[0]) > 0:
+        if records.nonfinite_count(record, self._neginf_ok[index]) > 0:
             self._push(force=True)
 
     def flush(self) -> None:
@@ -260,13 +263,6 @@ class StepBuffer:
             self._flushing = False
 
 
-def _nonfinite_weights(neginf_ok: np.ndarray) -> np.ndarray:
-    """[k, 3] weights of the NaN, +Inf and -Inf counts: -Inf not counted where intended."""
-    w = np.ones((len(neginf_ok), 3))
-    w[neginf_ok, 2] = 0
-    return w
-
-
 def _rows_of(entries: list[Entry], neginf_ok: np.ndarray) -> tuple[tf.Tensor, tf.Tensor]:
     """The rows of ``entries`` (table index, step, record) where summaries
     were recorded at their call, and whether one holds a NaN or an Inf
@@ -275,7 +271,7 @@ def _rows_of(entries: list[Entry], neginf_ok: np.ndarray) -> tuple[tf.Tensor, tf
     index = np.array([e.index for e in entries])
     steps = tf.cast(tf.stack([e.step for e in entries]), tf.float64)
     rows = tf.concat([tf.constant(index, tf.float64)[:, None], steps[:, None], vecs], axis=1)
-    bad = tf.reduce_sum(tf.gather(rows, _NONFINITE, axis=1) * _nonfinite_weights(neginf_ok[index]), 1) > 0
+    bad = stats.nonfinite_count(vecs, neginf_ok[index]) > 0
     keep = tf.stack([e.record for e in entries])
     return tf.boolean_mask(rows, keep), tf.reduce_any(bad & keep)
 
@@ -322,4 +318,4 @@ def _flush_all() -> None:
         try:
             buffer.flush()
         except Exception as e:  # noqa: BLE001 - exiting: write what can be written, say what could not
-            record_writer.warn_lost_records("the summary writer's logdir", e)
+            record_writer.warn_lost_records(buffer.growth.logdir or "the summary writer's logdir", e)

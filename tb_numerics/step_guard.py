@@ -131,12 +131,11 @@ class StepGuard:
             present = [g for g in grads if g is not None]
             total = tf.add_n([_sq_sum(g) for g in present]) if present else tf.constant(0.0, tf.float64)
 
-            def closer() -> tf.Tensor:  # rare: which of the two it is
-                finite = tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(
-                    g.values if isinstance(g, tf.IndexedSlices) else g)) for g in present]))
+            def closer() -> tf.Tensor:  # rare: which of the two it is, by the one rule
+                finite = stats.all_finite(present)
                 return tf.where(finite, tf.constant(1 + _OVERFLOWED, tf.int64), tf.constant(1 + _HELD, tf.int64))
 
-            code = tf.cond(tf.math.is_finite(total), lambda: tf.constant(0, tf.int64), closer)
+            code = tf.cond(stats.sums_finite([total]), lambda: tf.constant(0, tf.int64), closer)
 
             def update() -> tf.Tensor:
                 apply(grads, trainable_variables)
@@ -197,6 +196,6 @@ def _write(recs: list[update_check.Record], step: int) -> None:
     """Writes records to the default writer at ``step``, on disk at once."""
     for tag, vec, info in recs:
         summary.write_stats(tag, vec, step=step, info=info)
-    writer = summary._default_writer()  # noqa: SLF001 - the writer the step's records went to
+    writer = _tf_internal.default_summary_writer()  # the writer the step's records went to
     if writer is not None:
         writer.flush()

@@ -17,8 +17,9 @@ committed where it is (``step_buffer.StepBuffer.add_in_body``). Such a call
 returns whether summaries are recorded. The other calls write their record
 at once, one event per record, as follows.
 
-Per writer and tag, small state lives in TensorFlow variables (created under
-``tf.init_scope``, so a traced step can update them on every call):
+Per writer and tag, small state lives in TensorFlow variables
+(``_tag_writer``, created under ``tf.init_scope``, so a traced step can
+update them on every call):
 
 * whether the tag's metadata was written yet. TensorBoard reads metadata from
   the first event of a series only, so the first record of each tag carries
@@ -53,22 +54,19 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-import json
 import os
 import threading
 import weakref
 from typing import Callable, Sequence
 
 import numpy as np
-from tensorboard.compat.proto import summary_pb2
 
 from tb_numerics import _requires
 
 tf = _requires.tensorflow(__name__)
-from tensorflow.python.framework import smart_cond  # noqa: E402 - after the check that says what to install
-from tensorflow.python.ops import summary_ops_v2  # noqa: E402
 
-from tb_numerics import _tf_internal, latch, metadata, packed, stats, step_buffer  # noqa: E402
+from tb_numerics import _tag_writer, _tf_internal, metadata, stats, step_buffer  # noqa: E402
+from tb_numerics.stats import global_norm_record  # noqa: E402 - its spelling here, from before stats' split
 
 __all__ = [
     "default_role",
@@ -97,59 +95,9 @@ def gradients_squared_by(optimizer_name: str):
         _squared_by.reset(token)
 
 
-def _compact_metadata(info: metadata.TensorInfo) -> bytes:
-    """The metadata of a tag's later records: enough to read them without
-    the first (dtype, role, order, intended -Inf), in today's format, so any
-    reader that meets it first parses it as it parses the full one."""
-    content = {"version": metadata.RECORD_VERSION, "dtype": info.dtype, "role": info.role, "order": int(info.order)}
-    if info.neginf_ok:
-        content["neginf_ok"] = True
-    if info.compute_dtype and info.compute_dtype != info.dtype:
-        content["compute_dtype"] = info.compute_dtype
-    return summary_pb2.SummaryMetadata(
-        plugin_data=summary_pb2.SummaryMetadata.PluginData(
-            plugin_name=metadata.PLUGIN_NAME,
-            content=json.dumps(content, separators=(",", ":")).encode("utf-8"),
-        ),
-        data_class=summary_pb2.DATA_CLASS_TENSOR,
-    ).SerializeToString()
-
-
-class _TagState:
-    """What one writer remembers about one tag."""
-
-    def __init__(self, tag: str, info: metadata.TensorInfo, writer_id: str):
-        self.tag = tag
-        self.info = info
-        self.serialized_metadata = metadata.create_summary_metadata(info).SerializeToString()
-        self.later_metadata = _compact_metadata(info)
-        # Records beyond the first of a step (see _write_repeat).
-        self.repeat_tag = "%s%s/repeat/%06d" % (packed.TAG_PREFIX, writer_id, info.order)
-        self.repeat_metadata = metadata.create_block_metadata([(tag, info)]).SerializeToString()
-        self._vars: dict[str, tf.Variable] = {}
-
-    def var(self, key: str, initial: bool | np.ndarray | np.generic) -> tf.Variable:
-        """A state variable, created outside any function graph on first use.
-
-        ``initial`` is a Python or numpy value: a tensor made in a function
-        graph could not be used under ``init_scope``.
-        """
-        v = self._vars.get(key)
-        if v is None:
-            # Not a tf.Variable seen by tf.function's creator scope: a retrace
-            # may meet new tags (an optimizer that builds its own variables on
-            # the first call makes tf.function trace again, with new ops for
-            # op_numerics), and tf.function refuses variables created on any
-            # trace but the first. The state is written once, outside the
-            # replicas (see _emit), so it needs no distributed variable either.
-            v = _tf_internal.untracked_variable(initial, "tb_numerics_%s" % key)
-            self._vars[key] = v
-        return v
-
-
 class _WriterState:
     def __init__(self):
-        self.tags: dict[str, _TagState] = {}
+        self.tags: dict[str, _tag_writer.TagState] = {}
         self.writer_id = os.urandom(4).hex()
         # Where log_gradients was last called (see _position): tags first
         # seen after it in the same step are in the update phase.
@@ -161,12 +109,6 @@ _lock = threading.Lock()
 _writers: "weakref.WeakKeyDictionary[object, _WriterState]" = weakref.WeakKeyDictionary()
 
 
-def _default_writer():
-    # tf.summary has no public getter for the default writer; the per-writer
-    # state (first-record metadata, execution order) needs its identity.
-    return summary_ops_v2._summary_state.writer  # pylint: disable=protected-access
-
-
 def _writer_state(writer) -> _WriterState:
     with _lock:
         ws = _writers.get(writer)
@@ -175,13 +117,13 @@ def _writer_state(writer) -> _WriterState:
         return ws
 
 
-def _tag_state(writer, tag: str, make_info: Callable[[int], metadata.TensorInfo]) -> _TagState:
+def _tag_state(writer, tag: str, make_info: Callable[[int], metadata.TensorInfo]) -> _tag_writer.TagState:
     """The writer's state of ``tag``; ``make_info(order)`` makes the info of a new tag."""
     ws = _writer_state(writer)
     with _lock:
         st = ws.tags.get(tag)
         if st is None:
-            st = ws.tags[tag] = _TagState(tag, make_info(len(ws.tags)), ws.writer_id)
+            st = ws.tags[tag] = _tag_writer.TagState(tag, make_info(len(ws.tags)), ws.writer_id)
         return st
 
 
@@ -342,105 +284,13 @@ def _info_for(x: tf.Tensor, role: str, description: str | None, dtype: str, negi
     return make
 
 
-def _kinds(vec: tf.Tensor, neginf_ok: bool) -> tf.Tensor:
-    """The int64 mask (``latch.KIND_BITS``) of the kinds of non-finite
-    values a record holds that are not intended: the TensorFlow twin of
-    ``latch.kinds``."""
-    bits = {k: b for k, b in latch.KIND_BITS.items() if not (neginf_ok and k == "neginf")}
-    present = tf.cast(tf.gather(vec, [F[k] for k in bits]) > 0, tf.int64)
-    return tf.reduce_sum(present * tf.constant(list(bits.values()), tf.int64))
-
-
-def _write(st: _TagState, stats_vec: tf.Tensor, step: tf.Tensor) -> tf.Tensor:
-    """One record of ``st.tag``: a step's first under the tag itself, a
-    later one of the same step as a repeat (see ``_write_repeat``)."""
-    # (step of the last record written, records written at that step)
-    at = st.var("written_at", np.array([-1, 0], np.int64))
-    last = st.var("last_record", np.zeros(metadata.NUM_FIELDS, np.float64))
-    pos = at.read_value()
-    prev = last.read_value()
-    repeat = tf.equal(pos[0], step)
-    written = tf.cond(
-        repeat,
-        lambda: _write_repeat(st, stats_vec, step, prev, pos[1]),
-        lambda: _write_first(st, stats_vec, step),
-    )
-    with tf.control_dependencies([written]):
-        count = tf.where(repeat, pos[1] + 1, tf.constant(1, tf.int64))
-        updates = [
-            at.assign(tf.where(written, tf.stack([step, count]), pos)),
-            last.assign(tf.where(written, stats_vec, prev)),
-        ]
-    with tf.control_dependencies(updates):
-        return tf.identity(written)
-
-
-def _write_first(st: _TagState, stats_vec: tf.Tensor, step: tf.Tensor) -> tf.Tensor:
-    """A record under the tag; the full metadata with the tag's first record,
-    the compact one (``_compact_metadata``) with every later one."""
-    pending = st.var("metadata_pending", True)
-    meta = tf.where(pending, st.serialized_metadata, st.later_metadata)
-    written = tf.summary.write(st.tag, stats_vec, step=step, metadata=meta)
-    with tf.control_dependencies([written]):
-        # Only a record that was actually written clears the flag.
-        update = pending.assign(tf.logical_and(pending, tf.logical_not(written)))
-    with tf.control_dependencies([update]):
-        return tf.identity(written)
-
-
-def _write_repeat(
-    st: _TagState, stats_vec: tf.Tensor, step: tf.Tensor, prev: tf.Tensor, count: tf.Tensor
-) -> tf.Tensor:
-    """A record of a step that already has one under the tag (micro-batches,
-    a loop body), as a packed event (format 3) under ``st.repeat_tag``.
-
-    TensorBoard's Rust data server keeps one event per tag and step (a
-    second one preempts the first), so the record cannot go under the tag
-    itself. The event's rows hold the true step; its event step counts the
-    repeat events, so that no repeat preempts another. The step's first
-    repeat event also carries the step's first record: a reader that merges
-    the tag's parts keeps a step's records from the part written last,
-    which then holds them all, in order. Every repeat event carries the
-    one-row table, so that each stands on its own.
-    """
-    events = st.var("repeat_events", np.int64(0))
-    head = tf.stack([tf.constant(0.0, tf.float64), tf.cast(step, tf.float64)])
-    rows = tf.stack([tf.concat([head, prev], 0), tf.concat([head, stats_vec], 0)])
-    rows = rows[tf.cast(count > 1, tf.int32):]
-    n = events.read_value()
-    written = tf.summary.write(st.repeat_tag, rows, step=n, metadata=st.repeat_metadata)
-    with tf.control_dependencies([written]):
-        update = events.assign(tf.where(written, n + 1, n))
-    with tf.control_dependencies([update]):
-        return tf.identity(written)
-
-
-def _record(st: _TagState, stats_vec: tf.Tensor, step: tf.Tensor, every_n: int | None) -> tf.Tensor:
-    """Writes ``stats_vec`` as ``every_n`` says (``latch.decide``)."""
-    if every_n is None:
-        return _write(st, stats_vec, step)
-    prev_step = st.var("prev_step", np.int64(latch.NO_PREVIOUS_STEP))
-    prev_stats = st.var("prev_stats", np.zeros(metadata.NUM_FIELDS, np.float64))
-    seen = st.var("kinds_seen", np.int64(latch.NO_KINDS))
-    p_step, p_stats = prev_step.read_value(), prev_stats.read_value()
-    d = latch.decide(step, p_step, _kinds(stats_vec, st.info.neginf_ok), seen.read_value(), every_n)
-    no = lambda: tf.constant(False)  # noqa: E731
-    wrote_prev = tf.cond(d.write_prev, lambda: _write(st, p_stats, p_step), no)
-    with tf.control_dependencies([wrote_prev]):
-        wrote_now = tf.cond(d.write_now, lambda: _write(st, stats_vec, step), no)
-    with tf.control_dependencies([wrote_now]):
-        updates = [prev_step.assign(step), prev_stats.assign(stats_vec), seen.assign(d.seen)]
-    with tf.control_dependencies(updates):
-        return tf.logical_or(wrote_prev, wrote_now)
-
-
 def _combine(vec: tf.Tensor) -> tf.Tensor:
     """The record of all replicas' values inside ``strategy.run``; else ``vec``."""
     ctx = stats.replica_context()
     return vec if ctx is None else stats.all_reduce_stats(vec, ctx)
 
 
-def _emit(records: list[tuple[_TagState, tf.Tensor]], step: tf.Tensor, every_n: int | None) -> tf.Tensor:
+def _emit(records: list[tuple[_tag_writer.TagState, tf.Tensor]], step: tf.Tensor, every_n: int | None) -> tf.Tensor:
     """Writes records of one call where summaries are being recorded.
 
     Inside ``strategy.run`` with several replicas the records (already
@@ -448,10 +298,10 @@ def _emit(records: list[tuple[_TagState, tf.Tensor]], step: tf.Tensor, every_n: 
     """
     def write_all(vecs) -> tf.Tensor:
         def run() -> tf.Tensor:
-            wrote = [_record(st, v, step, every_n) for (st, _), v in zip(records, vecs)]
+            wrote = [_tag_writer.record(st, v, step, every_n) for (st, _), v in zip(records, vecs)]
             return tf.reduce_any(tf.stack(wrote))
 
-        return smart_cond.smart_cond(
+        return _tf_internal.smart_cond(
             tf.summary.should_record_summaries(), run, lambda: tf.constant(False)
         )
 
@@ -487,7 +337,7 @@ def write_stats(
     """
     every_n = _check_every_n(every_n_steps)
     _check_role(info.role)
-    writer = _default_writer()
+    writer = _tf_internal.default_summary_writer()
     if writer is None:
         return tf.constant(False)
     step = _resolve_step(step)
@@ -547,7 +397,7 @@ def log_numerics(
         _check_role(role)
     x = tf.convert_to_tensor(tensor)
     dtype = stats.check_dtype(x, name)
-    writer = _default_writer()
+    writer = _tf_internal.default_summary_writer()
     if writer is None:
         return tf.constant(False)
     step = _resolve_step(step)
@@ -571,7 +421,7 @@ def _gated_compute(fn) -> tf.Tensor:
     join the all-reduce, so there the gate is left to the write itself."""
     if stats.replica_context() is not None:
         return fn()
-    return smart_cond.smart_cond(tf.summary.should_record_summaries(), fn, lambda: tf.constant(False))
+    return _tf_internal.smart_cond(tf.summary.should_record_summaries(), fn, lambda: tf.constant(False))
 
 
 def gradient_tag(variable) -> str:
@@ -627,7 +477,7 @@ def log_gradients(
         tag = gradient_tag(v)
         g = tf.convert_to_tensor(g)
         pairs.append((tag, g, stats.check_dtype(g, tag)))
-    writer = _default_writer()
+    writer = _tf_internal.default_summary_writer()
     if writer is None or not pairs:
         return tf.constant(False)
     step = _resolve_step(step)
@@ -654,46 +504,3 @@ def log_gradients(
         return _emit(records, step, every_n)
 
     return _gated_compute(compute_and_emit)
-
-
-def global_norm_record(vecs: tf.Tensor, dtype: str) -> tf.Tensor:
-    """The record of the global L2 norm of tensors from their records ``vecs`` [n, F].
-
-    The TensorFlow twin of ``records.global_norm_record``: sqrt of the
-    summed squares in float64 (NaN if any element is NaN, else Inf if any
-    is Inf, as ``tf.linalg.global_norm``), with no extra pass over the data,
-    recorded as one value of ``dtype`` as ``records.scalar_record`` does:
-    not rounded to ``dtype``, so a norm of finite gradients beyond its range
-    is a finite record that counts as an overflow, never a fake +Inf.
-    """
-    vecs = tf.reshape(tf.cast(vecs, tf.float64), [-1, metadata.NUM_FIELDS])
-    nan = tf.reduce_sum(vecs[:, F["nan"]])
-    inf = tf.reduce_sum(vecs[:, F["posinf"]] + vecs[:, F["neginf"]])
-    norm = tf.sqrt(tf.reduce_sum(vecs[:, F["sum_sq"]]))
-    norm = tf.where(nan > 0, tf.constant(np.nan, tf.float64), tf.where(inf > 0, tf.constant(np.inf, tf.float64), norm))
-    return scalar_record(norm, dtype)
-
-
-def scalar_record(value: tf.Tensor, dtype: str) -> tf.Tensor:
-    """The record of one float64 value held to ``dtype``'s range: the
-    TensorFlow twin of ``records.scalar_record``."""
-    v = tf.reshape(tf.cast(value, tf.float64), [])
-    finite = tf.math.is_finite(v)
-    one, zero = tf.constant(1.0, tf.float64), tf.constant(0.0, tf.float64)
-    flag = lambda b: tf.where(b, one, zero)  # noqa: E731
-    fin = tf.where(finite, v, zero)
-    extreme = tf.where(finite, v, tf.constant(np.nan, tf.float64))
-    mag = tf.abs(fin)
-    return tf.stack([
-        one,
-        flag(tf.math.is_nan(v)),
-        flag(tf.equal(v, np.inf)),
-        flag(tf.equal(v, -np.inf)),
-        extreme,
-        extreme,
-        fin,
-        fin * fin,
-        flag(finite & tf.equal(v, 0.0)),
-        flag(mag > metadata.overflow_margin(dtype)),
-        flag((mag > 0) & (mag < metadata.smallest_normal(dtype))),
-    ])

@@ -8,9 +8,10 @@ whole), gradients (compact, but for the two the by-depth rule compares),
 the loss and the global norm. Faults are injected at fixed fractions of the
 run, so that their steps are known without any reader:
 
-- a gradient jumps to 1e20 for one step at ``jump_at`` (fast growth, a
-  square its optimizer cannot hold, and a spike of the global norm): the
-  first warning, at 60 % of the run;
+- a gradient jumps to 1e20 for three steps from ``jump_at`` (fast growth, a
+  square its optimizer cannot hold, and a spike of the global norm; a jump
+  that the next records undo would be a transient the detectors leave
+  quiet): the first warning, at 60 % of the run;
 - a gradient underflows (a fifth of its values below float32's smallest
   normal) for 40 steps from ``underflow_from``;
 - a linear activation grows 10x a step for 12 steps from ``growth_at``
@@ -97,7 +98,7 @@ def _values(name: str, info: metadata.TensorInfo, i: int, steps: int, nan: bool 
     if name == "dense01/kernel":  # underflow: a fifth of the values below float32's smallest normal
         v[f["underflow_from"] : f["underflow_to"], F["underflow"]] = size // 5
     if name == "dense04/kernel":  # one step's jump
-        j = f["jump_at"]
+        j = slice(f["jump_at"], f["jump_at"] + 3)
         v[j, F["min"]], v[j, F["max"]] = -1e20, 1e20
         v[j, F["sum_sq"]] = 1e40
     if name == "dense02/output":  # growth towards overflow, 10x a step

@@ -182,12 +182,12 @@ def test_an_anomaly_beats_damage(tmp_path):
 
 def test_the_report_says_what_the_last_healthy_and_last_finite_steps_are():
     """Issue 26 item 6: two bare step numbers read as a contradiction."""
-    from tb_numerics import analysis, cli, records
+    from tb_numerics import analysis, records, report_text
 
     info = metadata.TensorInfo(dtype="float32", role="activation")
     # Warned (beyond the float32 margin) from step 5, +Inf at step 8.
     vals = [numpy_stats(np.float32([1.0, 1e37 if 5 <= s < 8 else np.inf if s == 8 else 1.0])) for s in range(9)]
     ra = analysis.analyze_run("r", [records.make_series("h", info, range(9), vals)])
-    lines = cli.anomaly_lines(analysis.first_anomaly(ra))
+    lines = report_text.anomaly_lines(analysis.first_anomaly(ra))
     assert lines[1] == ("  last healthy step: 4 (no warning and no NaN/Inf in this tensor); "
                         "last finite step: 7 (a warning, but no NaN/Inf)")

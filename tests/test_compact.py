@@ -135,6 +135,8 @@ def test_a_restarted_job_over_a_compact_run_reads_as_the_cli_does(tmp_path, monk
     assert truth["first_anomaly"]["step"] == long_run.faults(1200)["neginf_at"]  # the NaN was written over
     for key in ("first_anomaly", "first_warning", "warnings", "records", "problems"):
         assert rules.dumps(got[key]) == rules.dumps(truth[key]), key
+    answer = store.answer(RequestContext(), "", long_run.RUN, analysis.SafeRange())
+    assert answer.restarts == truth["restarts"] and truth["restarts"][0]["first_step"] == 700  # said, as the CLI says it
     h = _answer(store, {}).find("dense00/output")
     assert isinstance(h.series, compact.CompactSeries) and len(h.series.pieces) == 2
     monkeypatch.setattr(views, "READ_BACK_RECORDS", 100)  # a chart of chunks across the restart

@@ -351,7 +351,9 @@ def test_a_record_after_a_bad_checksum_is_still_read(tmp_path) -> None:
 
 # Both TensorBoard loaders (Rust data server, Python loader) die on a
 # checksummed record header claiming a terabyte (an allocation abort, a
-# segfault): that run is left to the CLI test. Known TensorBoard limits that
+# segfault): that run is left to the CLI test here; the plugin's failover
+# (test_data_server_outage.py) and loader guard (test_loader_guard.py,
+# test_storm.py) keep the tab answering. Known TensorBoard limits that
 # the plugin, reading through the data provider, cannot work around; strict,
 # so a fix upstream or in the plugin turns them into a failure to update.
 #

@@ -8,7 +8,7 @@ import sysconfig
 
 import pytest
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -50,6 +50,7 @@ assert any(e.name == "tb-numerics" for e in md.entry_points(group="console_scrip
 files = {p.name for p in res.files("tb_numerics.frontend").iterdir()}
 assert "index.js" in files, files
 assert res.files("tb_numerics").joinpath("http_api.md").is_file()
+assert res.files("tb_numerics").joinpath("oplevel", "recorder.py").is_file()  # the subpackage ships too
 from tensorboard import default
 assert any(getattr(p, "__name__", "") == "NumericsLoader" for p in default.get_dynamic_plugins())
 print("ok")

@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import numpy as np
 import tensorflow as tf
 
-from tb_numerics import metadata, summary
+from tb_numerics import _tf_internal, metadata, summary
 
 __all__ = ["StepWriter"]
 
@@ -39,7 +39,7 @@ class StepWriter:
         Raises:
           ValueError: ``step`` is None and there are records to write.
         """
-        writer = summary._default_writer()  # noqa: SLF001 - a trace writes to the writer it saw
+        writer = _tf_internal.default_summary_writer()  # a trace writes to the writer it saw
         if not recs or writer is None or not bool(tf.summary.should_record_summaries()):
             return
         kinds = list(dict.fromkeys((tag, info) for tag, _, info in recs))  # in first-run order

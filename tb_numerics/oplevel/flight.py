@@ -16,8 +16,8 @@ from typing import Any, Sequence
 import numpy as np
 import tensorflow as tf
 
-from tb_numerics import _tf_internal, metadata, summary
-from tb_numerics.records import NONFINITE_FIELDS
+from tb_numerics import _tf_internal, metadata, stats, summary
+from tb_numerics.records import nonfinite_count
 
 __all__ = ["EagerFlight", "GraphFlight", "Record"]
 
@@ -39,7 +39,7 @@ class EagerFlight:
         if self.fired or not recs:
             return False
         vecs = np.stack([np.asarray(vec) for _, vec, _ in recs])
-        if np.any(vecs[:, list(NONFINITE_FIELDS)] > 0):
+        if np.any(nonfinite_count(vecs, _neginf_ok(recs)) > 0):
             self.fired = True
             for s, window in self._history:
                 for tag, vec, info in window:
@@ -81,9 +81,14 @@ class GraphFlight:
             fired.assign(True)
             return tf.constant(True)
 
-        bad = tf.reduce_any(tf.gather(now, list(NONFINITE_FIELDS), axis=1) > 0)
+        bad = tf.reduce_any(stats.nonfinite_count(now, _neginf_ok(recs)) > 0)
         tf.cond(tf.logical_and(bad, tf.logical_not(fired.read_value())), write_window,
                 lambda: tf.constant(False))
+
+
+def _neginf_ok(recs: Sequence[Record]) -> np.ndarray:
+    """Per record: whether -Inf is intended in its tensor."""
+    return np.array([info.neginf_ok for _, _, info in recs], bool)
 
 
 def _write_ring(recs: Sequence[Record], buf, steps, count, k: int) -> None:

@@ -27,7 +27,9 @@ __all__ = ["ForwardIndex", "ForwardOp", "SourceLocator", "format_where", "short_
 
 def _library_dirs() -> tuple[str, ...]:
     """Directories whose frames are never "the user's source line"."""
-    dirs = [os.path.dirname(os.path.abspath(__file__)), sysconfig.get_paths()["stdlib"]]
+    # tb_numerics itself (this file is in tb_numerics/oplevel/), the standard library, the frameworks.
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    dirs = [package, sysconfig.get_paths()["stdlib"]]
     for mod in ("tensorflow", "keras", "tf_keras", "absl"):
         spec = importlib.util.find_spec(mod)
         if spec is not None and spec.submodule_search_locations:
@@ -85,7 +87,7 @@ class ForwardOp(NamedTuple):
 
 
 def _ids(tensors: Iterable[Any]) -> tuple[Any, ...]:
-    return tuple(None if t is None else t._id for t in tensors)  # noqa: SLF001 - unique per tensor
+    return tuple(None if t is None else _tf_internal.tensor_id(t) for t in tensors)
 
 
 class ForwardIndex:

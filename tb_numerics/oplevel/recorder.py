@@ -1,86 +1,16 @@
-"""Op-level numerics: the exact op, its type and source line, where values go bad.
+"""The op-level recorder: ``OpNumerics`` (``op_numerics``) and ``replay_step``.
 
-The layer-level API records the tensors a user names. ``op_numerics`` records
-every floating-point op output of a training step without the user naming
-anything, forward ops and the gradient ops the tape builds alike::
-
-    recorder = tbn.op_numerics()              # or op_numerics(flight_recorder=8)
-
-    @tf.function                              # a traced step: each call is one step
-    @recorder
-    def train_step(x, y):
-        ...
-
-    for step, (x, y) in enumerate(data):      # or an eager step, which may call
-        with writer.as_default(step=step), recorder:   # tf.functions of its own
-            train_step_eager(x, y)
-
-Each op output becomes an ordinary numerics record under the tag
-``ops/<op name>`` (the graph op name in a ``tf.function``, ``<name
-scope><OpType>`` eagerly), with ``TensorInfo.op_type`` the op type and
-``TensorInfo.description`` the user's source line that created it
-(``file:line (function)``; for a gradient op, the line of the forward op it
-differentiates). Ops built inside the gradient computation have role
-"gradient" (backward phase); ops run after it, such as the optimizer's, role
-"weight" (update phase); all others role "activation" (forward phase). So
-the analysis core's "first anomaly" names the first op whose output left
-the safe range.
-
-**An eager block owns its step.** Around an eager step, the recorder also
-records the ops of the ``tf.function``s the step calls (and their gradients,
-their ``tf.cond`` branches and ``tf.while_loop`` bodies, such as Keras RNN
-loops): their record ops, added when a function is traced inside the block,
-store each record with its execution position in the recorder's own
-variables, and the block writes them when it closes, in execution order, at
-the step the block was entered with (a Python int or a ``tf.Variable``).
-Outside any block those record ops do nothing, so an evaluation pass through
-an instrumented function records nothing. Every execution of an op counts:
-an op in a loop body gives one record per iteration (occurrences of its tag
-at that step, in execution order), and tags are first written in execution
-order, so the order the analysis sorts by is the order ops first ran. Where
-that cannot tell (an op early in a loop body whose record of iteration 3
-went bad because of a later op at iteration 2), the block also writes, at a
-step with a non-finite op record, a mark naming the first of them in exact
-execution order (``_op_record``). ``OpNumerics.first_bad`` is that record of
-the last eager step, and ``replay_step`` runs a step function once this way
-and returns it. A function traced before the recorder was first active has
-no record ops (a warning names it: trace it inside the block); its outputs
-are recorded instead, under its name, with the op type of its call
-(``__inference_<name>_<uid>``), so a value it made is pinned on it and not on
-the op after it. A function a called function calls files its ops under
-both names (``ops/outer/inner/Log``). Gradient
-bodies of ``tf.while_loop`` (a Keras RNN's backward pass) are not recorded:
-they may only capture values of the forward loop.
-
-The record is ``stats.op_stats``, lighter than the layer-level
-``tensor_stats`` because it runs on every op output. Count, NaN / +Inf /
--Inf counts, min, max and the overflow count are the same (exact); **sum and
-sum of squares are not computed and are always NaN** (so mean, std and L2
-norm read as NaN, "not recorded"), and **the zero and underflow counts are
-not computed and are always 0** (0 keeps the counts valid; no underflow
-warning is ever raised from an op-level record). Naming the op where a
-value first goes NaN/Inf or beyond the overflow margin needs none of them,
-and each cost every op output another pass over its values (zeros and
-underflow, elementwise ones, in every tensor holding a zero); left out, a
-typical op output costs two reductions. For those statistics of a tensor,
-use ``log_numerics`` on it.
-
-Like TensorFlow's ``enable_check_numerics``, it hooks op creation with op
-callbacks: inside a ``tf.function`` the statistics ops are added to the graph
-when it is traced, so only traces made while the recorder is active are
-instrumented (put ``@recorder`` under ``@tf.function``). Under
-``jit_compile=True`` it raises ``ValueError`` at trace time: summary ops
-cannot run inside XLA, and XLA fuses ops so their outputs do not exist.
+The op callback here picks the op outputs to record and where each record
+goes; the pieces it composes are the package's other modules (see
+``tb_numerics.oplevel``).
 """
-
 from __future__ import annotations
 
 import contextlib
 import functools
 import logging
-import re
 import threading
-from typing import Any, Callable, Collection, NamedTuple, TypeVar
+from typing import Any, Callable, Collection, TypeVar
 
 import numpy as np
 
@@ -89,24 +19,17 @@ from tb_numerics import _requires
 tf = _requires.tensorflow(__name__)
 
 from tb_numerics import _tf_internal, metadata, stats, summary  # noqa: E402
-from tb_numerics._op_flight import EagerFlight, GraphFlight, Record
-from tb_numerics._op_nested import NestedRecords
-from tb_numerics._op_record import GRADIENT_OF, OpRecord, mark_record, op_record, parse_mark
-from tb_numerics._op_record import first_bad as first_bad_of
-from tb_numerics._op_source import ForwardIndex, ForwardOp, SourceLocator
-from tb_numerics._op_tags import TAG_PREFIX, OpTags, eager_site, graph_site
-from tb_numerics._op_write import StepWriter
-from tb_numerics.records import nonfinite_count
+from tb_numerics.oplevel.flight import EagerFlight, GraphFlight, Record  # noqa: E402
+from tb_numerics.oplevel.nested import NestedRecords  # noqa: E402
+from tb_numerics.oplevel.record import OpRecord, mark_record, op_record  # noqa: E402
+from tb_numerics.oplevel.record import first_bad as first_bad_of  # noqa: E402
+from tb_numerics.oplevel.source import ForwardOp, SourceLocator  # noqa: E402
+from tb_numerics.oplevel.step import Op, Step, resolve_step  # noqa: E402
+from tb_numerics.oplevel.tags import OpTags, eager_site, graph_site  # noqa: E402
+from tb_numerics.oplevel.write import StepWriter  # noqa: E402
+from tb_numerics.records import nonfinite_count  # noqa: E402
 
-__all__ = [
-    "DEFAULT_SKIP_OP_TYPES",
-    "OpNumerics",
-    "OpRecord",
-    "TAG_PREFIX",
-    "op_numerics",
-    "parse_mark",
-    "replay_step",
-]
+__all__ = ["DEFAULT_SKIP_OP_TYPES", "OpNumerics", "op_numerics", "replay_step"]
 
 # Op types skipped by default: they move, copy or reshape values, create
 # constants or call functions (whose own ops are recorded), so they cannot be
@@ -132,47 +55,9 @@ DEFAULT_SKIP_OP_TYPES = frozenset(
 # empty batch, its reserve space): only output 0 of these op types is recorded.
 _FIRST_OUTPUT_ONLY = ("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3")
 
-_BACKWARD_NAME = re.compile(r"(^|/)(gradient_tape|gradients(_\d+)?)/|_grad/")
-
 FnT = TypeVar("FnT", bound=Callable[..., Any])
 
 _log = logging.getLogger(__name__)
-
-
-class _Op(NamedTuple):
-    """One op as the op callback reports it."""
-
-    type: str
-    name: str | None  # the graph op name; None for an eager op
-    graph: Any  # the graph being built; None for an eager op
-    inputs: Any
-    outputs: Any
-
-
-class _Described(NamedTuple):
-    role: str
-    where: str
-    base: str  # the op's name in its tag
-    backward: bool
-
-
-class _Step:
-    """What one step (one block, or one trace of a decorated step) has recorded so far."""
-
-    def __init__(self, graph: Any, step: Any):
-        self.graph = graph  # None for an eager step, else the FuncGraph being traced
-        self.step = step  # eager: an int or None; traced: the user's step
-        self.backward_seen = False
-        self.forward = ForwardIndex()
-        # Traced step: tag -> (record, info) of its own graph's ops, in trace
-        # order; (tag, info, acc row) of ops in graphs nested in it (flight recorder).
-        self.records: dict[str, tuple[Any, metadata.TensorInfo]] = {}
-        self.acc_sites: list[tuple[str, metadata.TensorInfo, int]] = []
-        # Eager step: (order key, tag, record, info) of each eager op output.
-        self.eager: list[tuple[tuple[int, int, int], str, Any, metadata.TensorInfo]] = []
-        self.nested_before = 0  # nested records that ran before the next eager op
-        self.function_ran = False  # a function ran since nested_before was read
-        self.first_bad: OpRecord | None = None  # found as ops ran (inspect mode)
 
 
 class OpNumerics:
@@ -186,11 +71,11 @@ class OpNumerics:
     record and where each record goes (an eager op's record is kept for the
     end of the block, a traced op's is added to its graph, an op of a graph
     nested in the step gets record ops from ``NestedRecords``);
-    ``SourceLocator`` and ``ForwardIndex`` (``_op_source``) give each op its
+    ``SourceLocator`` and ``ForwardIndex`` (``oplevel.source``) give each op its
     source line and each gradient op its forward op; ``OpTags`` names the
-    tags; ``EagerFlight`` and ``GraphFlight`` (``_op_flight``) are the
-    flight recorders; ``StepWriter`` (``_op_write``) writes an eager step's
-    records in one traced call; ``OpRecord`` (``_op_record``) is the first
+    tags; ``EagerFlight`` and ``GraphFlight`` (``oplevel.flight``) are the
+    flight recorders; ``StepWriter`` (``oplevel.write``) writes an eager step's
+    records in one traced call; ``OpRecord`` (``oplevel.record``) is the first
     non-finite record of a step and the mark written beside it.
 
     One step at a time per recorder: its blocks cannot nest, and the state
@@ -288,7 +173,7 @@ class OpNumerics:
             if _tf_internal.in_xla_context():
                 raise _xla_error()
             graph = tf.compat.v1.get_default_graph()
-        st = _Step(graph, self._resolve_step(graph))
+        st = Step(graph, resolve_step(self._step_arg, graph, bool(self.flight_recorder)))
         if graph is None:
             self._nested.open_block()
         self._local.step = st
@@ -314,17 +199,6 @@ class OpNumerics:
 
     # ------------------------------------------------------------ ops
 
-    def _resolve_step(self, graph: Any) -> Any:
-        step = self._step_arg if self._step_arg is not None else tf.summary.experimental.get_step()
-        if step is None and self.flight_recorder:
-            raise ValueError(
-                "op_numerics needs a step: pass step=, or call tf.summary.experimental.set_step()"
-            )
-        if graph is None and step is not None:  # the block owns the value of this call's step
-            return int(step.numpy()) if hasattr(step, "numpy") else int(step)
-        # A traced step's value where the step starts, not where its records are written.
-        return step if step is None else summary.read_step(step)
-
     def _callback(self, op_type, inputs, attrs, outputs, op_name=None, graph=None):
         """The op callback: picks the outputs to record and records them."""
         st = getattr(self._local, "step", None)
@@ -332,6 +206,9 @@ class OpNumerics:
             return None
         # Eager ops run through execute() report their type as bytes.
         op_type = op_type.decode() if isinstance(op_type, bytes) else op_type
+        if self._inspect_inputs and graph is None:  # a replay: name what each op makes
+            made_by = _tf_internal.eager_scope_name() + op_type
+            st.producers.update((id(t), (made_by, t)) for t in outputs if t is not None)
         if graph is None and _tf_internal.is_function_call(op_type):
             # A whole traced function ran: its ops were seen when it was traced,
             # unless that was outside any block; then its outputs are recorded.
@@ -356,7 +233,7 @@ class OpNumerics:
             # An eager op reports the ``name=`` its caller passed (Keras'
             # BatchNormalization names its moments so): it has no graph op name.
             name = op_name if graph is not None else None
-            return self._record(st, _Op(op_type, name, graph, inputs, outputs), picked)
+            return self._record(st, Op(op_type, name, graph, inputs, outputs), picked)
         finally:
             self._local.busy = False
 
@@ -374,14 +251,14 @@ class OpNumerics:
                 "block (or trace it anew)", name, op_type)
         return False
 
-    def _record(self, st: _Step, op: _Op, picked) -> list | None:
+    def _record(self, st: Step, op: Op, picked) -> list | None:
         """Records the picked outputs of ``op``; returns the op's new outputs, if any."""
         own_graph = op.graph is None or op.graph is st.graph
         if op.graph is not None and _tf_internal.in_xla_context():
             raise _xla_error()
         if not own_graph and _tf_internal.in_loop_gradient(op.graph):
             return None  # not recordable there; the loop's forward ops are
-        d = self._describe(st, op, own_graph)
+        d = st.describe(op, own_graph, *self._source.locate())
         outputs, replaced = list(op.outputs), False
         for slot, tensor in picked:
             site = eager_site(d.base, d.where, slot) if op.graph is None else graph_site(
@@ -396,38 +273,6 @@ class OpNumerics:
             if new is not None:
                 outputs[slot], replaced = new, True
         return outputs if replaced else None
-
-    def _describe(self, st: _Step, op: _Op, own_graph: bool) -> _Described:
-        """Role, source line and name of ``op``."""
-        where, in_backward = self._source.locate()
-        forward_op = _tf_internal.current_forward_op()
-        if forward_op is None and op.name is not None and "_grad/" in op.name:
-            forward_op = _tf_internal.graph_forward_op(op.name)
-        backward = (
-            in_backward or forward_op is not None
-            or (op.name is not None and _BACKWARD_NAME.search(op.name) is not None)
-        )
-        fwd = st.forward.find(forward_op) if backward else None
-        if backward:
-            # A called function's backward graph is traced with its forward
-            # call: only what runs in the step itself marks the update phase.
-            st.backward_seen |= own_graph
-            role = "gradient"
-            if fwd is not None:
-                where = "%s%s%s" % (fwd.where, GRADIENT_OF, fwd.tag)
-        else:
-            role = "weight" if st.backward_seen else "activation"
-        if op.name is not None:  # a graph op: its name is unique in its graph
-            # In a function the step calls: say which (and which it called).
-            label = "" if own_graph else _function_label(op.graph, st.graph)
-            return _Described(role, where, "%s/%s" % (label, op.name) if label else op.name, backward)
-        scope = _tf_internal.eager_scope_name()
-        kind = _tf_internal.called_function_name(op.type) or op.type  # a call: its function's name
-        if fwd is not None:
-            scope = "gradient_tape/%s/" % OpTags.op_name(fwd.tag)
-        elif backward:
-            scope = "gradient_tape/" + scope
-        return _Described(role, where, scope + kind, backward)
 
     def _info(self, tag: str, tensor, op_type: str, role: str, where: str) -> metadata.TensorInfo:
         info = self._infos.get(tag)
@@ -444,7 +289,7 @@ class OpNumerics:
             self._infos[tag] = info
         return info
 
-    def _keep(self, st: _Step, op: _Op, own_graph: bool, tag: str, tensor, info) -> tf.Tensor | None:
+    def _keep(self, st: Step, op: Op, own_graph: bool, tag: str, tensor, info) -> tf.Tensor | None:
         """Keeps one output's record where it belongs; returns its replacement, if any."""
         if op.graph is None:
             self._keep_eager(st, tag, tensor, info, op.inputs)
@@ -467,17 +312,18 @@ class OpNumerics:
         st.acc_sites.append((tag, info, row))
         return self._nested.accumulate(op.graph, tensor, tag, row)
 
-    def _keep_eager(self, st: _Step, tag: str, tensor, info, inputs) -> None:
+    def _keep_eager(self, st: Step, tag: str, tensor, info, inputs) -> None:
         if st.function_ran:  # nested records that ran so far come before this op
             st.nested_before, st.function_ran = self._nested.position(), False
         vec = stats.op_stats(tensor, tag)
         st.eager.append(((st.nested_before, 0, len(st.eager)), tag, vec, info))
-        if self._inspect_inputs and st.first_bad is None and nonfinite_count(vec.numpy()) > 0:
-            st.first_bad = op_record(tag, vec, info, st.step, inputs)
+        if self._inspect_inputs and st.first_bad is None and nonfinite_count(vec.numpy(), info.neginf_ok) > 0:
+            names = [st.producers.get(id(t), (None,))[0] for t in inputs or ()]
+            st.first_bad = op_record(tag, vec, info, st.step, inputs, names)
 
     # ------------------------------------------------------------ end of a step
 
-    def _finish(self, st: _Step) -> None:
+    def _finish(self, st: Step) -> None:
         if st.graph is not None:
             self._finish_traced(st)
             return
@@ -498,7 +344,7 @@ class OpNumerics:
             vec, meta = mark_record(self.first_bad)
             tf.summary.write(metadata.OP_MARK_TAG, vec, step=st.step, metadata=meta)
 
-    def _finish_traced(self, st: _Step) -> None:
+    def _finish_traced(self, st: Step) -> None:
         recs: list[Record] = [(tag, vec, info) for tag, (vec, info) in st.records.items()]
         if st.acc_sites:
             merged = self._nested.take_acc_rows([row for _, _, row in st.acc_sites])
@@ -510,21 +356,6 @@ class OpNumerics:
             return
         for tag, vec, info in recs:
             summary.write_stats(tag, vec, step=st.step, info=info)
-
-
-def _function_label(graph: Any, step_graph: Any = None) -> str:
-    """The names of the functions that ``graph`` belongs to, below ``step_graph``
-    (the traced step; None for an eager step), outermost first: ``outer/inner``
-    for a function that a called function calls. A backward graph
-    (``__backward_<name>_<uid>``) is named for its function."""
-    graphs = _tf_internal.function_graphs(graph)
-    if step_graph is not None and step_graph in graphs:
-        graphs = graphs[graphs.index(step_graph) + 1:]
-    names = []
-    for g in graphs:
-        m = re.match(r"^__backward_(.+)_\d+$", g.name)
-        names.append(m.group(1) if m else g.name)
-    return "/".join(names)
 
 
 def _check_arguments(flight_recorder: Any, dtypes: Collection[str]) -> None:
@@ -547,13 +378,13 @@ def _xla_error() -> ValueError:
     )
 
 
+# The documented spelling, ``tbn.op_numerics(flight_recorder=8)``: the class itself.
+op_numerics = OpNumerics
+
+
 def _as_tensor(x: Any) -> Any:
     """A numpy array or scalar as the tensor a ``tf.function`` call makes of it."""
     return tf.convert_to_tensor(x) if isinstance(x, (np.ndarray, np.generic)) else x
-
-
-# The documented spelling, ``tbn.op_numerics(flight_recorder=8)``: the class itself.
-op_numerics = OpNumerics
 
 
 def replay_step(

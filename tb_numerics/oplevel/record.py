@@ -26,7 +26,7 @@ import numpy as np
 from tensorboard.compat.proto import summary_pb2
 
 from tb_numerics import metadata
-from tb_numerics._op_tags import OpTags
+from tb_numerics.oplevel.tags import OpTags
 from tb_numerics.records import F, nonfinite_count, numpy_stats
 
 __all__ = [
@@ -50,9 +50,11 @@ class OpRecord:
     ``source`` is the user's line that made the op, ``file.py:LINE
     (function)``; for a gradient op, the line of the forward op it
     differentiates (``description`` says which). ``inputs`` holds, for each
-    float input of the op at that step, its element count, min, max
-    (of the finite values), zero count and NaN / +Inf / -Inf counts, where the
-    recorder saw them (``replay_step``); else it is empty.
+    float input of the op at that step, its element count, shape, min, max
+    (of the finite values), zero count and NaN / +Inf / -Inf counts, and
+    ``name``, the scoped name of the op that made it (``mlp/dense_2/Relu``)
+    where the replay saw that op run, where the recorder saw them
+    (``replay_step``); else it is empty.
     """
 
     tag: str
@@ -62,8 +64,15 @@ class OpRecord:
     phase: str
     step: int | None
     record: tuple[float, ...]
-    inputs: tuple[dict[str, float], ...] = ()
+    inputs: tuple[dict[str, Any], ...] = ()
+    # Each input's record, whose ranges ``inputs`` shows.
+    input_records: tuple[tuple[float, ...], ...] = dataclasses.field(default=(), repr=False)
     occurrence: tuple[int, int] = (1, 1)  # (k, n): the k-th of its tag's n records at the step
+
+    def reads_nonfinite(self) -> bool:
+        """Whether an input of the op already held a NaN or an Inf (the op
+        did not make it: it read a value made non-finite before the step)."""
+        return bool(self.input_records) and bool(np.any(nonfinite_count(np.asarray(self.input_records)) > 0))
 
     @property
     def name(self) -> str:
@@ -90,30 +99,28 @@ class OpRecord:
         }
 
 
-def _input_ranges(inputs) -> tuple[dict[str, float], ...]:
-    """Count, min, max, zeros and non-finite counts of each float input (eager tensors)."""
-    out = []
-    for t in inputs or ():
-        if t is None or not t.dtype.is_floating:
-            continue
-        x = np.asarray(t.numpy(), np.float64).reshape(-1)
-        fin = x[np.isfinite(x)]
-        out.append({
-            "count": int(x.size),
-            "min": float(fin.min()) if fin.size else float("nan"),
-            "max": float(fin.max()) if fin.size else float("nan"),
-            "zeros": int(np.count_nonzero(x == 0)),
-            "nan": int(np.count_nonzero(np.isnan(x))),
-            "posinf": int(np.count_nonzero(x == np.inf)),
-            "neginf": int(np.count_nonzero(x == -np.inf)),
-        })
-    return tuple(out)
+def _float_inputs(inputs, names: Sequence[str | None]) -> list[tuple[Any, str | None]]:
+    """Each float input (eager tensors) with the name of the op that made it, where known."""
+    return [(t, names[k] if k < len(names) else None) for k, t in enumerate(inputs or ())
+            if t is not None and t.dtype.is_floating]
+
+
+def _input_range(t: Any, name: str | None, v: Sequence[float]) -> dict[str, Any]:
+    """An input's name (where known), shape, count, min, max (of the finite
+    values), zeros and non-finite counts, from its record: what ``inputs`` shows."""
+    return {**({"name": name} if name else {}),
+            "shape": list(t.shape.as_list()) if t.shape.rank is not None else None,
+            "count": int(v[F["count"]]), "min": float(v[F["min"]]), "max": float(v[F["max"]]),
+            **{k: int(v[F[k]]) for k in ("zeros", "nan", "posinf", "neginf")}}
 
 
 def op_record(tag: str, vec: Any, info: metadata.TensorInfo, step: int | None,
-              inputs: Any = None) -> OpRecord:
-    """The OpRecord of one record, with its op's inputs' ranges where ``inputs`` are given."""
+              inputs: Any = None, names: Sequence[str | None] = ()) -> OpRecord:
+    """The OpRecord of one record, with its op's inputs' ranges where ``inputs``
+    are given (named by ``names``, the ops that made them, where known)."""
     v = np.asarray(vec, np.float64)
+    floats = _float_inputs(inputs, names)
+    input_records = tuple(tuple(numpy_stats(np.asarray(t.numpy(), np.float64), "float64")) for t, _ in floats)
     return OpRecord(
         tag=tag,
         op_type=info.op_type,
@@ -122,7 +129,8 @@ def op_record(tag: str, vec: Any, info: metadata.TensorInfo, step: int | None,
         phase=info.phase,
         step=step,
         record=tuple(float(x) for x in v),
-        inputs=_input_ranges(inputs),
+        inputs=tuple(_input_range(t, n, r) for (t, n), r in zip(floats, input_records)),
+        input_records=input_records,
     )
 
 
@@ -132,7 +140,7 @@ def first_bad(recs: Sequence[tuple[str, Any, metadata.TensorInfo]], step: int | 
     with its occurrence; ``found``, where given, is that record already made."""
     for i, (tag, vec, info) in enumerate(recs):
         v = np.asarray(vec, np.float64)
-        if nonfinite_count(v) > 0:
+        if nonfinite_count(v, info.neginf_ok) > 0:
             same = [t == tag for t, _, _ in recs]
             occurrence = (sum(same[:i]) + 1, sum(same))
             return dataclasses.replace(found or op_record(tag, v, info, step), occurrence=occurrence)

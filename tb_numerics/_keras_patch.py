@@ -1,0 +1,144 @@
+"""How the Keras callback sees inside ``fit``: wrappers on the instances, each put back.
+
+Keras callbacks never see gradients or inner activations. For the duration
+of ``fit`` the callback sets, on the instances only (``Patches``, which
+remembers how to put each one back):
+
+* each top-level layer's ``call``, to keep its outputs;
+* the model's ``train_step``, to know which layer calls belong to a training
+  step (validation and ``predict`` calls are not recorded);
+* the optimizer's ``scale_loss`` (for the loss) and ``apply`` (for the
+  gradients, the weights before the update and the update itself, which
+  ``StepProgram.recorded_apply`` records);
+* ``model.train_function``, rebuilt so that the wrappers are traced into it.
+
+While a replay runs a step again (``_keras_replay``), the wrappers record
+nothing and never update the weights: they keep what the replay's layers
+made (``StepHooks.replay_trace``) for the callback's consistency check.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+from tb_numerics import _keras_replay
+from tb_numerics._keras_plan import float_tensors
+from tb_numerics._keras_program import StepProgram, Trace
+
+__all__ = ["Patches", "StepHooks"]
+
+
+class Patches:
+    """Instance attributes set for a while, and how to put each one back."""
+
+    def __init__(self) -> None:
+        self._restore: list[Callable[[], None]] = []
+
+    def set(self, obj: Any, name: str, value: Any) -> None:
+        """Sets ``obj.name`` on the instance and remembers what was there (or that nothing was)."""
+        had = name in vars(obj)
+        old = vars(obj).get(name)
+        setattr(obj, name, value)
+        self._restore.append(lambda: setattr(obj, name, old) if had else delattr(obj, name))
+
+    def on_restore(self, fn: Callable[[], None]) -> None:
+        """Runs ``fn`` when everything is put back, in reverse order with the rest."""
+        self._restore.append(fn)
+
+    def restore(self) -> None:
+        """Puts everything back, the last set first."""
+        while self._restore:
+            self._restore.pop()()
+
+
+class StepHooks:
+    """The wrappers that route a training step into the step program.
+
+    Args:
+      model: the model ``fit`` trains.
+      program: what records the step (``StepProgram``).
+      replay: the step replay, or None.
+    """
+
+    def __init__(self, model: Any, program: StepProgram, replay: _keras_replay.StepReplay | None):
+        self._model, self._program, self._replay = model, program, replay
+        self._trace: Trace | None = None
+        self.replay_trace = Trace()  # what the last replay's layers made
+
+    def install(self, patches: Patches, activations: bool) -> None:
+        """Wraps the model's step, the optimizer and (with ``activations``)
+        each top-level layer, and rebuilds the train function around them."""
+        model, opt = self._model, self._model.optimizer
+        patches.set(model, "train_step", self._wrap_train_step(model.train_step))
+        patches.set(opt, "scale_loss", self._wrap_scale_loss(opt.scale_loss))
+        patches.set(opt, "apply", self._wrap_apply(opt.apply))
+        if activations:
+            for i, layer in enumerate(model.layers):
+                patches.set(layer, "call", self._wrap_call(i, layer.call))
+        old_function = model.train_function
+        patches.on_restore(lambda: setattr(model, "train_function", old_function))
+        patches.on_restore(self._forget)
+        model.make_train_function(force=True)
+
+    def _forget(self) -> None:
+        self._trace = None
+
+    def _replaying(self) -> bool:
+        return self._replay is not None and self._replay.active
+
+    def _wrap_train_step(self, train_step: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        @functools.wraps(train_step)
+        def wrapped(data):
+            if self._replaying():
+                # Replayed at op level: nothing recorded; what the layers made
+                # is kept to compare with the step's records.
+                self._trace = self.replay_trace = Trace()
+                try:
+                    return train_step(data)
+                finally:
+                    self._trace = None
+            if self._replay is not None and not self._replay.why_not:
+                self._replay.step_begins()
+            self._trace = Trace(data=data)
+            try:
+                return train_step(data)
+            finally:
+                self._trace = None
+
+        return wrapped
+
+    def _wrap_call(self, index: int, call: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(call)
+        def wrapped(*args, **kwargs):
+            out = call(*args, **kwargs)
+            if self._trace is not None:
+                self._trace.outputs.setdefault(index, []).extend(float_tensors(out))
+            return out
+
+        return wrapped
+
+    def _wrap_scale_loss(self, scale_loss: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        @functools.wraps(scale_loss)
+        def wrapped(loss):
+            if self._trace is not None:
+                self._trace.loss = loss
+            return scale_loss(loss)
+
+        return wrapped
+
+    def _wrap_apply(self, apply: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(apply)
+        def wrapped(grads, trainable_variables=None):
+            if self._replaying():
+                if self._trace is not None:
+                    self._trace.grads = list(zip(grads, trainable_variables or self._model.trainable_variables))
+                return None  # a replay never updates the weights
+            trace = self._trace
+            if trace is None:
+                return apply(grads, trainable_variables)
+            self._trace = None  # one apply per step is recorded
+            variables = trainable_variables or self._model.trainable_variables
+            return self._program.recorded_apply(apply, trace, list(grads), list(variables))
+
+        return wrapped

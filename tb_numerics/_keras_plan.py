@@ -1,0 +1,164 @@
+"""The rows the Keras callback's training step computes, planned before training.
+
+One row per record the step computes, in execution order: the batch (model
+inputs, targets, sample weights; see ``_keras_batch``), each top-level
+layer's outputs, the loss, each gradient in backward order, then each
+weight. The rows before the weights' are computed on every step; the
+weights' only on the steps that record them. A row's tag, dtype and shape
+are what its metadata will say; those known only when the step is traced (a
+layer's output dtype, the batch's keys) are filled in then.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import keras
+import numpy as np
+import tensorflow as tf
+
+from tb_numerics import _keras_batch, analysis, metadata, summary
+
+__all__ = ["Row", "RowPlan", "float_tensors", "strategy_of"]
+
+
+@dataclasses.dataclass
+class Row:
+    """One record computed in the step: its tag and what the metadata says."""
+
+    tag: str
+    role: str
+    dtype: str = "float32"
+    shape: tuple[int | None, ...] | None = None
+    op_type: str = ""
+    description: str = ""
+    activation: str = ""  # the layer's activation function, or the loss function's name
+    compute_dtype: str = ""  # the dtype the layer computes in (float16 under mixed_float16)
+    present: bool = False  # set when the training step is traced
+
+
+class RowPlan:
+    """The step's rows, and where each part of the step lands among them.
+
+    Args:
+      model: the Keras model ``fit`` trains (built).
+      inputs, activations, gradients, weights: which rows to plan.
+
+    Attributes:
+      rows: every row, in execution order.
+      batch: how the batch's rows are assigned (``_keras_batch.BatchPlan``);
+        ``batch_rows`` of them (0 without ``inputs``) start at ``batch_row0``.
+      act_rows: top-level layer index -> its output row.
+      loss_row: the loss's row.
+      variables: the trainable variables in layer order (those of no
+        top-level layer last); ``var_layer`` their layers' indices (-1: none).
+      grad_rows: variable index -> its gradient's row.
+      weight_row0: the first weight row: rows before it are computed every step.
+      layer_names: the top-level layers' names.
+    """
+
+    def __init__(self, model: keras.Model, *, inputs: bool, activations: bool, gradients: bool, weights: bool):
+        layers = list(model.layers)
+        owner = _layer_of_variables(model)
+        self.layer_names = [layer.name for layer in layers]
+        self.rows: list[Row] = []
+        self.batch = _keras_batch.BatchPlan.for_model(model)
+        self.batch_row0 = len(self.rows)
+        if inputs:  # first: the input phase comes before the layers'
+            self.rows += [Row(tag, "input") for tag in self.batch.tags()]
+        self.batch_rows = len(self.rows) - self.batch_row0
+        self.act_rows: dict[int, int] = {}
+        if activations:
+            for i, layer in enumerate(layers):
+                self.act_rows[i] = len(self.rows)
+                self.rows.append(Row("%s/output" % layer.name, "activation", op_type=type(layer).__name__,
+                                     activation=_function_name(getattr(layer, "activation", None)),
+                                     compute_dtype=_compute_dtype(layer)))
+        self.loss_row = len(self.rows)
+        self.rows.append(Row("loss", "loss", activation=_function_name(getattr(model, "loss", None))))
+        self.variables = sorted(model.trainable_variables, key=lambda v: owner.get(id(v), len(layers)))
+        self.var_layer = [owner.get(id(v), -1) for v in self.variables]
+        self.grad_rows: dict[int, int] = {}
+        if gradients:
+            self._plan_gradients(layers)
+        self.weight_row0 = len(self.rows)
+        if weights:
+            self.rows += [Row(v.path, "weight", str(v.dtype), tuple(v.shape), present=True) for v in self.variables]
+        self._neginf_ok: tuple[tuple, np.ndarray] | None = None
+
+    def _plan_gradients(self, layers: list) -> None:
+        """Gradients in backward order (the last layer's first), as
+        backpropagation computes them and as log_gradients records them: the
+        first non-finite gradient of a step is then the one where it was born."""
+        for j in reversed(range(len(self.variables))):
+            v = self.variables[j]
+            self.grad_rows[j] = len(self.rows)
+            # A float32 master weight's gradient is computed in its layer's dtype.
+            layer = layers[self.var_layer[j]] if self.var_layer[j] >= 0 else None
+            self.rows.append(Row(summary.gradient_tag(v), "gradient", str(v.dtype), tuple(v.shape),
+                                 present=True, compute_dtype=_compute_dtype(layer)))
+
+    @property
+    def num_weight_rows(self) -> int:
+        """How many weight rows the step computes on the steps that record them."""
+        return len(self.rows) - self.weight_row0
+
+    def variables_of_layer(self, i: int) -> list[int]:
+        """The indices (in ``variables``) of top-level layer ``i``'s trainable variables."""
+        return [j for j, layer in enumerate(self.var_layer) if layer == i]
+
+    def neginf_ok(self, safe_range: analysis.SafeRange) -> np.ndarray:
+        """Per row: whether the user allowlisted its -Inf (``allow_neginf``).
+
+        Rows' tags are final once the step was traced; kept while they stay.
+        """
+        tags = tuple(r.tag for r in self.rows)
+        if self._neginf_ok is None or self._neginf_ok[0] != tags:
+            ok = np.array([analysis.neginf_intended(t, metadata.TensorInfo(), safe_range) for t in tags], bool)
+            self._neginf_ok = (tags, ok)
+        return self._neginf_ok[1]
+
+
+def float_tensors(structure: Any) -> list[tf.Tensor]:
+    """The float tensors and variables of a nested structure (a layer's outputs)."""
+    return [
+        t
+        for t in tf.nest.flatten(structure)
+        if isinstance(t, (tf.Tensor, tf.Variable)) and t.dtype.base_dtype.name in metadata.DTYPE_LIMITS
+    ]
+
+
+def strategy_of(model: Any) -> tf.distribute.Strategy:
+    """The strategy ``fit`` runs the model's steps under (the default one on one device)."""
+    return getattr(model, "distribute_strategy", None) or tf.distribute.get_strategy()
+
+
+def _function_name(fn: Any) -> str:
+    """The name of a Keras activation or loss: a string, a function, or a
+    Loss object ("" where none is known)."""
+    if fn is None:
+        return ""
+    if isinstance(fn, str):
+        return fn
+    if isinstance(fn, (list, tuple)):
+        return ",".join(filter(None, (_function_name(f) for f in fn)))
+    if isinstance(fn, dict):
+        return ",".join(filter(None, (_function_name(f) for f in fn.values())))
+    name = getattr(fn, "name", None) or getattr(fn, "__name__", None) or type(fn).__name__
+    return str(name)
+
+
+def _compute_dtype(layer: Any) -> str:
+    """The dtype a layer computes in ("" where unknown)."""
+    dtype = getattr(layer, "compute_dtype", None)
+    return str(dtype) if dtype else ""
+
+
+def _layer_of_variables(model: keras.Model) -> dict[int, int]:
+    """id(variable) -> index of the top-level layer that owns it."""
+    owner: dict[int, int] = {}
+    for i, layer in enumerate(model.layers):
+        for v in layer.weights:
+            owner.setdefault(id(v), i)
+    return owner
