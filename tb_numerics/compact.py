@@ -5,7 +5,7 @@ float32; the plugin must serve it from well under that. A ``CompactSeries``
 holds, for each record of a tensor logged in packed blocks:
 
 - what every series mask reads of a usual tensor (an activation, a
-  gradient, an input): max |x| (in the records' own dtype), one byte of
+  gradient): max |x| (in the records' own dtype), one byte of
   flags (NaN, +Inf, -Inf, overflow counts above 0) and, where the tensor
   ever underflowed, the share of its nonzero values below the smallest
   normal: 5 bytes a record, from which ``mask_values`` rebuilds records on
@@ -20,7 +20,8 @@ holds, for each record of a tensor logged in packed blocks:
   source they came from, TensorBoard's data provider or the event files.
 
 Tensors whose rules read more of each record (losses, the global norm, the
-loss scale, update ratios, activations of ReLU-like, sigmoid, tanh or
+loss scale, the batch's inputs and targets, which the hints' evidence reads
+whole, update ratios, activations of ReLU-like, sigmoid, tanh or
 softmax functions, the two gradients the by-depth rule compares, op-level
 records) keep every record (``keeps_records``). Numpy only, no TensorFlow.
 """
@@ -56,14 +57,15 @@ PartLoader = Callable[[str, str], TensorSeries]
 
 
 def keeps_records(tag: str, info: metadata.TensorInfo, depth_pair: Sequence[str] = ()) -> bool:
-    """Whether a tensor keeps every record in full: one some rule reads
-    beyond max |x|, the non-finite and overflow counts and the underflow share.
+    """Whether a tensor keeps every record in full: one some rule or the
+    hints' evidence (``evidence``: the batch's inputs) reads beyond max |x|,
+    the non-finite and overflow counts and the underflow share.
 
     Args:
       tag, info: the tensor.
       depth_pair: the gradient tags the by-depth rule compares.
     """
-    if info.role in ("loss", "global_norm", "loss_scale") or tag in depth_pair:
+    if info.role in ("loss", "global_norm", "loss_scale", "input") or tag in depth_pair:
         return True
     if tag.startswith(("update_ratio/", "ops/")) or tag in metadata.VERDICT_TAGS:
         return True

@@ -167,9 +167,16 @@ def dead_units_by_gradient(
         return dead
     j = np.minimum(np.searchsorted(bias.steps, series.steps), max(len(bias.steps) - 1, 0))
     known = (bias.steps[j] == series.steps) if len(bias.steps) else np.zeros(len(dead), dtype=bool)
-    b = bias.values.astype(np.float64)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        units = b[j, F["zeros"]] / np.maximum(b[j, F["count"]], 1) >= share
+    # Only the records that the marked ones' windows read (a long run's are read back from its files).
+    marked = np.flatnonzero(dead)
+    lo, hi = max(int(marked[0]) - k + 1, 0), int(marked[-1]) + 1
+    units = np.zeros(len(dead), dtype=bool)
+    if len(bias.steps):
+        first = int(j[lo])
+        b = bias.records(first, int(j[hi - 1]) + 1)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            at = j[lo:hi] - first
+            units[lo:hi] = b[at, F["zeros"]] / np.maximum(b[at, F["count"]], 1) >= share
     return dead & sustained(np.where(known, units, True), k)
 
 

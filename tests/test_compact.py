@@ -16,7 +16,7 @@ import pytest
 from tensorboard.context import RequestContext
 
 import long_run
-from tb_numerics import analysis, cli, compact, event_reader, file_provider, health, metadata, rules, run_store, views
+from tb_numerics import analysis, cli, compact, detectors, event_reader, file_provider, health, metadata, rules, run_store, views
 from tb_numerics.records import F, TensorSeries, numpy_stats
 
 pytestmark = pytest.mark.unit
@@ -75,11 +75,11 @@ def test_the_faults_are_where_they_were_injected(store):
 def test_usual_tensors_are_held_compact_and_the_rules_special_ones_whole(store):
     ra = _answer(store, {})
     held = {h.series.tag: isinstance(h.series, compact.CompactSeries) for h in ra.health}
-    assert held["dense00/output"] and held["dense05/kernel"] and held["input"]
-    for tag in ("loss", "gradients/global_norm", "relu/output", "gate/output", "probs/output"):
+    assert held["dense00/output"] and held["dense05/kernel"]
+    for tag in ("input", "loss", "gradients/global_norm", "relu/output", "gate/output", "probs/output"):
         assert not held[tag], tag
-    assert sum(held.values()) == 1 + 8 + 2 * 8 - 2  # the input, linear activations, gradients but the by-depth pair
-    assert sum(not c for c in held.values()) == 7
+    assert sum(held.values()) == 8 + 2 * 8 - 2  # linear activations, gradients but the by-depth pair
+    assert sum(not c for c in held.values()) == 8
 
 
 @pytest.mark.parametrize("width", [1, 37, 1000, 5000])
@@ -172,7 +172,7 @@ def _fault_series(rng: np.random.Generator, info: metadata.TensorInfo, tag: str,
     return TensorSeries(tag, info, np.arange(n, dtype=np.int64), np.array(rows))
 
 
-@pytest.mark.parametrize("role", ["input", "activation", "gradient"])
+@pytest.mark.parametrize("role", ["activation", "gradient"])
 def test_every_series_mask_answers_on_compact_records_as_on_the_records(role):
     """What ``compact`` claims: the masks read nothing of a usual tensor
     but what a compact series holds. A new rule that reads more fails here."""
@@ -188,3 +188,27 @@ def test_every_series_mask_answers_on_compact_records_as_on_the_records(role):
         assert np.array_equal(want.codes, got.codes) and np.array_equal(want.kinds, got.kinds), params
     assert len(set(health.series_health(series, analysis.SafeRange()).kinds.tolist())) >= 4
     assert np.array_equal(small.records(100, 110), series.values[100:110].astype(np.float64))
+
+
+def test_dead_units_read_only_the_bias_records_they_confirm(caplog):
+    """The bias gradient that confirms dead units is a usual, compact
+    tensor: its zeros are read back around the marked steps only, and the
+    answer is the one from every record."""
+    caplog.set_level(logging.INFO, logger="tb_numerics.compact")
+    n, steps = 400, np.arange(400, dtype=np.int64)
+    info = metadata.TensorInfo(role="gradient", order=1, shape=(64,), dtype="float32")
+    v = np.zeros((n, metadata.NUM_FIELDS))
+    v[:, F["count"]], v[:, F["min"]], v[:, F["max"]] = 64, -1.0, 1.0
+    v[150:260, F["zeros"]] = 40  # 62 % of the units dead from step 150 to 259
+    v[200:203, F["zeros"]] = 0
+    bias = TensorSeries("gradients/dense/bias", info, steps, v)
+    small = compact.compact_parts("block", [bias], lambda tag, info: False, lambda block, tag: bias)[0]
+    relu = TensorSeries("dense/output", metadata.TensorInfo(role="activation", order=0, shape=(64, 64),
+                                                            activation="relu", dtype="float32"), steps, v)
+    for lo, hi in ((120, 300), (140, 160), (255, 270), (0, n)):
+        dead = np.zeros(n, dtype=bool)
+        dead[lo:hi] = True
+        want = detectors.dead_units_by_gradient(relu, dead, [bias], 0.5, 5)
+        assert want.any() and not want.all()
+        assert np.array_equal(detectors.dead_units_by_gradient(relu, dead, [small], 0.5, 5), want), (lo, hi)
+    assert "reading all" not in caplog.text
