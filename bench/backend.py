@@ -43,6 +43,7 @@ import urllib.parse
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "tests"))
+import long_run  # noqa: E402 - the tests' long run, whose records these are made as
 import tb_process  # noqa: E402 - the tests' helper that runs a real tensorboard
 
 RUN = "train"
@@ -71,24 +72,10 @@ def _tensors(n: int, dtype: str = "float32") -> list[tuple[str, "object"]]:
 def _records(tag_index: int, role: str, steps: np.ndarray, dtype: str) -> np.ndarray:
     """Plausible statistics of one tag of ``dtype`` over ``steps`` (vectorised,
     no tensors): for float32, what float32 accumulation gives."""
-    from tb_numerics.metadata import FIELD_INDEX as F, NUM_FIELDS
-
     rng = np.random.default_rng(tag_index)
-    n = len(steps)
-    size = 1.0 if role in ("loss", "global_norm") else 4096.0
-    scale = (1.0 + 0.1 * tag_index) * np.exp(rng.normal(0, 0.05, n))
-    v = np.zeros((n, NUM_FIELDS))
-    v[:, F["count"]] = size
-    if size == 1.0:
-        v[:, F["min"]] = v[:, F["max"]] = v[:, F["sum"]] = scale
-        v[:, F["sum_sq"]] = scale**2
-    else:
-        v[:, F["min"]] = -3 * scale
-        v[:, F["max"]] = 3 * scale
-        v[:, F["sum"]] = rng.normal(0, 1, n) * scale
-        v[:, F["sum_sq"]] = size * scale**2
-        v[:, F["zeros"]] = rng.integers(0, 3, n)
-    return v.astype(np.float32).astype(np.float64) if dtype == "float32" else v
+    size = 1 if role in ("loss", "global_norm") else 4096
+    scale = (1.0 + 0.1 * tag_index) * np.exp(rng.normal(0, 0.05, len(steps)))
+    return long_run.stats(rng, len(steps), size, scale, dtype)
 
 
 def _write_part(args: tuple[str, int, int, int, int, str]) -> str:

@@ -62,8 +62,10 @@ def tensors(width: int) -> list[tuple[str, metadata.TensorInfo]]:
     return out
 
 
-def _stats(rng: np.random.Generator, n: int, size: int, scale: np.ndarray) -> np.ndarray:
-    """Plausible float32 statistics of ``n`` records of ``size`` values around ``scale``."""
+def stats(rng: np.random.Generator, n: int, size: int, scale: np.ndarray, dtype: str = "float32") -> np.ndarray:
+    """Plausible statistics of ``n`` records of ``size`` values around
+    ``scale``; for float32, what float32 accumulation gives (also the
+    records of ``bench/backend.py``)."""
     v = np.zeros((n, metadata.NUM_FIELDS))
     v[:, F["count"]] = size
     if size == 1:
@@ -75,7 +77,7 @@ def _stats(rng: np.random.Generator, n: int, size: int, scale: np.ndarray) -> np
         v[:, F["sum"]] = rng.normal(0, 1, n) * scale
         v[:, F["sum_sq"]] = size * scale**2
         v[:, F["zeros"]] = rng.integers(0, 3, n)
-    return v.astype(np.float32).astype(np.float64)
+    return v.astype(np.float32).astype(np.float64) if dtype == "float32" else v
 
 
 def _values(name: str, info: metadata.TensorInfo, i: int, steps: int, nan: bool = True) -> np.ndarray:
@@ -86,7 +88,7 @@ def _values(name: str, info: metadata.TensorInfo, i: int, steps: int, nan: bool 
     scale = (1.0 + 0.05 * i) * np.exp(rng.normal(0, 0.05, steps))
     if info.role == "loss":
         scale = 2.0 / np.sqrt(1 + np.arange(steps)) * np.exp(rng.normal(0, 0.05, steps))
-    v = _stats(rng, steps, size, scale)
+    v = stats(rng, steps, size, scale)
     if info.activation == "relu":
         v[:, F["min"]] = 0
         v[:, F["zeros"]] = size // 3
