@@ -31,7 +31,8 @@ from tensorboard import errors, plugin_util
 from tensorboard.backend import http_util
 from tensorboard.plugins import base_plugin
 
-from tb_numerics import analysis, compare, file_provider, loader_guard, logdir_provider, metadata, rules, run_store
+from tb_numerics import (analysis, compact, compare, file_provider, loader_guard, logdir_provider, metadata, rules,
+                         run_store)
 
 __all__ = ["NumericsLoader", "NumericsPlugin", "frontend_dir"]
 
@@ -299,6 +300,15 @@ class NumericsPlugin(base_plugin.TBPlugin):
         """Where ``run`` first leaves ``against``'s band (``compare.compare_runs``)."""
         mine = self._store.answer(ctx, experiment, run, analysis.SafeRange())
         theirs = self._store.answer(ctx, experiment, against, analysis.SafeRange())
+        for name, answer in ((run, mine), (against, theirs)):
+            # The band reads every record's L2 norm and zeros, which a long
+            # run holds in its files only: read back tensor by tensor, that
+            # is every block once per tensor (hours for 500 tensors).
+            if any(isinstance(h.series, compact.CompactSeries) for h in answer.analysis.health):
+                raise _BadRequest(
+                    "run %r is a long run (%d records), held compact: it is not compared record by "
+                    "record here; tb-numerics report LOGDIR --against RUN compares it from its files"
+                    % (name, sum(len(h.series.steps) for h in answer.analysis.health)))
         out = compare.compare_runs(
             [h.series for h in mine.analysis.health], [h.series for h in theirs.analysis.health], band
         )

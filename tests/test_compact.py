@@ -16,7 +16,8 @@ import pytest
 from tensorboard.context import RequestContext
 
 import long_run
-from tb_numerics import analysis, cli, compact, detectors, event_reader, file_provider, health, metadata, rules, run_store, views
+from tb_numerics import (analysis, cli, compact, compare, detectors, event_reader, file_provider, health, metadata,
+                         plugin, rules, run_store, views)
 from tb_numerics.records import F, TensorSeries, numpy_stats
 
 pytestmark = pytest.mark.unit
@@ -212,3 +213,13 @@ def test_dead_units_read_only_the_bias_records_they_confirm(caplog):
         assert want.any() and not want.all()
         assert np.array_equal(detectors.dead_units_by_gradient(relu, dead, [small], 0.5, 5), want), (lo, hi)
     assert "reading all" not in caplog.text
+
+
+def test_compare_refuses_a_compact_run_at_once_and_says_why(store):
+    """The band reads every record's L2 norm and zeros: a compact run would
+    read each block back once per tensor, so /compare answers 400 at once."""
+    p = plugin.NumericsPlugin.__new__(plugin.NumericsPlugin)  # its store only: the one over the files, compact
+    p._store = store
+    with pytest.raises(plugin._BadRequest) as refused:
+        p.compare_impl(RequestContext(), "", long_run.RUN, long_run.RUN, compare.Band())
+    assert refused.value.code == 400 and "long run" in str(refused.value) and "--against" in str(refused.value)
