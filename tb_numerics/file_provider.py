@@ -38,7 +38,7 @@ from tensorboard.compat.proto import event_pb2
 from tensorboard.data import provider
 from tensorboard.util import tensor_util
 
-from tb_numerics import event_files, metadata, tfrecord
+from tb_numerics import event_files, loader_guard, metadata, tfrecord
 
 __all__ = ["FileProvider"]
 
@@ -170,10 +170,14 @@ class FileProvider:
     # ---------------------------------------------------------- provider
 
     def problems(self, run: str) -> list[str]:
-        """What could not be read in ``run``'s event files so far."""
+        """What could not be read in ``run``'s event files so far, and the
+        damage ``loader_guard`` kept TensorBoard's Python loader from there."""
         with self._lock:
             held = self._runs.get(run)
-            return list(held.problems) if held is not None else []
+            if held is None:
+                return []
+            found, paths = list(held.problems), list(held.files)
+        return found + (loader_guard.problems(os.path.dirname(paths[0])) if paths else [])
 
     def list_plugins(self, ctx=None, *, experiment_id, index: bool = True) -> list[str]:
         """[``metadata.PLUGIN_NAME``] where a run holds numerics records.
