@@ -10,6 +10,7 @@ underflow and a NaN late in it) is written once for the module.
 from __future__ import annotations
 
 import logging
+import time
 
 import numpy as np
 import pytest
@@ -127,6 +128,10 @@ def test_a_restarted_job_over_a_compact_run_reads_as_the_cli_does(tmp_path, monk
     ``packed.merge`` has it, and the run stays compact."""
     logdir = str(tmp_path)
     long_run.write(logdir, 1200, width=3)
+    # A restarted job starts in a later second: its file's name (which
+    # begins with that second) sorts after the first's, as readers order
+    # files. Within one second the names' random parts decide the order.
+    time.sleep(1.1)
     long_run.write(logdir, 1200, width=3, start=700, nan=False)
     files = file_provider.FileProvider(logdir, on_listing=False)
     files.index_round()
