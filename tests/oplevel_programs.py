@@ -88,6 +88,21 @@ def data_map() -> Step:
     return step
 
 
+def data_pipeline() -> Step:
+    """A pipeline around a map (a filter, batch, prefetch), the map reading a
+    variable whose value changes after the dataset is built."""
+    scale = tf.Variable(1.0)
+    ds = tf.data.Dataset.range(8).map(lambda i: tf.cast(i, tf.float32) - 3.0).filter(lambda x: x < 3.5)
+    ds = ds.map(lambda x: tf.math.sqrt(x * scale) + 1.0)  # BAD
+    ds = ds.batch(2).prefetch(2)
+    scale.assign(-1.0)  # sqrt(-x): NaN from x = 1, in the third batch
+
+    def step():
+        return [b * 2.0 for b in ds]
+    step.dataset = ds
+    return step
+
+
 def nan_constant() -> Step:
     def step():
         x = tf.constant([1.0, 2.0])
@@ -139,6 +154,7 @@ PROGRAMS: dict[str, tuple[Callable[[], Step], str]] = {
     "nested_functions": (nested_functions, "block"),
     "while_loop": (while_loop, "block"),
     "data_map": (data_map, "block"),
+    "data_pipeline": (data_pipeline, "block"),
     "nan_constant": (nan_constant, "block"),
     "custom_layer": (custom_layer, "block"),
     "numpy_arguments": (numpy_arguments, "replay"),

@@ -23,6 +23,7 @@ from tb_numerics.oplevel.flight import EagerFlight, GraphFlight, Record  # noqa:
 from tb_numerics.oplevel.nested import NestedRecords  # noqa: E402
 from tb_numerics.oplevel.record import OpRecord, mark_record, op_record  # noqa: E402
 from tb_numerics.oplevel.record import first_bad as first_bad_of  # noqa: E402
+from tb_numerics.oplevel.retrace import RUNS_PIPELINE, Retracer  # noqa: E402
 from tb_numerics.oplevel.source import ForwardOp, SourceLocator  # noqa: E402
 from tb_numerics.oplevel.step import Op, Step, resolve_step  # noqa: E402
 from tb_numerics.oplevel.tags import OpTags, eager_site, graph_site  # noqa: E402
@@ -142,6 +143,8 @@ class OpNumerics:
         # called there that were not (warned about once).
         self._traced_here: set[str] = set()
         self._warned: set[str] = set()
+        # What a block calls that was traced outside one, traced anew in it.
+        self._retracer = Retracer(self._local)
 
     # ------------------------------------------------------------ public
 
@@ -179,6 +182,7 @@ class OpNumerics:
         self._local.step = st
         self._local.busy = False
         _tf_internal.acquire_gradient_hook()
+        _tf_internal.acquire_routes(self._retracer.call, self._retracer.iterate)
         _tf_internal.add_op_callback(self._callback)
         return self
 
@@ -186,6 +190,7 @@ class OpNumerics:
         st = self._local.step
         self._local.step = None
         _tf_internal.remove_op_callback(self._callback)
+        _tf_internal.release_routes()
         _tf_internal.release_gradient_hook()
         if st.graph is None:
             self._nested.close_block()
@@ -206,6 +211,8 @@ class OpNumerics:
             return None
         # Eager ops run through execute() report their type as bytes.
         op_type = op_type.decode() if isinstance(op_type, bytes) else op_type
+        if graph is None and op_type in RUNS_PIPELINE:
+            st.function_ran = True  # the pipeline's functions ran: their records come first
         if graph is None and _tf_internal.is_function_call(op_type):
             # A whole traced function ran: its ops were seen when it was traced,
             # unless that was outside any block; then its outputs are recorded.
@@ -215,6 +222,7 @@ class OpNumerics:
                 return None
         if graph is not None and st.graph is None:
             self._traced_here.add(_tf_internal.outermost_function_name(graph))
+            self._retracer.traced_here(graph)
         if op_type in self._skip or (self._op_types is not None and op_type not in self._op_types):
             return None
         picked = [
@@ -243,9 +251,10 @@ class OpNumerics:
         if name not in self._warned:
             self._warned.add(name)
             _log.warning(
-                "op_numerics: tf.function %r was traced before the recorder was active, so its ops "
-                "are not recorded, only its outputs (as op %s); call it first inside the recorder's "
-                "block (or trace it anew)", name, op_type)
+                "op_numerics: tf.function %r was traced before the recorder was active and cannot be "
+                "traced anew here (a concrete function, one whose first trace made variables, or one "
+                "compiled with XLA), so its ops are not recorded, only its outputs (as op %s)",
+                name, op_type)
         return False
 
     def _record(self, st: Step, op: Op, picked) -> list | None:
@@ -256,6 +265,8 @@ class OpNumerics:
         if not own_graph and _tf_internal.in_loop_gradient(op.graph):
             return None  # not recordable there; the loop's forward ops are
         d = st.describe(op, own_graph, *self._source.locate())
+        if op.type in RUNS_PIPELINE:  # an element of the input pipeline
+            d = d._replace(role="input", where=self._retracer.pipeline_where(d.where))
         outputs, replaced = list(op.outputs), False
         for slot, tensor in picked:
             site = eager_site(d.base, d.where, slot) if op.graph is None else graph_site(

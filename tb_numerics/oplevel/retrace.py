@@ -1,0 +1,143 @@
+"""What a block calls that was traced before it: traced anew inside it, so its ops are recorded.
+
+An op callback sees a graph's ops only while the graph is traced. Two kinds
+of graph a step uses are usually traced before any recorder's block:
+
+* a ``tf.function`` called in the block (a custom layer's ``@tf.function``
+  ``call``, traced when the model was built; a helper warmed up before the
+  loop): ``Retracer.call`` calls, instead, a copy of it (the same Python
+  function and options) that is traced in the block, once per recorder.
+  Not where it cannot be copied: a concrete function, a ``tf.function``
+  whose first trace made variables (a copy would make others), or one
+  compiled with XLA (whose ops the recorder refuses); there the recorder
+  records its outputs and warns;
+* a ``tf.data`` pipeline iterated in an eager block (its ``map`` and other
+  functions were traced when the dataset was built): ``Retracer.iterate``
+  gives the block the pipeline rebuilt with those functions traced anew
+  (``_tf_data_internal.rebuild``), once per recorder and dataset.
+
+What the step sees is unchanged: the same Python functions on the same
+variables and inputs. The copies' record ops, like those of any nested
+graph, record only while one of the recorder's blocks is open.
+
+An iterator's output (``IteratorGetNext``) is the input pipeline's: its
+records are described as such (``pipeline_where``: which functions, where
+in the user's code), so that where a pipeline could not be traced anew, or
+its source held the bad value, the report says it came with the input.
+"""
+
+from __future__ import annotations
+
+import inspect
+import logging
+import weakref
+from typing import Any, Callable
+
+from tb_numerics import _requires
+
+tf = _requires.tensorflow(__name__)
+
+from tb_numerics import _tf_data_internal, _tf_internal  # noqa: E402
+from tb_numerics.oplevel.source import short_path  # noqa: E402
+
+__all__ = ["RUNS_PIPELINE", "Retracer"]
+
+_log = logging.getLogger(__name__)
+
+# Ops that run a tf.data pipeline's functions and give its elements.
+RUNS_PIPELINE = frozenset(("IteratorGetNext", "IteratorGetNextSync", "IteratorGetNextAsOptional"))
+
+
+class Retracer:
+    """One recorder's copies of what its blocks call that was traced outside them.
+
+    Args:
+      local: the recorder's thread-local state; ``local.busy`` is True while
+        the recorder works itself (its op callback then records nothing).
+    """
+
+    def __init__(self, local: Any) -> None:
+        self._local = local
+        self._graphs_here: "weakref.WeakSet[Any]" = weakref.WeakSet()  # traced in a block
+        # tf.functions: their tracing count after a call in a block (any
+        # beyond were traced elsewhere), and their copies traced in one.
+        self._counts: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
+        self._copies: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+        # Datasets iterated in a block: as iterated, and the original of each rebuilt one.
+        self._pipelines: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+        self._originals: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
+
+    def traced_here(self, graph: Any) -> None:
+        """Notes that ops of ``graph`` were seen, in a block, while it was traced."""
+        self._graphs_here.add(_tf_internal.outermost_function_graph(graph))
+
+    def call(self, call: Callable[..., Any], fn: Any, args: tuple, kwargs: dict) -> Any:
+        """Calls the ``tf.function`` ``fn`` (``call(target, *args, **kwargs)``):
+        through its copy where it has traces made outside this recorder's blocks."""
+        if self._local.busy or tf.config.functions_run_eagerly() or _is_own(fn):
+            return call(fn, *args, **kwargs)
+        target = self._copies.get(fn)
+        if target is None and fn.experimental_get_tracing_count() != self._counts.get(fn, 0):
+            target = _tf_internal.retraceable_copy(fn)  # None: it made variables
+            if target is not None:
+                self._copies[fn] = target
+        if target is not None:
+            return call(target, *args, **kwargs)
+        try:
+            return call(fn, *args, **kwargs)
+        finally:
+            self._counts[fn] = fn.experimental_get_tracing_count()
+
+    def iterate(self, ds: Any) -> Any:
+        """The dataset an eager block iterates for ``ds``: rebuilt where its
+        pipeline's functions were traced outside this recorder's blocks."""
+        if self._local.busy or not tf.executing_eagerly():
+            return ds
+        rebuilt = self._pipelines.get(ds)
+        if rebuilt is None:
+            self._local.busy = True
+            try:
+                rebuilt = _tf_data_internal.rebuild(ds, self._new_trace)
+            except Exception as e:  # noqa: BLE001 - any pipeline: iterate it as it is
+                _log.warning("op_numerics: the input pipeline's functions cannot be traced anew (%s: %s); "
+                             "a value they make is recorded as the pipeline's", type(e).__name__, e)
+                rebuilt = ds
+            finally:
+                self._local.busy = False
+            self._pipelines[ds] = rebuilt
+            if rebuilt is not ds:
+                self._originals[rebuilt] = ds
+        return rebuilt
+
+    def _new_trace(self, node: Any, wrapper: Any) -> Any:
+        """A new trace, recorded, of a pipeline function traced outside any block; else None."""
+        graph = _tf_data_internal.function_graph(wrapper)
+        if graph is None or graph in self._graphs_here:
+            return None
+        self._local.busy = False
+        try:
+            return _tf_data_internal.retrace(node, wrapper)
+        finally:
+            self._local.busy = True
+
+    def pipeline_where(self, where: str) -> str:
+        """The description of an iterator's output read at ``where``: the input
+        pipeline, with its functions and their lines."""
+        ds = _tf_data_internal.iterated_dataset()
+        ds = self._originals.get(ds, ds) if ds is not None else None
+        fns = [] if ds is None else [_function_where(node, w) for node, w in _tf_data_internal.dataset_functions(ds)]
+        return "%s, from the input pipeline%s" % (where, " (%s)" % "; ".join(fns[::-1]) if fns else "")
+
+
+def _is_own(fn: Any) -> bool:
+    """Whether ``fn`` is one of tb-numerics' own ``tf.function``s (its statistics, its writes)."""
+    return (getattr(fn.python_function, "__module__", None) or "").startswith("tb_numerics.")
+
+
+def _function_where(node: Any, wrapper: Any) -> str:
+    """``Dataset.map(fn) at file.py:LINE``: a pipeline function and where it is defined."""
+    func = inspect.unwrap(_tf_data_internal.python_function(wrapper))
+    name = getattr(func, "__name__", type(func).__name__)
+    code = getattr(func, "__code__", None)
+    at = "" if code is None else " at %s:%d" % (short_path(code.co_filename), code.co_firstlineno)
+    return "%s%s" % (_tf_data_internal.transformation_name(node).replace("()", "(%s)" % name), at)
