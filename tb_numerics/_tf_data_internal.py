@@ -22,9 +22,8 @@ way this cannot map (several functions, or no ``other_arguments``).
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Iterator
-
-import tensorflow as tf
 
 __all__ = [
     "UnsupportedPipeline", "dataset_functions", "function_graph", "iterated_dataset", "python_function",
@@ -74,8 +73,10 @@ def retrace(node: Any, wrapper: Any) -> Any:
     (op callbacks see its ops), from the same Python function and input structure."""
     from tensorflow.python.data.ops import structured_function
 
-    return structured_function.StructuredFunctionWrapper(
-        wrapper._func, transformation_name(node), input_structure=wrapper._input_structure)
+    with warnings.catch_warnings():  # under replay_step: "run_functions_eagerly does not apply"
+        warnings.filterwarnings("ignore", message="Even though the `tf.config.experimental_run_functions_eagerly`")
+        return structured_function.StructuredFunctionWrapper(
+            wrapper._func, transformation_name(node), input_structure=wrapper._input_structure)
 
 
 def iterated_dataset() -> Any:
@@ -200,5 +201,4 @@ def rebuild(ds: Any, new_trace: Callable[[Any, Any], Any]) -> Any:
             raise UnsupportedPipeline("%s calls %s" % (node_def.op, ", ".join(sorted(attrs))))
         wrapper = new[name] or by_name[name][1]
         rewrite.point(node_def, attrs[0], by_name[name][0], wrapper.function, new[name] is not None)
-    with tf.init_scope():
-        return dataset_ops._VariantDataset(rewrite.variant(), ds.element_spec)
+    return dataset_ops._VariantDataset(rewrite.variant(), ds.element_spec)

@@ -103,6 +103,22 @@ def data_pipeline() -> Step:
     return step
 
 
+def data_map_replayed() -> Step:
+    """A tf.function step that iterates a pipeline, replayed (run eagerly: the
+    pipeline's functions are still traced, as tf.data always does)."""
+    ds = tf.data.Dataset.from_tensor_slices(np.array([[2.0, 1.0], [-1.0, 3.0]], np.float32))
+    ds = ds.map(lambda v: tf.math.log(v) + 1.0)  # BAD
+
+    @tf.function
+    def f():
+        total = tf.zeros([2])
+        for v in ds:
+            total += v * 2.0
+        return total
+
+    return _Call(f)
+
+
 def nan_constant() -> Step:
     def step():
         x = tf.constant([1.0, 2.0])
@@ -155,6 +171,7 @@ PROGRAMS: dict[str, tuple[Callable[[], Step], str]] = {
     "while_loop": (while_loop, "block"),
     "data_map": (data_map, "block"),
     "data_pipeline": (data_pipeline, "block"),
+    "data_map_replayed": (data_map_replayed, "replay"),
     "nan_constant": (nan_constant, "block"),
     "custom_layer": (custom_layer, "block"),
     "numpy_arguments": (numpy_arguments, "replay"),

@@ -63,7 +63,7 @@ class Retracer:
         # beyond were traced elsewhere), and their copies traced in one.
         self._counts: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
         self._copies: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
-        # Datasets iterated in a block: as iterated, and the original of each rebuilt one.
+        # Datasets iterated in a block: rebuilt (None: as they are), and the original of each rebuilt one.
         self._pipelines: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
         self._originals: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()
 
@@ -93,8 +93,7 @@ class Retracer:
         pipeline's functions were traced outside this recorder's blocks."""
         if self._local.busy or not tf.executing_eagerly():
             return ds
-        rebuilt = self._pipelines.get(ds)
-        if rebuilt is None:
+        if ds not in self._pipelines:
             self._local.busy = True
             try:
                 rebuilt = _tf_data_internal.rebuild(ds, self._new_trace)
@@ -104,10 +103,11 @@ class Retracer:
                 rebuilt = ds
             finally:
                 self._local.busy = False
-            self._pipelines[ds] = rebuilt
+            # None: as it is (a value would keep its key alive); the original, by a weak reference.
+            self._pipelines[ds] = None if rebuilt is ds else rebuilt
             if rebuilt is not ds:
-                self._originals[rebuilt] = ds
-        return rebuilt
+                self._originals[rebuilt] = weakref.ref(ds)
+        return self._pipelines[ds] or ds
 
     def _new_trace(self, node: Any, wrapper: Any) -> Any:
         """A new trace, recorded, of a pipeline function traced outside any block; else None."""
@@ -124,7 +124,8 @@ class Retracer:
         """The description of an iterator's output read at ``where``: the input
         pipeline, with its functions and their lines."""
         ds = _tf_data_internal.iterated_dataset()
-        ds = self._originals.get(ds, ds) if ds is not None else None
+        original = self._originals.get(ds) if ds is not None else None
+        ds = ds if original is None else original()
         fns = [] if ds is None else [_function_where(node, w) for node, w in _tf_data_internal.dataset_functions(ds)]
         return "%s, from the input pipeline%s" % (where, " (%s)" % "; ".join(fns[::-1]) if fns else "")
 
