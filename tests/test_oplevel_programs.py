@@ -90,6 +90,18 @@ def test_nested_functions_ops_are_filed_under_the_inner_function():
     assert recorder.first_bad.tag == "ops/outer/inner/Log"
 
 
+def test_a_traced_step_traces_anew_the_functions_it_calls(oracle, tmp_path, capsys):
+    """``@tf.function`` over ``@recorder``: the custom layer's call, traced
+    when the model was built, is traced anew inside the step's trace."""
+    step = tf.function(tbn.op_numerics(step=0)(oplevel_programs.custom_layer()))
+    writer = tf.summary.create_file_writer(str(tmp_path))
+    with writer.as_default():
+        step()
+    writer.close()
+    op = _first_anomaly(str(tmp_path), capsys)["op"]
+    assert {"type": op["type"], "line": _line(op["source"])} == oracle["custom_layer"]
+
+
 class _MakesItsVariable(tf.Module):
     """A tf.function whose first trace made a variable (a new trace would make another)."""
 
