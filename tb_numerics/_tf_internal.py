@@ -82,6 +82,8 @@ def check_supported() -> None:
         from tensorflow.python import pywrap_tfe
         from tensorflow.python.eager import backprop, context
         from tensorflow.python.framework import op_callbacks, smart_cond
+        from tensorflow.python.data.ops import dataset_ops
+        from tensorflow.python.eager.polymorphic_function import polymorphic_function
         from tensorflow.python.ops import control_flow_util, gradients_util, resource_variable_ops, summary_ops_v2
 
         missing = [
@@ -106,6 +108,8 @@ def check_supported() -> None:
                  "op" in _local_names(gradients_util._GradientsHelper)),
                 ("summary_ops_v2._summary_state", hasattr(summary_ops_v2, "_summary_state")),
                 ("smart_cond.smart_cond", hasattr(smart_cond, "smart_cond")),
+                ("polymorphic_function.Function.__call__", "__call__" in vars(polymorphic_function.Function)),
+                ("dataset_ops.DatasetV2.__iter__", "__iter__" in vars(dataset_ops.DatasetV2)),
             )
             if not ok
         ]

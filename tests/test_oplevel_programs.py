@@ -102,6 +102,23 @@ def test_a_traced_step_traces_anew_the_functions_it_calls(oracle, tmp_path, caps
     assert {"type": op["type"], "line": _line(op["source"])} == oracle["custom_layer"]
 
 
+def test_a_signature_traced_outside_between_blocks_is_traced_anew():
+    """A function first traced in a block, then for new inputs outside any
+    block: the next block traces those anew too, and names its Log."""
+    @tf.function
+    def log_of(x):
+        return tf.math.log(x)  # LOG_OF
+
+    recorder = tbn.op_numerics(step=0)
+    with recorder:
+        log_of(tf.constant([1.0, 2.0, 3.0]))
+    log_of(tf.constant([1.0, 0.0]))  # a new shape, traced outside any block
+    with recorder:
+        log_of(tf.constant([1.0, 0.0])) * 2.0
+    assert recorder.first_bad.op_type == "Log"
+    assert _line(recorder.first_bad.source) == "%s:%d" % (os.path.basename(__file__), line_of(__file__, "# LOG_OF"))
+
+
 class _MakesItsVariable(tf.Module):
     """A tf.function whose first trace made a variable (a new trace would make another)."""
 
