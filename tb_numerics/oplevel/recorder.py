@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import threading
 from typing import Any, Callable, Collection, TypeVar
 
@@ -57,8 +56,6 @@ DEFAULT_SKIP_OP_TYPES = frozenset(
 _FIRST_OUTPUT_ONLY = ("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3")
 
 FnT = TypeVar("FnT", bound=Callable[..., Any])
-
-_log = logging.getLogger(__name__)
 
 
 class OpNumerics:
@@ -139,10 +136,6 @@ class OpNumerics:
         self._graph_flight = GraphFlight(flight_recorder) if flight_recorder else None
         # Replay: find the first bad op as ops run, with its inputs.
         self._inspect_inputs = False
-        # Names of the functions traced in an eager block, and of those
-        # called there that were not (warned about once).
-        self._traced_here: set[str] = set()
-        self._warned: set[str] = set()
         # What a block calls that was traced outside one, traced anew in it.
         self._retracer = Retracer(self._local)
 
@@ -221,10 +214,9 @@ class OpNumerics:
             # unless that was outside any block; then its outputs are recorded.
             st.function_ran = True
             st.backward_seen |= op_type.startswith("__backward_")
-            if self._check_traced_here(op_type):
+            if self._retracer.ops_recorded(op_type):
                 return None
         if graph is not None and st.graph is None:
-            self._traced_here.add(_tf_internal.outermost_function_name(graph))
             self._retracer.traced_here(graph)
         if op_type in self._skip or (self._op_types is not None and op_type not in self._op_types):
             return None
@@ -244,21 +236,6 @@ class OpNumerics:
             return self._record(st, Op(op_type, name, graph, inputs, outputs), picked)
         finally:
             self._local.busy = False
-
-    def _check_traced_here(self, op_type: str) -> bool:
-        """Whether the ops of a function called in an eager block are recorded
-        (it was traced inside a block); warns once per function that was not."""
-        name = _tf_internal.called_function_name(op_type)
-        if name is None or name in self._traced_here:
-            return True
-        if name not in self._warned:
-            self._warned.add(name)
-            _log.warning(
-                "op_numerics: tf.function %r was traced before the recorder was active and cannot be "
-                "traced anew here (a concrete function, one whose first trace made variables, or one "
-                "compiled with XLA), so its ops are not recorded, only its outputs (as op %s)",
-                name, op_type)
-        return False
 
     def _record(self, st: Step, op: Op, picked) -> list | None:
         """Records the picked outputs of ``op``; returns the op's new outputs, if any."""

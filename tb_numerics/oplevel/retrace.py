@@ -59,6 +59,10 @@ class Retracer:
     def __init__(self, local: Any) -> None:
         self._local = local
         self._graphs_here: "weakref.WeakSet[Any]" = weakref.WeakSet()  # traced in a block
+        # Names of the functions traced in a block, and of those called in
+        # one that were not (warned about once).
+        self._names_here: set[str] = set()
+        self._warned: set[str] = set()
         # tf.functions: their tracing count after a call in a block (any
         # beyond were traced elsewhere), and their copies traced in one.
         self._counts: "weakref.WeakKeyDictionary[Any, int]" = weakref.WeakKeyDictionary()
@@ -70,6 +74,23 @@ class Retracer:
     def traced_here(self, graph: Any) -> None:
         """Notes that ops of ``graph`` were seen, in a block, while it was traced."""
         self._graphs_here.add(_tf_internal.outermost_function_graph(graph))
+        self._names_here.add(_tf_internal.outermost_function_name(graph))
+
+    def ops_recorded(self, op_type: str) -> bool:
+        """Whether the ops of a function called in an eager block (op type
+        ``op_type``) are recorded, its trace made in a block; warns once
+        per function that was not (only its outputs are recorded)."""
+        name = _tf_internal.called_function_name(op_type)
+        if name is None or name in self._names_here:
+            return True
+        if name not in self._warned:
+            self._warned.add(name)
+            _log.warning(
+                "op_numerics: tf.function %r was traced before the recorder was active and cannot be "
+                "traced anew here (a concrete function, one whose first trace made variables, or one "
+                "compiled with XLA), so its ops are not recorded, only its outputs (as op %s)",
+                name, op_type)
+        return False
 
     def call(self, call: Callable[..., Any], fn: Any, args: tuple, kwargs: dict) -> Any:
         """Calls the ``tf.function`` ``fn`` (``call(target, *args, **kwargs)``):
