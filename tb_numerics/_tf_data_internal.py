@@ -10,7 +10,8 @@ them, a pipeline built earlier is rebuilt with its functions traced anew:
   and ``tf.distribute`` do);
 * each node that calls a function traced anew is pointed at the new trace,
   its other arguments are the new trace's captured inputs, and its input
-  dataset is the live one below it (nothing below is re-created);
+  dataset is the live one below it (nothing below is re-created) unless a
+  function below is traced anew too (then what is below is rebuilt);
 * every other function node's captured inputs are the live tensors it
   captured (the serialized graph holds copies of variables);
 * the graph is imported into a function that makes the new dataset's
@@ -124,9 +125,13 @@ class _Rewrite:
         self._placeholders: list[Any] = []
 
     def placeholder(self, node_def: Any, tensor: Any) -> str:
-        """A placeholder, fed with the live ``tensor``, for an input of ``node_def``."""
+        """A placeholder, fed with the live ``tensor``, for an input of
+        ``node_def``; one per tensor (a graph captures a tensor once)."""
         from tensorflow.core.framework import node_def_pb2
 
+        for name, live in self.captures.items():
+            if live is tensor:
+                return name
         name = "tbn_live/%s/%d" % (node_def.name, sum(k.startswith("tbn_live/%s/" % node_def.name)
                                                        for k in self.captures))
         p = node_def_pb2.NodeDef(name=name, op="Placeholder")
@@ -135,8 +140,9 @@ class _Rewrite:
         self.captures[name] = tensor
         return name
 
-    def point(self, node_def: Any, attr: str, node: Any, fn: Any, new: bool) -> None:
-        """Makes ``node_def`` call ``fn`` (its new trace where ``new``) on live tensors."""
+    def point(self, node_def: Any, attr: str, node: Any, fn: Any, new: bool, live_input: bool) -> None:
+        """Makes ``node_def`` call ``fn`` (its new trace where ``new``) on live
+        tensors; on the live dataset below it where ``live_input``."""
         ranges = _arg_ranges(node_def)
         if "other_arguments" not in ranges or "Targuments" not in node_def.attr:
             raise UnsupportedPipeline("%s has no other_arguments" % node_def.op)
@@ -148,7 +154,7 @@ class _Rewrite:
         if new:
             node_def.attr[attr].func.name = _name(fn)
             self.functions.append(fn)
-            if "input_dataset" in ranges and len(node._inputs()) == 1:  # the live pipeline below
+            if live_input and "input_dataset" in ranges and len(node._inputs()) == 1:  # the live pipeline below
                 i, _ = ranges["input_dataset"]
                 inputs[i] = self.placeholder(node_def, node._inputs()[0]._variant_tensor)
         node_def.attr["Targuments"].list.type[:] = [c.dtype.as_datatype_enum for c in caps]
@@ -199,6 +205,8 @@ def rebuild(ds: Any, new_trace: Callable[[Any, Any], Any]) -> Any:
         name = node_def.attr[attrs[0]].func.name
         if len(attrs) != 1 or name not in by_name:
             raise UnsupportedPipeline("%s calls %s" % (node_def.op, ", ".join(sorted(attrs))))
-        wrapper = new[name] or by_name[name][1]
-        rewrite.point(node_def, attrs[0], by_name[name][0], wrapper.function, new[name] is not None)
+        node, wrapper = by_name[name][0], new[name] or by_name[name][1]
+        rewrite.point(node_def, attrs[0], node, wrapper.function, new[name] is not None,
+                      live_input=not any(new[_name(w.function)] for below in node._inputs()
+                                         for _, w in dataset_functions(below)))
     return dataset_ops._VariantDataset(rewrite.variant(), ds.element_spec)

@@ -103,6 +103,18 @@ def data_pipeline() -> Step:
     return step
 
 
+def data_zip() -> Step:
+    """A map over a zip of a map: both functions were traced when the
+    dataset was built, the one below makes the NaN, the one above carries it."""
+    ds = tf.data.Dataset.from_tensor_slices(np.array([[1.0, 2.0], [3.0, -4.0]], np.float32))
+    ds = tf.data.Dataset.zip((ds.map(lambda v: tf.math.log(v)), ds))  # BAD
+    ds = ds.map(lambda a, b: a + b)
+
+    def step():
+        return [v * 2.0 for v in ds]
+    return step
+
+
 def data_map_replayed() -> Step:
     """A tf.function step that iterates a pipeline, replayed (run eagerly: the
     pipeline's functions are still traced, as tf.data always does)."""
@@ -171,6 +183,7 @@ PROGRAMS: dict[str, tuple[Callable[[], Step], str]] = {
     "while_loop": (while_loop, "block"),
     "data_map": (data_map, "block"),
     "data_pipeline": (data_pipeline, "block"),
+    "data_zip": (data_zip, "block"),
     "data_map_replayed": (data_map_replayed, "replay"),
     "nan_constant": (nan_constant, "block"),
     "custom_layer": (custom_layer, "block"),
