@@ -110,6 +110,8 @@ def check_supported() -> None:
                 ("smart_cond.smart_cond", hasattr(smart_cond, "smart_cond")),
                 ("polymorphic_function.Function.__call__", "__call__" in vars(polymorphic_function.Function)),
                 ("dataset_ops.DatasetV2.__iter__", "__iter__" in vars(dataset_ops.DatasetV2)),
+                ("dataset_ops.DatasetV2._variant_tensor",
+                 isinstance(vars(dataset_ops.DatasetV2).get("_variant_tensor"), property)),
             )
             if not ok
         ]
@@ -517,19 +519,31 @@ def _routed_iter(self):
     return _originals["iter"](self if route is None else route[1](self))
 
 
-def _route_targets() -> list[tuple[Any, str, str, Callable[..., Any]]]:
+def _routed_variant(self):
+    """``tf.data.Dataset._variant_tensor`` (what a graph captures of a
+    dataset), as this thread's router gives it."""
+    variant = _originals["variant"].fget(self)
+    route = getattr(_routes, "current", None)
+    return variant if route is None else route[2](self, variant)
+
+
+def _route_targets() -> list[tuple[Any, str, str, Any]]:
     from tensorflow.python.data.ops import dataset_ops
     from tensorflow.python.eager.polymorphic_function import polymorphic_function
 
     return [(polymorphic_function.Function, "__call__", "call", _routed_call),
-            (dataset_ops.DatasetV2, "__iter__", "iter", _routed_iter)]
+            (dataset_ops.DatasetV2, "__iter__", "iter", _routed_iter),
+            (dataset_ops.DatasetV2, "_variant_tensor", "variant", property(_routed_variant))]
 
 
-def acquire_routes(call: Callable[..., Any], iterate: Callable[[Any], Any]) -> None:
+def acquire_routes(call: Callable[..., Any], iterate: Callable[[Any], Any],
+                   variant: Callable[[Any, Any], Any]) -> None:
     """Routes this thread's calls of ``tf.function``s through ``call(original,
     function, args, kwargs)`` (which must return ``original(target, *args,
-    **kwargs)`` for the function it picks), and its iterations of
-    ``tf.data`` datasets over ``iterate(dataset)``, the dataset to iterate.
+    **kwargs)`` for the function it picks), its iterations of ``tf.data``
+    datasets over ``iterate(dataset)``, the dataset to iterate, and the
+    variant tensor a dataset gives (what a graph captures of it) through
+    ``variant(dataset, tensor)``.
 
     The two methods are patched process-wide, reference-counted
     (``release_routes`` puts them back at zero); a thread without routes
@@ -543,7 +557,7 @@ def acquire_routes(call: Callable[..., Any], iterate: Callable[[Any], Any]) -> N
                 setattr(cls, attr, routed)
         _route_users += 1
     _routes.stack = getattr(_routes, "stack", []) + [getattr(_routes, "current", None)]
-    _routes.current = (call, iterate)
+    _routes.current = (call, iterate, variant)
 
 
 def release_routes() -> None:

@@ -115,6 +115,23 @@ def data_zip() -> Step:
     return step
 
 
+def data_in_function() -> Step:
+    """A tf.function step, traced before the block, whose for loop runs over a
+    pipeline built before it (the graph captures the dataset)."""
+    ds = tf.data.Dataset.from_tensor_slices(np.array([[2.0, 1.0], [-1.0, 3.0]], np.float32))
+    ds = ds.map(lambda v: tf.math.log(v) + 1.0)  # BAD
+
+    @tf.function
+    def step():
+        total = tf.zeros([2])
+        for v in ds:
+            total += v * 2.0
+        return total
+
+    step.get_concrete_function()  # traced here, before any recorder block
+    return step
+
+
 def data_map_replayed() -> Step:
     """A tf.function step that iterates a pipeline, replayed (run eagerly: the
     pipeline's functions are still traced, as tf.data always does)."""
@@ -184,6 +201,7 @@ PROGRAMS: dict[str, tuple[Callable[[], Step], str]] = {
     "data_map": (data_map, "block"),
     "data_pipeline": (data_pipeline, "block"),
     "data_zip": (data_zip, "block"),
+    "data_in_function": (data_in_function, "block"),
     "data_map_replayed": (data_map_replayed, "replay"),
     "nan_constant": (nan_constant, "block"),
     "custom_layer": (custom_layer, "block"),

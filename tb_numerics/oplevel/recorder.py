@@ -175,7 +175,7 @@ class OpNumerics:
         self._local.step = st
         self._local.busy = False
         _tf_internal.acquire_gradient_hook()
-        _tf_internal.acquire_routes(self._retracer.call, self._retracer.iterate)
+        _tf_internal.acquire_routes(self._retracer.call, self._retracer.iterate, self._retracer.variant)
         _tf_internal.add_op_callback(self._callback)
         return self
 

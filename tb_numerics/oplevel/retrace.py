@@ -14,7 +14,9 @@ of graph a step uses are usually traced before any recorder's block:
 * a ``tf.data`` pipeline iterated in an eager block (its ``map`` and other
   functions were traced when the dataset was built): ``Retracer.iterate``
   gives the block the pipeline rebuilt with those functions traced anew
-  (``_tf_data_internal.rebuild``), once per recorder and dataset.
+  (``_tf_data_internal.rebuild``), once per recorder and dataset; a graph
+  traced in a block that uses such a dataset (a ``for`` loop over it in a
+  ``tf.function``) captures the rebuilt one's (``Retracer.variant``).
 
 What the step sees is unchanged: the same Python functions on the same
 variables and inputs. The copies' record ops, like those of any nested
@@ -114,6 +116,20 @@ class Retracer:
         pipeline's functions were traced outside this recorder's blocks."""
         if self._local.busy or not tf.executing_eagerly():
             return ds
+        return self._rebuilt(ds)
+
+    def variant(self, ds: Any, variant: Any) -> Any:
+        """The variant tensor a graph traced in a block captures for ``ds``:
+        where ``ds`` was made eagerly, its rebuilt pipeline's (a ``for``
+        loop over a dataset in a ``tf.function``; ``iter`` there)."""
+        if self._local.busy or tf.executing_eagerly() or tf.is_symbolic_tensor(variant) or ds in self._originals:
+            return variant
+        with tf.init_scope():
+            rebuilt = self._rebuilt(ds)
+        return variant if rebuilt is ds else rebuilt._variant_tensor
+
+    def _rebuilt(self, ds: Any) -> Any:
+        """``ds`` rebuilt with its functions traced anew, once per recorder; else ``ds``."""
         if ds not in self._pipelines:
             self._local.busy = True
             try:
