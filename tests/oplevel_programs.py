@@ -115,19 +115,25 @@ def data_zip() -> Step:
     return step
 
 
-def data_in_function() -> Step:
-    """A tf.function step, traced before the block, whose for loop runs over a
-    pipeline built before it (the graph captures the dataset)."""
+def _loop_over_a_map() -> tf.types.experimental.GenericFunction:
+    """A tf.function whose for loop runs over a pipeline built before it (its
+    graph captures the dataset)."""
     ds = tf.data.Dataset.from_tensor_slices(np.array([[2.0, 1.0], [-1.0, 3.0]], np.float32))
     ds = ds.map(lambda v: tf.math.log(v) + 1.0)  # BAD
 
     @tf.function
-    def step():
+    def loop():
         total = tf.zeros([2])
         for v in ds:
             total += v * 2.0
         return total
 
+    return loop
+
+
+def data_in_function() -> Step:
+    """A tf.function step over a pipeline, traced before the block."""
+    step = _loop_over_a_map()
     step.get_concrete_function()  # traced here, before any recorder block
     return step
 
@@ -135,17 +141,7 @@ def data_in_function() -> Step:
 def data_map_replayed() -> Step:
     """A tf.function step that iterates a pipeline, replayed (run eagerly: the
     pipeline's functions are still traced, as tf.data always does)."""
-    ds = tf.data.Dataset.from_tensor_slices(np.array([[2.0, 1.0], [-1.0, 3.0]], np.float32))
-    ds = ds.map(lambda v: tf.math.log(v) + 1.0)  # BAD
-
-    @tf.function
-    def f():
-        total = tf.zeros([2])
-        for v in ds:
-            total += v * 2.0
-        return total
-
-    return _Call(f)
+    return _Call(_loop_over_a_map())
 
 
 def nan_constant() -> Step:
