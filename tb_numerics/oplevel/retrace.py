@@ -119,10 +119,13 @@ class Retracer:
         return self._rebuilt(ds)
 
     def variant(self, ds: Any, variant: Any) -> Any:
-        """The variant tensor a graph traced in a block captures for ``ds``:
-        where ``ds`` was made eagerly, its rebuilt pipeline's (a ``for``
-        loop over a dataset in a ``tf.function``; ``iter`` there)."""
-        if self._local.busy or tf.executing_eagerly() or tf.is_symbolic_tensor(variant) or ds in self._originals:
+        """The variant tensor a graph traced in an eager block captures for
+        ``ds``: where ``ds`` was made eagerly, its rebuilt pipeline's (a
+        ``for`` loop over a dataset in a ``tf.function``; ``iter`` there).
+        Not in a traced step: the new traces' record ops would capture the
+        step's tensors, which the pipeline, made outside it, cannot."""
+        if (self._local.busy or tf.executing_eagerly() or tf.is_symbolic_tensor(variant)
+                or ds in self._originals or self._local.step.graph is not None):
             return variant
         with tf.init_scope():
             rebuilt = self._rebuilt(ds)
