@@ -28,7 +28,7 @@ from tensorboard import errors, plugin_util
 from tensorboard.backend import http_util
 from tensorboard.plugins import base_plugin
 
-from tb_numerics import analysis, loader_guard, logdir_provider, metadata, rules, run_store
+from tb_numerics import analysis, compare, loader_guard, logdir_provider, metadata, rules, run_store
 
 __all__ = ["NumericsLoader", "NumericsPlugin", "frontend_dir"]
 
@@ -182,6 +182,7 @@ class NumericsPlugin(base_plugin.TBPlugin):
             "/summary": self._serve_summary,
             "/timeline": self._serve_timeline,
             "/series": self._serve_series,
+            "/compare": self._serve_compare,
             # Everything else under the plugin: the frontend's other files.
             "/*": self._serve_static,
         }
@@ -245,6 +246,7 @@ class NumericsPlugin(base_plugin.TBPlugin):
         answer = self._store.answer(ctx, experiment, run, safe_range)
         summary = analysis.run_summary(answer.analysis)
         summary["safe_range"] = analysis.safe_range_to_json(safe_range)
+        summary["restarts"] = answer.restarts
         summary.update(answer.freshness())
         return summary
 
@@ -275,6 +277,15 @@ class NumericsPlugin(base_plugin.TBPlugin):
             **analysis.series_points(health, max_points, start, end),
             **answer.freshness(),
         }
+
+    def compare_impl(self, ctx, experiment: str, run: str, against: str, band: compare.Band) -> dict[str, Any]:
+        """Where ``run`` first leaves ``against``'s band (``compare.compare_runs``)."""
+        mine = self._store.answer(ctx, experiment, run, analysis.SafeRange())
+        theirs = self._store.answer(ctx, experiment, against, analysis.SafeRange())
+        out = compare.compare_runs(
+            [h.series for h in mine.analysis.health], [h.series for h in theirs.analysis.health], band
+        )
+        return {"run": run, "against": against, **out, **mine.freshness()}
 
     # ---------------------------------------------------------- routes
 
@@ -313,6 +324,16 @@ class NumericsPlugin(base_plugin.TBPlugin):
         start, end = _step_range(args)
         max_points = _int_param(args, "max_points", DEFAULT_MAX_POINTS, 1, MAX_POINTS)
         return self.series_impl(*_ids(request), run, tag, safe_range, start, end, max_points)
+
+    @_route
+    def _serve_compare(self, request: wrappers.Request) -> dict:
+        args = request.args
+        run, against = _required(args, "run"), _required(args, "against")
+        try:
+            band = compare.parse_band(args)
+        except compare.BandError as e:
+            raise _BadRequest(str(e)) from None
+        return self.compare_impl(*_ids(request), run, against, band)
 
     @wrappers.Request.application
     def _serve_static(self, request: wrappers.Request) -> wrappers.Response:
