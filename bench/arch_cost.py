@@ -289,8 +289,8 @@ def report(model: str, times: dict, reps: int, steps: int) -> None:
 # ------------------------------------------------------------------ first epoch
 
 
-def _first_epoch_child(model: str, mode: str, epoch_steps: int) -> float:
-    """In a fresh process: seconds of the first epoch (tracing included)."""
+def _first_epoch_child(model: str, mode: str, epoch_steps: int) -> tuple[float, float]:
+    """In a fresh process: seconds of the first epoch (tracing included), wall and CPU."""
     x, y = _data(model)
     logdir = tempfile.mkdtemp(prefix="tbn_arch_first_")
     try:
@@ -298,17 +298,17 @@ def _first_epoch_child(model: str, mode: str, epoch_steps: int) -> float:
             m = build(model)
             data = tf.data.Dataset.from_tensors((x, y)).repeat(epoch_steps)
             cbs = [NumericsCallback(logdir)] if mode == "callback" else []
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             m.fit(data, epochs=1, verbose=0, callbacks=cbs)
-            return time.perf_counter() - t0
+            return time.perf_counter() - t0, time.process_time() - c0
         run = _loop(model, x, y, logdir if mode == "loop_numerics" else None)
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for _ in range(epoch_steps):
             out = run()
         _sync(out)
         if hasattr(run, "settle"):
             run.settle()
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.process_time() - c0
     finally:
         shutil.rmtree(logdir, ignore_errors=True)
 
@@ -323,10 +323,11 @@ def first_epochs(model: str, epoch_steps: int) -> None:
         seconds[mode] = json.loads(out.strip().splitlines()[-1])
     print("%s: first epoch of %d batches, tracing included, each in a fresh process; %s"
           % (model, epoch_steps, _load()))
-    print("  fit %.1f s, with NumericsCallback %.1f s: %+.1f s (target <= +3 s)"
-          % (seconds["fit"], seconds["callback"], seconds["callback"] - seconds["fit"]))
-    print("  custom loop %.1f s, with log_numerics + log_gradients %.1f s: %+.1f s"
-          % (seconds["loop"], seconds["loop_numerics"], seconds["loop_numerics"] - seconds["loop"]))
+    for base, name, what in (("fit", "callback", "fit %s, with NumericsCallback %s: %s (target <= +3 s)"),
+                             ("loop", "loop_numerics", "custom loop %s, with log_numerics + log_gradients %s: %s")):
+        (w0, c0), (w1, c1) = seconds[base], seconds[name]
+        print("  " + what % ("%.1f s (cpu %.1f s)" % (w0, c0), "%.1f s (cpu %.1f s)" % (w1, c1),
+                              "%+.1f s (cpu %+.1f s)" % (w1 - w0, c1 - c0)))
 
 
 def main(argv=None) -> int:
