@@ -73,6 +73,9 @@ import tensorflow as tf  # noqa: E402
 import tb_numerics as tbn  # noqa: E402
 from tb_numerics.keras import NumericsCallback  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from overhead import fit_per_batch  # noqa: E402
+
 CLASSES = 10
 
 
@@ -156,24 +159,8 @@ def build(model: str) -> keras.Model:
 
 
 def _fit_loop(model_name: str, x, y, callbacks: list) -> Callable[[], Any]:
-    """fit's per-batch loop on a fresh model (see ``bench/overhead.py``)."""
-    model = build(model_name)
-    iterator = iter(tf.data.Dataset.from_tensors((x, y)).repeat())
-    cbs = keras.callbacks.CallbackList(callbacks, model=model)
-    model.make_train_function()
-    cbs.on_train_begin()
-
-    def run():
-        run.batch += 1
-        cbs.on_train_batch_begin(run.batch)
-        logs = model.train_function(iterator)
-        cbs.on_train_batch_end(run.batch, logs)
-        return logs["loss"]
-
-    run.batch = 0
-    run.settle = lambda: cbs.on_epoch_end(0)
-    run.end = cbs.on_train_end
-    return run
+    """fit's per-batch loop on a fresh model (``bench/overhead.py``'s ``fit_per_batch``)."""
+    return fit_per_batch(build(model_name), x, y, callbacks)
 
 
 def _loop(model_name: str, x, y, logdir: str | None) -> Callable[[], Any]:
@@ -236,6 +223,18 @@ def _sync(out) -> None:
         out.numpy()
 
 
+def _timed(fn: Callable[[], Any], steps: int) -> tuple[float, float]:
+    """Seconds of ``steps`` calls of ``fn``, its result awaited and its block
+    settled (``fn.settle``, where it has one), in wall and CPU time."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(steps):
+        out = fn()
+    _sync(out)
+    if hasattr(fn, "settle"):
+        fn.settle()
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
 def _load() -> str:
     return "load average %.1f %.1f %.1f on %d cores" % (*os.getloadavg(), os.cpu_count() or 0)
 
@@ -254,13 +253,8 @@ def interleaved(model: str, names: list[str], reps: int, steps: int, warmup: int
     for rep in range(reps):
         random.Random(rep).shuffle(order)
         for name, fn in order:
-            t0, c0 = time.perf_counter(), time.process_time()
-            for _ in range(steps):
-                out = fn()
-            _sync(out)
-            if hasattr(fn, "settle"):
-                fn.settle()
-            times[name].append(((time.perf_counter() - t0) / steps * 1e3, (time.process_time() - c0) / steps * 1e3))
+            wall, cpu = _timed(fn, steps)
+            times[name].append((wall / steps * 1e3, cpu / steps * 1e3))
     for fn in fns.values():
         if hasattr(fn, "end"):
             fn.end()
@@ -301,14 +295,7 @@ def _first_epoch_child(model: str, mode: str, epoch_steps: int) -> tuple[float, 
             t0, c0 = time.perf_counter(), time.process_time()
             m.fit(data, epochs=1, verbose=0, callbacks=cbs)
             return time.perf_counter() - t0, time.process_time() - c0
-        run = _loop(model, x, y, logdir if mode == "loop_numerics" else None)
-        t0, c0 = time.perf_counter(), time.process_time()
-        for _ in range(epoch_steps):
-            out = run()
-        _sync(out)
-        if hasattr(run, "settle"):
-            run.settle()
-        return time.perf_counter() - t0, time.process_time() - c0
+        return _timed(_loop(model, x, y, logdir if mode == "loop_numerics" else None), epoch_steps)
     finally:
         shutil.rmtree(logdir, ignore_errors=True)
 
