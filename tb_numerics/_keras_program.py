@@ -63,6 +63,35 @@ def _merged_stats(tensors: list[tf.Tensor], name: str) -> tf.Tensor:
     return out
 
 
+def _batched_records(items: list[tuple[list[tf.Tensor], str]]) -> tuple[list[tf.Tensor], list[tf.Tensor]]:
+    """The record of each item (a row's tensors, merged; its tag), and a
+    plain sum standing for each item's values (for the gated update).
+
+    Rows of one small tensor (``stats.is_small``: biases, norms' scales, a
+    pooled output, the loss) are reduced together by ``stats.many_stats``,
+    in a fixed number of kernels, and share the one plain sum of all their
+    values; the others take ``stats.tensor_stats`` each, whose sum is their
+    own. On ResNet-50's 161 small gradients (of 214), a record each cost a
+    function call and its branches every step, and 161 call sites to trace.
+    """
+    small = [k for k, (tensors, _) in enumerate(items) if len(tensors) == 1 and stats.is_small(tensors[0])]
+    records: list[tf.Tensor | None] = [None] * len(items)
+    sums: list[tf.Tensor | None] = [None] * len(items)
+    if len(small) > 1:
+        xs = [tf.convert_to_tensor(items[k][0][0]) for k in small]
+        many, total = stats.many_stats_and_sum(xs, [stats.check_dtype(x, items[k][1]) for k, x in zip(small, xs)])
+        for j, k in enumerate(small):
+            records[k], sums[k] = many[j], total
+    for k, (tensors, tag) in enumerate(items):
+        if records[k] is not None:
+            continue
+        if len(tensors) == 1:
+            records[k], sums[k] = stats.tensor_stats_and_sum(tensors[0], tag)
+        else:
+            records[k] = _merged_stats(tensors, tag)
+    return records, sums
+
+
 def _state_variable(initial_value: Any) -> tf.Variable:
     # Plain variables, whatever strategy's scope ``fit`` runs in (a mirrored
     # one cannot be assigned a slice, and the records are stored once).
@@ -186,6 +215,7 @@ class StepProgram:
         plan = self._plan
         rows: list[tf.Tensor | None] = [None] * plan.weight_row0
         self._batch_records(trace, rows)
+        forward: list[tuple[int, list[tf.Tensor]]] = []
         graph = tf.compat.v1.get_default_graph()
         for i, tensors in trace.outputs.items():
             # Outputs of this step's graph only: a subclassed model's first call
@@ -196,23 +226,36 @@ class StepProgram:
                 row.dtype = tensors[0].dtype.base_dtype.name
                 row.shape = tuple(tensors[0].shape.as_list()) if tensors[0].shape.rank is not None else None
                 row.present = True
-                rows[plan.act_rows[i]] = _merged_stats(tensors, row.tag)
+                forward.append((plan.act_rows[i], [tf.stop_gradient(t) for t in tensors]))
         if trace.loss is not None and trace.loss.dtype.base_dtype.name in metadata.DTYPE_LIMITS:
             row = plan.rows[plan.loss_row]
             row.dtype, row.shape, row.present = trace.loss.dtype.base_dtype.name, tuple(trace.loss.shape), True
-            rows[plan.loss_row] = stats.tensor_stats(tf.stop_gradient(trace.loss), "loss")
+            forward.append((plan.loss_row, [tf.stop_gradient(trace.loss)]))
+        records, _ = _batched_records([(tensors, plan.rows[r].tag) for r, tensors in forward])
+        for (r, _), record in zip(forward, records):
+            rows[r] = record
+        backward = self._gradients(grads, variables, scale)
+        records, sums = _batched_records([([g], plan.rows[plan.grad_rows[j]].tag) for j, g in backward])
+        for (j, _), record, total in zip(backward, records, sums):
+            rows[plan.grad_rows[j]], trace.grad_sums[j] = record, total
+        return rows
+
+    def _gradients(self, grads: list, variables: list, scale: tf.Tensor) -> list[tuple[int, tf.Tensor]]:
+        """(variable index, gradient) of each gradient row that has one, in
+        row order, as the update uses them; marks each row present or not."""
+        plan = self._plan
         grad_of = {id(v): g for g, v in zip(grads, variables)}
-        for j in sorted(plan.grad_rows):
-            r = plan.grad_rows[j]
+        out = []
+        for j in sorted(plan.grad_rows, key=plan.grad_rows.get):
             g = grad_of.get(id(plan.variables[j]))
             if isinstance(g, tf.IndexedSlices):
                 g = g.values  # the rows it touches, as log_gradients does
-            plan.rows[r].present = g is not None
+            plan.rows[plan.grad_rows[j]].present = g is not None
             if g is not None:
                 if self.lso:  # the gradients the update uses (no pass over them otherwise)
                     g = g / tf.cast(scale, g.dtype)
-                rows[r], trace.grad_sums[j] = stats.tensor_stats_and_sum(g, plan.rows[r].tag)
-        return rows
+                out.append((j, tf.convert_to_tensor(g)))
+        return out
 
     def _batch_records(self, trace: Trace, rows: list) -> None:
         """The records of the step's batch, in place in ``rows``: each row's
@@ -249,7 +292,8 @@ class StepProgram:
         with tf.control_dependencies(snaps):
             if not self._plan.num_weight_rows:
                 return tf.zeros([0, NUM_FIELDS], tf.float64)
-            return tf.stack([stats.tensor_stats(tf.convert_to_tensor(v), v.path) for v in variables])
+            records, _ = _batched_records([([tf.convert_to_tensor(v)], v.path) for v in variables])
+            return tf.stack(records)
 
     def _update_norms(self, due: tf.Tensor, weight_rows: tf.Tensor) -> tf.Tensor:
         """||w_new - w_old||^2 and ||w_old||^2 of each variable, on due steps."""
@@ -258,13 +302,11 @@ class StepProgram:
             return tf.zeros([0], tf.float64)
 
         def norms() -> tf.Tensor:
-            out = []
-            for j, (s, v) in enumerate(zip(self._snapshots, variables)):
-                old = s.read_value()
-                # ||w_old||^2 is the weights record's sum of squares when there is one.
-                w2 = weight_rows[j, F["sum_sq"]] if self._plan.num_weight_rows else stats.sq_norm(old)
-                out += [stats.sq_norm(tf.convert_to_tensor(v) - old), w2]
-            return tf.stack(out)
+            olds = [s.read_value() for s in self._snapshots]
+            moved = stats.sq_norms([tf.convert_to_tensor(v) - old for v, old in zip(variables, olds)])
+            # ||w_old||^2 is the weights records' sum of squares when there are any.
+            w2 = weight_rows[:, F["sum_sq"]] if self._plan.num_weight_rows else stats.sq_norms(olds)
+            return tf.reshape(tf.stack([moved, w2], axis=1), [-1])
 
         return tf.cond(due, norms, lambda: tf.zeros([2 * len(variables)], tf.float64))
 
