@@ -26,9 +26,10 @@ from werkzeug import wrappers
 from tensorboard import context as tb_context
 from tensorboard import errors, plugin_util
 from tensorboard.backend import http_util
+from tensorboard.data import provider
 from tensorboard.plugins import base_plugin
 
-from tb_numerics import analysis, loader_guard, logdir_provider, metadata, rules, run_store
+from tb_numerics import analysis, event_reader, loader_guard, logdir_provider, metadata, rules, run_store, survive
 
 __all__ = ["NumericsLoader", "NumericsPlugin", "frontend_dir"]
 
@@ -244,9 +245,34 @@ class NumericsPlugin(base_plugin.TBPlugin):
         """The run's first anomaly and first warning (as ``report --json``)."""
         answer = self._store.answer(ctx, experiment, run, safe_range)
         summary = analysis.run_summary(answer.analysis)
+        events = self._actions(ctx, experiment, run, summary["problems"])
+        summary["actions"] = survive.summarize(events, summary["first_anomaly"])
         summary["safe_range"] = analysis.safe_range_to_json(safe_range)
         summary.update(answer.freshness())
         return summary
+
+    def _actions(self, ctx, experiment: str, run: str, problems: list[str]) -> list[dict]:
+        """The run's action events (``survive``): a few records of a plugin of
+        their own, read whole at each request; what cannot be read is said
+        in ``problems``."""
+        if self._data_provider is None:
+            return []
+        rtf = provider.RunTagFilter(runs=[run], tags=[metadata.ACTIONS_TAG])
+        try:
+            listed = self._data_provider.list_tensors(
+                ctx, experiment_id=experiment, plugin_name=metadata.ACTIONS_PLUGIN, run_tag_filter=rtf,
+            ).get(run, {}).get(metadata.ACTIONS_TAG)
+            if listed is None:
+                return []
+            data = self._data_provider.read_tensors(
+                ctx, experiment_id=experiment, plugin_name=metadata.ACTIONS_PLUGIN, downsample=_ALL_ACTIONS,
+                run_tag_filter=rtf,
+            ).get(run, {}).get(metadata.ACTIONS_TAG, [])
+        except (errors.PublicError, ValueError, TypeError, OSError) as e:  # the records stay readable
+            problems.append("%s: the run's actions could not be read (%s)" % (metadata.ACTIONS_TAG, e))
+            return []
+        events = (event_reader.action_of(listed.plugin_content, d.numpy, d.step, problems) for d in data)
+        return [e for e in events if e is not None]
 
     def timeline_impl(
         self, ctx, experiment: str, run: str, safe_range: analysis.SafeRange,
@@ -348,6 +374,10 @@ class NumericsPlugin(base_plugin.TBPlugin):
             return f.read(), _STATIC_TYPES[ext]
 
 
+# Read whole: a run holds one action per step that acted, a handful.
+_ALL_ACTIONS = 1 << 20
+
+
 def _ids(request: wrappers.Request) -> tuple:
     """The request's TensorBoard context and experiment id."""
     return plugin_util.context(request.environ), plugin_util.experiment_id(request.environ)
@@ -411,6 +441,7 @@ class NumericsLoader(base_plugin.TBLoader):
             except ValueError:
                 raise base_plugin.FlagsError("malformed --samples_per_plugin: %r" % spp) from None
         spp.setdefault(metadata.PLUGIN_NAME, 0)
+        spp.setdefault(metadata.ACTIONS_PLUGIN, 0)
         flags.samples_per_plugin = spp
 
     def load(self, context: base_plugin.TBContext) -> NumericsPlugin:
