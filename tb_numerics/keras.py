@@ -40,12 +40,13 @@ from tb_numerics import _requires
 _requires.tensorflow(__name__)  # says what to install where TensorFlow is missing
 import keras  # noqa: E402 - after that check
 
-from tb_numerics import _keras_replay, analysis, update_check  # noqa: E402
+from tb_numerics import _keras_replay, analysis, survive, update_check  # noqa: E402
 from tb_numerics._keras_diagnosis import Diagnosis, stop_training, why_no_replay  # noqa: E402
 from tb_numerics._keras_host import HostRecords  # noqa: E402
 from tb_numerics._keras_patch import Patches, StepHooks  # noqa: E402
 from tb_numerics._keras_plan import RowPlan  # noqa: E402
 from tb_numerics._keras_program import StepProgram, StepValues  # noqa: E402
+from tb_numerics._keras_survive import SurvivalHost  # noqa: E402
 
 __all__ = ["NumericsCallback"]
 
@@ -107,6 +108,13 @@ class NumericsCallback(keras.callbacks.Callback):
         whose records went bad (``first_anomaly.replay.replica``).
       allow_neginf: tag patterns (fnmatch) where -Inf is intended, e.g.
         ``"attention*/output"`` for masks; a NaN there still counts.
+      on_anomaly: what to do at a step whose loss or gradients hold a NaN
+        or an Inf: ``"skip"`` its update, ``"rewind"`` to the last good
+        state, ``"stop"`` (as ``stop_on_anomaly=True``), or a
+        ``tb_numerics.OnAnomaly`` with its limits and a spike trigger (see
+        ``tb_numerics.survive``). Each action is an event in the run
+        (``actions`` in ``tb-numerics report --json``). None: the update of
+        such a step is held back for the replay, and nothing else is done.
 
     Under a ``tf.distribute`` strategy with several replicas, each record is
     that of all replicas' values together (one record per step, a NaN on any
@@ -130,8 +138,15 @@ class NumericsCallback(keras.callbacks.Callback):
         allow_neginf: Sequence[str] = (),
         replay: bool = True,
         inputs: bool = True,
+        on_anomaly: "str | survive.OnAnomaly | None" = None,
     ):
         super().__init__()
+        policy = survive.OnAnomaly.of(on_anomaly)
+        if stop_on_anomaly and policy is not None and policy.action != "stop":
+            raise ValueError("stop_on_anomaly=True is on_anomaly='stop'; it cannot go with on_anomaly=%r" % (
+                policy.action,))
+        self._policy = policy or (survive.OnAnomaly("stop") if stop_on_anomaly else None)
+        stop_on_anomaly = self._policy is not None and self._policy.action == "stop"
         if isinstance(every_n_steps, bool) or not isinstance(every_n_steps, int) or every_n_steps < 1:
             raise ValueError("every_n_steps must be a positive integer, got %r" % (every_n_steps,))
         if weights_every_n_steps is None:
@@ -162,7 +177,9 @@ class NumericsCallback(keras.callbacks.Callback):
         self.replay_verdict: dict[str, Any] | None = None
         self._replay: _keras_replay.StepReplay | None = None
         self._host: HostRecords | None = None  # set while fit runs
+        self._survival: SurvivalHost | None = None  # set while fit runs, with a policy
         self._patches = Patches()
+        self._batch = 0
 
     def on_train_begin(self, logs=None) -> None:
         if keras.backend.backend() != "tensorflow":
@@ -182,8 +199,10 @@ class NumericsCallback(keras.callbacks.Callback):
         self._replay = _keras_replay.StepReplay(model, self.log_dir) if self.replay else None
         if self._replay is not None:
             self._replay.why_not = why_no_replay(model)
+        policy = self._policy
         self._program = StepProgram(model, plan, self._replay, update_ratios=self.update_ratios,
-                                    weights_every_n_steps=self.weights_every_n_steps, safe_range=self.safe_range)
+                                    weights_every_n_steps=self.weights_every_n_steps, safe_range=self.safe_range,
+                                    policy=policy is not None, spike=policy.spike if policy is not None else None)
         squared_by = update_check.squares_gradients(opt)
         self._host = HostRecords(self.log_dir, plan, every_n_steps=self.every_n_steps,
                                  update_ratios=self.update_ratios, lso=self._program.lso,
@@ -192,7 +211,12 @@ class NumericsCallback(keras.callbacks.Callback):
         self._diagnosis = Diagnosis(model, plan, self._program, hooks, self._host, self._replay,
                                     safe_range=self.safe_range, squared_by=squared_by)
         self._last_call = -1
+        self._survival = None if policy is None else SurvivalHost(
+            model, policy, plan, self._program, self._diagnosis, self._host, safe_range=self.safe_range,
+            set_attribute=self._patches.set, first_verdict=lambda: self.replay_verdict)
         hooks.install(self._patches, self.activations)
+        if self._survival is not None:
+            self._survival.begin()
 
     def on_train_end(self, logs=None) -> None:
         self._patches.restore()
@@ -207,16 +231,24 @@ class NumericsCallback(keras.callbacks.Callback):
         if not steps:
             return
         self._last_call = steps[-1][1].call
+        self._batch = batch
         self._host.collect()
         if self._diagnosis.check_squares(steps) and self.stop_on_anomaly:
-            self._stop()
+            self._stop(*steps[-1], why="an update left the weights or the optimizer's slots non-finite")
         replay_due = self._replay is not None and self.replay_verdict is None
-        if (self.stop_on_anomaly or replay_due) and any(self._host.may_be_anomaly(*s) for s in steps):
+        held = self._survival is not None and any(self._survival.acts_on(v) for _, v in steps)
+        if held or ((self.stop_on_anomaly or replay_due) and any(self._host.may_be_anomaly(*s) for s in steps)):
             # Inline, before the next step changes the weights the replay needs.
             self._host.wait()
             self._write_steps(steps)
         else:
             self._host.submit(self._write_steps, steps)
+        if self._survival is not None and not self.model.stop_training and self._survival.after(steps, batch):
+            self._stop()
+
+    def on_epoch_begin(self, epoch, logs=None) -> None:
+        if self._survival is not None:
+            self._survival.epoch = int(epoch)
 
     def on_epoch_end(self, epoch, logs=None) -> None:
         if self._host is not None:
@@ -239,10 +271,15 @@ class NumericsCallback(keras.callbacks.Callback):
             self.replay_verdict = self._diagnosis.replay(values.step, step_stats)
         if not self.stop_on_anomaly:
             return False
-        self._stop()
+        self._stop(step_stats, values, why="a record of the step holds a NaN or an Inf")
         return True
 
-    def _stop(self) -> None:
-        """Stops training and prints the diagnosis, in the analysis' words."""
+    def _stop(self, step_stats: np.ndarray | None = None, values: StepValues | None = None, why: str = "") -> None:
+        """Stops training and prints the diagnosis, in the analysis' words;
+        given a step, its stop event first (else the policy wrote it)."""
+        if values is not None and self._survival is not None and not self.model.stop_training:
+            self._survival.stop(step_stats, values, self._batch - (self._last_call - values.call), why)
         self._host.writer.flush()
-        self.anomaly = stop_training(self.model, self.log_dir, self.safe_range)
+        self.model.stop_training = True
+        if self.anomaly is None:
+            self.anomaly = stop_training(self.model, self.log_dir, self.safe_range)
