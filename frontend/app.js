@@ -253,6 +253,7 @@ export class Dashboard {
           tl.errorLine.hidden = true;
           const a = this.summaries.get(run)?.first_anomaly;
           tl.setData(data, a ? a.row : null, a ? a.step : null);
+          tl.setActions(this.summaries.get(run)?.actions?.events);
         } catch (e) {
           tl.errorLine.hidden = false;
           tl.errorLine.textContent = `Timeline: ${e.message}`;
