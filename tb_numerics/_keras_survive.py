@@ -85,7 +85,7 @@ class SurvivalHost:
     def begin(self) -> None:
         """At the start of training: the first snapshot (the state training starts from)."""
         if self.snapshot is not None:
-            self.snapshot.take(int(np.asarray(self._model.optimizer.iterations)))
+            self.snapshot.take(_value(self._model.optimizer.iterations))
 
     def acts_on(self, values: StepValues) -> bool:
         """Whether the policy acts on a step: its update was held back, and
@@ -165,8 +165,9 @@ class SurvivalHost:
         first = self._first_verdict()
         if first is not None and first.get("step") == values.step:
             return first
-        if self._replays >= _MAX_REPLAYS or not self._diagnosis.can_replay:
-            return None
+        spike = values.trigger in (TRIGGER_CODES["loss_spike"], TRIGGER_CODES["grad_norm_spike"])
+        if spike or self._replays >= _MAX_REPLAYS or not self._diagnosis.can_replay:
+            return None  # (a spike is finite: no op to find)
         self._replays += 1
         return self._diagnosis.replay(values.step, step_stats)
 
@@ -174,7 +175,7 @@ class SurvivalHost:
         """Puts the last good state back and scales the learning rate; the
         event's fields, or None where there is no state to go back to."""
         opt = self._model.optimizer
-        its_now = int(np.asarray(opt.iterations))
+        its_now = _value(opt.iterations)
         if self.snapshot is not None:
             to = self.snapshot.restore()
             if to is None:
@@ -186,7 +187,7 @@ class SurvivalHost:
                 return None
             self._model.load_weights(path)
             out = {"checkpoint": os.path.basename(path)}
-        self._program.shift_steps(its_now - int(np.asarray(opt.iterations)))
+        self._program.shift_steps(its_now - _value(opt.iterations))
         if self._lr is not None:
             out.update(lr_factor=self._policy.lr_factor, lr=self._lr.scale(self._policy.lr_factor))
         return out
@@ -195,9 +196,14 @@ class SurvivalHost:
         """Resets each metric whose state the held step left non-finite (the
         loss tracker's total): the epoch's mean then covers the other batches."""
         for m in getattr(self._model, "metrics", []):
-            values = [np.asarray(v, np.float64) for v in m.variables if np.asarray(v).dtype.kind == "f"]
+            values = [v.numpy().astype(np.float64) for v in m.variables if v.numpy().dtype.kind == "f"]
             if any(records.nonfinite_count(records.numpy_stats(v)) > 0 for v in values):
                 m.reset_state()
+
+
+def _value(variable: Any) -> int:
+    """An integer variable's value (a step counter)."""
+    return int(variable.numpy())
 
 
 def newest_checkpoint(checkpoint: Any) -> str | None:

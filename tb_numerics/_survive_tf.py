@@ -238,4 +238,5 @@ class LearningRate:
 
     def current(self) -> float:
         """The learning rate the next step uses."""
-        return float(np.asarray(self._opt.learning_rate))
+        lr = self._opt.learning_rate  # a variable, or a schedule's tensor
+        return float(lr.numpy()) if hasattr(lr, "numpy") else float(lr)

@@ -12,6 +12,7 @@ put back", Keras' ``LossScaleOptimizer`` halving its scale at a skip.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import io
 import json
 import os
@@ -171,15 +172,21 @@ def test_a_persistent_nan_escalates_after_k_skips_and_stops_with_the_diagnosis(p
 # ---------------------------------------------------------------- rewind
 
 
-def _diverging(logdir, policy):
+def _diverging(logdir, policy, checkpoint: bool = False):
     """A linear regression at a learning rate 10x beyond its stable range:
-    the weights grow by a factor at each step, the loss is +Inf at step 15."""
+    the weights grow by a factor at each step, the loss is +Inf at step 15.
+    ``checkpoint``: a ModelCheckpoint writes the weights at each epoch's end,
+    and the policy rewinds to its newest file."""
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
     model.compile(keras.optimizers.SGD(1.0), "mse")
     x, _ = _data(2, scale=3.0)
     y = x.sum(1, keepdims=True)
     callbacks = [] if policy is None else [NumericsCallback(str(logdir), on_anomaly=policy, weights=False)]
+    if checkpoint:
+        saver = keras.callbacks.ModelCheckpoint(str(logdir / "ckpt-{epoch:02d}.weights.h5"), save_weights_only=True)
+        callbacks = [saver, NumericsCallback(str(logdir), on_anomaly=dataclasses.replace(policy, checkpoint=saver),
+                                             weights=False)]
     history = model.fit(x, y, batch_size=16, epochs=EPOCHS_DIVERGING, shuffle=False, verbose=0, callbacks=callbacks)
     return dict(logdir=logdir, model=model, loss=history.history["loss"])
 
@@ -194,6 +201,7 @@ def diverging(tmp_path_factory):
         "plain": _diverging(base / "plain", None),
         "same_lr": _diverging(base / "same_lr", tbn.OnAnomaly("rewind", max_rewinds=2)),
         "lr_factor": _diverging(base / "lr_factor", tbn.OnAnomaly("rewind", lr_factor=0.1)),
+        "checkpoint": _diverging(base / "checkpoint", tbn.OnAnomaly("rewind", lr_factor=0.1), checkpoint=True),
     }
 
 
@@ -224,6 +232,15 @@ def test_a_learning_rate_factor_lets_the_rewound_run_finish(diverging):
     # The records' steps went on after the rewind: one per batch, none twice.
     steps = _report(run["logdir"])["last_step"]
     assert steps == EPOCHS_DIVERGING * BATCHES - 1
+
+
+def test_a_rewind_to_the_newest_checkpoint_a_model_checkpoint_wrote(diverging):
+    run = diverging["checkpoint"]
+    actions = _report(run["logdir"])["actions"]
+    first = actions["events"][0]
+    # The first divergence (step 15) is in the second epoch: the first epoch's file is the newest.
+    assert (first["action"], first["checkpoint"], first["epoch"]) == ("rewind", "ckpt-01.weights.h5", 1)
+    assert not actions["stopped"] and _finite(run["model"])
 
 
 # ---------------------------------------------------------------- mixed_float16
@@ -454,3 +471,103 @@ def test_a_custom_loop_under_the_guard_skips_and_stops(tmp_path, compiled):
     assert isinstance(stop["stopped"], tbn.survive.TrainingStopped) and "stopped at step %d" % (BAD + 1) in str(stop["stopped"])
     actions = _report(tmp_path / "stop")["actions"]
     assert [(e["step"], e["action"]) for e in actions["events"]] == [(BAD, "skip"), (BAD + 1, "stop")]
+
+
+# ---------------------------------------------------------------- the spike trigger, and a fault that does not reproduce
+
+_FLIP = tf.Variable(0.0, trainable=False)  # 1 while the fault is injected: no variable of the model
+
+
+class _Flaky(keras.layers.Layer):
+    """NaN where ``_FLIP`` is set: a fault of the step, gone when it runs again (a bit flip)."""
+
+    def call(self, x):
+        return x + tf.where(_FLIP > 0, tf.constant(np.nan, x.dtype), tf.constant(0.0, x.dtype))
+
+
+class _Injector(keras.callbacks.Callback):
+    """Sets ``_FLIP`` for the batches ``flaky(epoch, batch)`` says; resets it
+    after the batch, before the callbacks after it (the replay) run."""
+
+    def __init__(self, flaky):
+        super().__init__()
+        self._flaky, self._epoch = flaky, 0
+
+    def on_epoch_begin(self, epoch, logs=None):
+        self._epoch = epoch
+
+    def on_train_batch_begin(self, batch, logs=None):
+        _FLIP.assign(1.0 if self._flaky(self._epoch, batch) else 0.0)
+
+    def on_train_batch_end(self, batch, logs=None):
+        _FLIP.assign(0.0)
+
+
+@pytest.fixture(scope="module")
+def spiky(tmp_path_factory):
+    """A loss spike at batch 8 (targets ×1000, finite), and a transient NaN at batch 10."""
+    logdir = tmp_path_factory.mktemp("spiky")
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), _Flaky(),
+                              keras.layers.Dense(1)])
+    model.compile(keras.optimizers.SGD(1e-2), "mse")
+    x, y = _data()
+    y[16 * 8:16 * 9] *= 1000.0
+    policy = tbn.OnAnomaly("skip", spike=tbn.Spike(z=6, window=8))
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[
+        _BatchOracle(logdir, lambda e, b: b in (8, 10)), _Injector(lambda e, b: b == 10),
+        NumericsCallback(str(logdir), on_anomaly=policy)])
+    return dict(logdir=logdir, model=model)
+
+
+def test_a_loss_spike_is_skipped_before_any_nan(spiky):
+    spike_step, flaky_step = _oracle_steps(spiky["logdir"])
+    run = _report(spiky["logdir"])
+    spike = run["actions"]["events"][0]
+    assert (spike["step"], spike["trigger"], spike["action"], spike["tensor"]) == (spike_step, "loss_spike", "skip", "loss")
+    assert "σ above the mean" in spike["detail"] and spike["value"] > 1e4
+    assert _finite(spiky["model"]) and int(spiky["model"].optimizer.iterations) == BATCHES - 2
+    assert run["actions"]["words"] == "survived 1 non-finite step and 1 loss spike (skipped)"
+
+
+def test_a_fault_that_does_not_reproduce_is_said_to_be_transient(spiky):
+    spike_step, flaky_step = _oracle_steps(spiky["logdir"])
+    run = _report(spiky["logdir"])
+    event = run["actions"]["events"][1]
+    assert (event["step"], event["trigger"], event["action"]) == (flaky_step, "nonfinite", "skip")
+    assert event["replay"] == {"reproduced": False, "reproducible": False, "why": event["replay"]["why"]}
+    assert "not reproducible" in event["replay"]["why"] and "hardware" in event["replay"]["why"]
+    a = run["first_anomaly"]
+    assert a["step"] == flaky_step and a["replay"]["reproducible"] is False
+    assert "not reproducible on replay (non-determinism or hardware)" in _report_text(spiky["logdir"])
+
+
+def test_a_custom_loop_under_the_guard_rewinds_with_a_learning_rate_factor(tmp_path):
+    """The diverging linear regression in a hand-written loop: the guard
+    rewinds to its first snapshot with the learning rate × 0.1 and finishes."""
+    keras.utils.set_random_seed(0)
+    dense = keras.layers.Dense(1)
+    dense.build((None, 8))
+    opt = keras.optimizers.SGD(1.0)
+    x, _ = _data(2, scale=3.0)
+    y = x.sum(1, keepdims=True)
+
+    @tbn.guard(opt, on_anomaly=tbn.OnAnomaly("rewind", lr_factor=0.1))
+    def train_step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(dense(xb) - yb))
+        opt.apply_gradients(zip(tape.gradient(loss, dense.trainable_variables), dense.trainable_variables))
+        return loss
+
+    writer = tf.summary.create_file_writer(str(tmp_path))
+    with writer.as_default():
+        for i in range(EPOCHS_DIVERGING * BATCHES):
+            tf.summary.experimental.set_step(i)
+            b = i % BATCHES
+            train_step(tf.constant(x[16 * b:16 * b + 16]), tf.constant(y[16 * b:16 * b + 16]))
+    writer.close()
+    actions = _report(tmp_path)["actions"]
+    rewinds = [e for e in actions["events"] if e["action"] == "rewind"]
+    assert rewinds and not actions["stopped"] and rewinds[0]["to_applied_step"] == 0
+    assert all(bool(np.isfinite(w.numpy()).all()) for w in dense.weights)
+    assert float(opt.learning_rate) == pytest.approx(0.1 ** len(rewinds), rel=1e-5)
