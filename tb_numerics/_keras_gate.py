@@ -148,7 +148,8 @@ class UpdateGate:
         return applied
 
 
-def _apply_if_all_finite(strategy: Any, finite: Any, grads: Any, *, apply: Callable[..., Any], variables: list) -> tf.Tensor:
+def _apply_if_all_finite(strategy: Any, finite: Any, grads: Any, *, apply: Callable[..., Any],
+                         variables: list) -> tf.Tensor:
     """Under several replicas, in the cross-replica context: runs the
     optimizer's update on every replica where every replica's loss and
     gradients are finite (``finite``: each replica's verdict); whether it ran.

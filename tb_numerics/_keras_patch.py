@@ -158,7 +158,8 @@ class StepHooks:
         def wrapped(grads, trainable_variables=None):
             if self._replaying():
                 return None  # a replay never updates the weights
-            variables = trainable_variables if trainable_variables is not None else opt._trainable_variables  # noqa: SLF001
+            variables = (trainable_variables if trainable_variables is not None
+                         else opt._trainable_variables)  # noqa: SLF001 - Keras' own default
             return self._program.gate.gated_other_apply(apply, list(grads), list(variables), self._step_trace)
 
         return wrapped

@@ -48,8 +48,10 @@ __all__ = ["SurvivalHost"]
 
 # Replays at op level a run's events may run (each costs an eager step at op level).
 _MAX_REPLAYS = 3
-_TRIGGER_OF_CODE = {0: "nonfinite", TRIGGER_CODES["nonfinite"]: "nonfinite", TRIGGER_CODES["nonfinite_gradients"]: "nonfinite",
-                    TRIGGER_CODES["loss_spike"]: "loss_spike", TRIGGER_CODES["grad_norm_spike"]: "grad_norm_spike"}
+# The event's trigger of a step's code (0: held back after another optimizer's non-finite update).
+_TRIGGER_OF_CODE = {0: "nonfinite", TRIGGER_CODES["nonfinite"]: "nonfinite",
+                    TRIGGER_CODES["nonfinite_gradients"]: "nonfinite", TRIGGER_CODES["loss_spike"]: "loss_spike",
+                    TRIGGER_CODES["grad_norm_spike"]: "grad_norm_spike"}
 
 
 class SurvivalHost:
@@ -76,9 +78,11 @@ class SurvivalHost:
         self.snapshot: StateSnapshot | None = None
         if policy.may_rewind and policy.checkpoint is None:
             optimizers = [model.optimizer] + other_optimizers(model)
-            variables = list(model.trainable_variables) + list(model.non_trainable_variables) + optimizer_state(optimizers)
+            variables = (list(model.trainable_variables) + list(model.non_trainable_variables)
+                         + optimizer_state(optimizers))
             self.snapshot = StateSnapshot(variables, strategy_of(model))
-        self._lr = LearningRate(model.optimizer, set_attribute) if policy.lr_factor is not None and policy.may_rewind else None
+        scales_lr = policy.lr_factor is not None and policy.may_rewind
+        self._lr = LearningRate(model.optimizer, set_attribute) if scales_lr else None
         self._replays = 0
         self.epoch = 0
 
@@ -115,7 +119,8 @@ class SurvivalHost:
     def _act(self, step_stats: np.ndarray, values: StepValues, batch: int, stop_why: str | None = None) -> bool:
         """Decides and acts on one held step (or stops, with ``stop_why``),
         writes its event; True to stop."""
-        event: dict[str, Any] = {"epoch": self.epoch, "batch": batch, "trigger": _TRIGGER_OF_CODE.get(values.trigger, "nonfinite")}
+        trigger = _TRIGGER_OF_CODE.get(values.trigger, "nonfinite")
+        event: dict[str, Any] = {"epoch": self.epoch, "batch": batch, "trigger": trigger}
         event.update(self._what(step_stats, values))
         replay = self._replayed(step_stats, values)
         if replay is not None:
@@ -135,8 +140,8 @@ class SurvivalHost:
         if action != "stop":
             self._reset_nonfinite_metrics()
         self._host.writer.write_action(values.step, event)
-        print("tb-numerics: %s" % report_text.action_lines(survive.summarize([dict(event, step=values.step)]))[1].strip(),
-              file=sys.stderr)
+        line = report_text.action_lines(survive.summarize([dict(event, step=values.step)]))[1]
+        print("tb-numerics: %s" % line.strip(), file=sys.stderr)
         return action == "stop"
 
     def _what(self, step_stats: np.ndarray, values: StepValues) -> dict[str, Any]:
@@ -144,13 +149,13 @@ class SurvivalHost:
         the step, or the spike's numbers."""
         trigger = _TRIGGER_OF_CODE.get(values.trigger, "nonfinite")
         if trigger != "nonfinite":
-            name, value = ("loss", values.loss_value) if trigger == "loss_spike" else ("gradients/global_norm", values.grad_norm)
+            loss = trigger == "loss_spike"
+            name, value = ("loss", values.loss_value) if loss else ("gradients/global_norm", values.grad_norm)
             z = (value - values.spike_mean) / values.spike_std if values.spike_std > 0 else float("inf")
-            spike = self._policy.spike
-            return {"tensor": name, "value": value, "detail": "%s %s is %s σ above the mean %s (σ %s) of the recent steps; "
-                    "the threshold is %s σ" % ("loss" if trigger == "loss_spike" else "global gradient norm",
-                                                rules.number(value), rules.number(z), rules.number(values.spike_mean),
-                                                rules.number(values.spike_std), rules.number(spike.z))}
+            detail = "%s %s is %s σ above the mean %s (σ %s) of the recent steps; the threshold is %s σ" % (
+                "loss" if loss else "global gradient norm", rules.number(value), rules.number(z),
+                rules.number(values.spike_mean), rules.number(values.spike_std), rules.number(self._policy.spike.z))
+            return {"tensor": name, "value": value, "detail": detail}
         w0 = self._plan.weight_row0
         bad = np.flatnonzero(records.nonfinite_count(step_stats[:w0], self._plan.neginf_ok(self._safe_range)[:w0]) > 0)
         if not bad.size:

@@ -83,7 +83,8 @@ class StateSnapshot:
         seen: set[int] = set()
         self._vars = [v for v in variables if not (id(v) in seen or seen.add(id(v)))]
         self._strategy = strategy
-        self._buffers = [[_tf_internal.untracked_variable(tf.zeros(v.shape, _tf_variable(v).dtype), "tb_numerics_snapshot")
+        self._buffers = [[_tf_internal.untracked_variable(tf.zeros(v.shape, _tf_variable(v).dtype),
+                                                          "tb_numerics_snapshot")
                           for v in self._vars] for _ in range(2)]
         self.nbytes = 2 * int(sum(np.prod(v.shape, dtype=np.int64) * _tf_variable(v).dtype.size for v in self._vars))
         self._steps: list[int | None] = [None, None]  # the step each buffer's state starts
@@ -160,8 +161,9 @@ class SpikeWindow:
         s = self.spike
         window = self._values.read_value()
         code, mean, std = tf.constant(0, tf.int64), tf.constant(0.0, tf.float64), tf.constant(0.0, tf.float64)
-        for col, value, watched, name in ((1, grad_norm, s.grad_norm, "grad_norm_spike"), (0, loss, s.loss, "loss_spike")):
-            if not watched:
+        watched = ((1, grad_norm, s.grad_norm, "grad_norm_spike"), (0, loss, s.loss, "loss_spike"))
+        for col, value, on, name in watched:
+            if not on:
                 continue
             x = tf.cast(value, tf.float64)
             m, sd, n = _mean_std(window[:, col])

@@ -268,7 +268,8 @@ class _RunReader:
 _SCALARS_PLUGIN = "scalars"
 
 
-def action_of(content: bytes, tensor: tensor_pb2.TensorProto | np.ndarray, step: int, problems: list[str]) -> dict | None:
+def action_of(content: bytes, tensor: tensor_pb2.TensorProto | np.ndarray, step: int,
+              problems: list[str]) -> dict | None:
     """An action event from its metadata's content and its string tensor (a
     proto, or an array as TensorBoard's data provider returns it); None,
     with a problem said, where it cannot be read."""

@@ -61,7 +61,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import tensorflow as tf
 
-from tb_numerics import _survive_tf, _tf_internal, metadata, oplevel, records, rules, stats, summary, survive, update_check
+from tb_numerics import (
+    _survive_tf, _tf_internal, metadata, oplevel, records, rules, stats, summary, survive, update_check,
+)
 
 __all__ = ["StepGuard", "guard"]
 
@@ -249,7 +251,8 @@ class StepGuard:
             norm, mean, std = self._spike.numpy()
             event.update(tensor="gradients/global_norm", value=float(norm), detail=(
                 "global gradient norm %s is more than %s σ above the mean %s (σ %s) of the recent steps" % (
-                    rules.number(norm), rules.number(self._policy.policy.spike.z), rules.number(mean), rules.number(std))))
+                    rules.number(norm), rules.number(self._policy.policy.spike.z), rules.number(mean),
+                    rules.number(std))))
         self._policy.act(step, event)
 
 

@@ -286,7 +286,8 @@ def words(skips: Sequence[dict], rewinds: Sequence[dict], stop: dict | None) -> 
     head = "survived " + ", ".join(parts) if parts else ""
     if stop is None:
         return head
-    tail = "stopped at step %s%s" % (numbers.count(stop["step"]), ": " + str(stop.get("reason")) if stop.get("reason") else "")
+    reason = ": " + str(stop["reason"]) if stop.get("reason") else ""
+    tail = "stopped at step %s%s" % (numbers.count(stop["step"]), reason)
     return head + "; " + tail if head else tail
 
 
