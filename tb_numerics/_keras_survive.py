@@ -194,7 +194,8 @@ class SurvivalHost:
             out = {"checkpoint": os.path.basename(path)}
         self._program.shift_steps(its_now - _value(opt.iterations))
         if self._lr is not None:
-            out.update(lr_factor=self._policy.lr_factor, lr=self._lr.scale(self._policy.lr_factor))
+            with strategy_of(self._model).scope():  # a mirrored learning rate is written on every replica
+                out.update(lr_factor=self._policy.lr_factor, lr=self._lr.scale(self._policy.lr_factor))
         return out
 
     def _reset_nonfinite_metrics(self) -> None:
@@ -203,7 +204,8 @@ class SurvivalHost:
         for m in getattr(self._model, "metrics", []):
             values = [v.numpy().astype(np.float64) for v in m.variables if v.numpy().dtype.kind == "f"]
             if any(records.nonfinite_count(records.numpy_stats(v)) > 0 for v in values):
-                m.reset_state()
+                with strategy_of(self._model).scope():
+                    m.reset_state()
 
 
 def _value(variable: Any) -> int:

@@ -44,7 +44,7 @@ from tb_numerics import _keras_replay, analysis, survive, update_check  # noqa: 
 from tb_numerics._keras_diagnosis import Diagnosis, stop_training, why_no_replay  # noqa: E402
 from tb_numerics._keras_host import HostRecords  # noqa: E402
 from tb_numerics._keras_patch import Patches, StepHooks  # noqa: E402
-from tb_numerics._keras_plan import RowPlan  # noqa: E402
+from tb_numerics._keras_plan import RowPlan, strategy_of  # noqa: E402
 from tb_numerics._keras_program import StepProgram, StepValues  # noqa: E402
 from tb_numerics._keras_survive import SurvivalHost  # noqa: E402
 
@@ -203,6 +203,9 @@ class NumericsCallback(keras.callbacks.Callback):
         self._program = StepProgram(model, plan, self._replay, update_ratios=self.update_ratios,
                                     weights_every_n_steps=self.weights_every_n_steps, safe_range=self.safe_range,
                                     policy=policy is not None, spike=policy.spike if policy is not None else None)
+        if policy is not None and policy.action != "stop" and not self._program.gate.gates:
+            raise ValueError("NumericsCallback: on_anomaly=%r holds a bad step's update back, which it can under one "
+                             "device or MirroredStrategy, not %s" % (policy.action, type(strategy_of(model)).__name__))
         squared_by = update_check.squares_gradients(opt)
         self._host = HostRecords(self.log_dir, plan, every_n_steps=self.every_n_steps,
                                  update_ratios=self.update_ratios, lso=self._program.lso,

@@ -15,7 +15,6 @@ import contextlib
 import dataclasses
 import io
 import json
-import os
 import pathlib
 
 import keras
@@ -172,21 +171,23 @@ def test_a_persistent_nan_escalates_after_k_skips_and_stops_with_the_diagnosis(p
 # ---------------------------------------------------------------- rewind
 
 
-def _diverging(logdir, policy, checkpoint: bool = False):
+def _diverging(logdir, policy, checkpoint: bool = False, replay: bool = False):
     """A linear regression at a learning rate 10x beyond its stable range:
     the weights grow by a factor at each step, the loss is +Inf at step 15.
     ``checkpoint``: a ModelCheckpoint writes the weights at each epoch's end,
-    and the policy rewinds to its newest file."""
+    and the policy rewinds to its newest file. ``replay``: each event's step
+    replayed at op level (seconds each; one run checks it)."""
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
     model.compile(keras.optimizers.SGD(1.0), "mse")
     x, _ = _data(2, scale=3.0)
     y = x.sum(1, keepdims=True)
-    callbacks = [] if policy is None else [NumericsCallback(str(logdir), on_anomaly=policy, weights=False)]
+    callbacks = [] if policy is None else [NumericsCallback(str(logdir), on_anomaly=policy, weights=False,
+                                                            replay=replay)]
     if checkpoint:
         saver = keras.callbacks.ModelCheckpoint(str(logdir / "ckpt-{epoch:02d}.weights.h5"), save_weights_only=True)
         callbacks = [saver, NumericsCallback(str(logdir), on_anomaly=dataclasses.replace(policy, checkpoint=saver),
-                                             weights=False)]
+                                             weights=False, replay=replay)]
     history = model.fit(x, y, batch_size=16, epochs=EPOCHS_DIVERGING, shuffle=False, verbose=0, callbacks=callbacks)
     return dict(logdir=logdir, model=model, loss=history.history["loss"])
 
@@ -200,7 +201,7 @@ def diverging(tmp_path_factory):
     return {
         "plain": _diverging(base / "plain", None),
         "same_lr": _diverging(base / "same_lr", tbn.OnAnomaly("rewind", max_rewinds=2)),
-        "lr_factor": _diverging(base / "lr_factor", tbn.OnAnomaly("rewind", lr_factor=0.1)),
+        "lr_factor": _diverging(base / "lr_factor", tbn.OnAnomaly("rewind", lr_factor=0.1), replay=True),
         "checkpoint": _diverging(base / "checkpoint", tbn.OnAnomaly("rewind", lr_factor=0.1), checkpoint=True),
     }
 
@@ -288,42 +289,47 @@ def test_under_mixed_float16_the_loss_scale_skips_are_its_own_and_a_rewind_resto
 
 _MIRRORED = """
     import keras
-    sys.path.insert(0, json.loads(sys.argv[1])["tests"])
     import tb_numerics as tbn
     from tb_numerics.keras import NumericsCallback
     args = json.loads(sys.argv[1])
 
-    def fit(logdir, policy, rows):
+    def fit(logdir, policy, x, y, lr, epochs, replay=True):
         with strategy.scope():
             keras.utils.set_random_seed(0)
-            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="tanh"), keras.layers.Dense(1)])
-            model.compile(keras.optimizers.SGD(1e-2), "mse")
-        rs = np.random.RandomState(0)
-        x = rs.randn(16 * 12, 8).astype("float32")
-        y = np.tanh(x[:, :2].sum(1, keepdims=True)).astype("float32")
-        x[rows, 0] = np.nan  # rows of the half of a batch replica 1 gets
-        model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0,
-                  callbacks=[NumericsCallback(logdir, on_anomaly=policy)])
+            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+            model.compile(keras.optimizers.SGD(lr), "mse")
+        model.fit(x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0,
+                  callbacks=[NumericsCallback(logdir, on_anomaly=policy, replay=replay)])
         return {"finite": all(bool(np.isfinite(w.numpy()).all()) for w in model.weights),
-                "iterations": int(model.optimizer.iterations.numpy())}
+                "iterations": int(model.optimizer.iterations.numpy()), "lr": float(model.optimizer.learning_rate.numpy())}
 
-    print(json.dumps([fit(args["logdir"] + "/skip", "skip", [16 * 4 + 11]),
-                      fit(args["logdir"] + "/stop", tbn.OnAnomaly("skip", max_skips=1), list(range(16 * 4 + 8, 16 * 12, 16)))]))
+    x = (np.random.RandomState(2).randn(16 * 12, 8) * 3).astype("float32")
+    y = x.sum(1, keepdims=True)
+    bad = x.copy()
+    bad[16 * 4 + 11, 0] = np.nan  # batch 4, in the half replica 1 gets
+    bad[16 * 8 + 8::16, 0] = np.nan  # from batch 8 on, replica 1's half
+    skip_stop = fit(args["logdir"] + "/skip_stop", tbn.OnAnomaly("skip", max_skips=1), bad, y, 1e-3, 1)
+    # The linear regression at 10x its stable learning rate (diverging at step 15), rewound.
+    rewind = fit(args["logdir"] + "/rewind", tbn.OnAnomaly("rewind", lr_factor=0.1), x, y, 1.0, 4, replay=False)
+    print(json.dumps([skip_stop, rewind]))
 """
 
 
 def test_under_mirrored_strategy_one_decision_holds_for_every_replica(tmp_path):
-    arg = json.dumps({"logdir": str(tmp_path), "tests": os.path.dirname(os.path.abspath(__file__))})
-    skip, stop = two_replicas.run(_MIRRORED, arg)
-    # A NaN on replica 1 alone: the update held back on both, training went on, finite.
-    assert skip == {"finite": True, "iterations": BATCHES - 1}, skip
-    (event,) = _report(tmp_path / "skip")["actions"]["events"]
-    assert (event["step"], event["batch"], event["action"], event["tensor"]) == (BAD, BAD, "skip", "input")
-    assert event["replay"]["replica"] == 1  # the replica whose part of the batch held the NaN
-    # A NaN in every later batch, on replica 1 only: one skip, then the stop.
-    actions = _report(tmp_path / "stop")["actions"]
-    assert [(e["step"], e["action"]) for e in actions["events"]] == [(BAD, "skip"), (BAD + 1, "stop")]
-    assert stop == {"finite": True, "iterations": BAD}, stop
+    arg = json.dumps({"logdir": str(tmp_path)})
+    skip_stop, rewind = two_replicas.run(_MIRRORED, arg)
+    # A NaN on replica 1 alone: the update held back on both, training went on;
+    # then a NaN in every batch: one more skip, and the stop. Finite throughout.
+    actions = _report(tmp_path / "skip_stop")["actions"]
+    assert [(e["step"], e["batch"], e["action"]) for e in actions["events"]] == [
+        (BAD, BAD, "skip"), (8, 8, "skip"), (9, 9, "stop")], actions
+    assert actions["events"][0]["tensor"] == "input" and actions["events"][0]["replay"]["replica"] == 1
+    assert skip_stop["finite"] and skip_stop["iterations"] == 9 - 2, skip_stop
+    # The rewind wrote every replica's variables (finite after) and the mirrored learning rate.
+    actions = _report(tmp_path / "rewind")["actions"]
+    rewinds = [e for e in actions["events"] if e["action"] == "rewind"]
+    assert rewinds and not actions["stopped"] and rewind["finite"], (actions["words"], rewind)
+    assert rewind["lr"] == pytest.approx(0.1 ** len(rewinds), rel=1e-5)
 
 
 # ---------------------------------------------------------------- two optimizers (issue 25, zoo)
