@@ -24,9 +24,12 @@ The callback composes small parts, each in a module named for its job:
   name (``StepValues``), the gated update and the replicas' combining;
 * ``_keras_host``: on the host, records from a step's rows, the every-N
   latch, the writer thread;
+* ``_keras_gate``: the gated update, every optimizer the step applies;
 * ``_keras_diagnosis``: at a step that gives a reason, the update check,
   the bad batch, the replay hand-off (``_keras_replay``) and the stop,
-  printed in the report's words (``report_text``).
+  printed in the report's words (``report_text``);
+* ``_keras_survive``: the ``on_anomaly`` policy (skip, rewind, stop) after
+  each batch, each action an event in the run.
 """
 
 from __future__ import annotations
@@ -122,7 +125,8 @@ class NumericsCallback(keras.callbacks.Callback):
     before the optimizer combines them.
 
     After training, ``anomaly`` holds the first anomaly (as in
-    ``tb-numerics report --json``) when ``stop_on_anomaly`` stopped it.
+    ``tb-numerics report --json``) when the callback stopped training
+    (``stop_on_anomaly``, or an ``on_anomaly`` policy's stop).
     """
 
     def __init__(

@@ -136,9 +136,10 @@ def test_fix_flags_keeps_every_numerics_record_unless_user_set_it():
     loader = plugin.NumericsLoader()
     tb = program.TensorBoard(plugins=[core_plugin.CorePluginLoader(), loader])
     tb.configure(argv=["", "--logdir", "x"])
-    assert tb.flags.samples_per_plugin == {"numerics": 0}
+    # The action events (a plugin of their own) are kept whole too.
+    assert tb.flags.samples_per_plugin == {"numerics": 0, "numerics_actions": 0}
     tb.configure(argv=["", "--logdir", "x", "--samples_per_plugin", "numerics=5,images=3"])
-    assert tb.flags.samples_per_plugin == {"numerics": 5, "images": 3}
+    assert tb.flags.samples_per_plugin == {"numerics": 5, "images": 3, "numerics_actions": 0}
 
 
 def test_no_record_lost_to_sampling(tb):
