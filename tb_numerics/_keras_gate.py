@@ -20,7 +20,7 @@ from typing import Any, Callable
 import numpy as np
 import tensorflow as tf
 
-from tb_numerics import _survive_tf, analysis, stats
+from tb_numerics import _survive_tf, _tf_internal, analysis, stats
 from tb_numerics._keras_plan import RowPlan
 from tb_numerics.records import F
 from tb_numerics.survive import Spike
@@ -38,15 +38,19 @@ class UpdateGate:
         skips a non-finite step itself).
       spike: the spike trigger, or None.
       gates: whether updates are gated at all (a replay or a policy).
+      listed: whether the host may hold a batch's update back (``listed``).
 
     Attributes:
       held_vars: the variables the gated updates hold back at a bad step.
       spike: the spike trigger's window (``_survive_tf.SpikeWindow``), or None.
     """
 
-    def __init__(self, plan: RowPlan, safe_range: analysis.SafeRange, *, lso: bool, spike: Spike | None, gates: bool):
+    def __init__(self, plan: RowPlan, safe_range: analysis.SafeRange, *, lso: bool, spike: Spike | None, gates: bool,
+                 listed: bool = False):
         self._plan, self._safe_range, self.lso, self.gates = plan, safe_range, lso, gates
         self.spike = _survive_tf.SpikeWindow(spike) if spike is not None and gates else None
+        # Set by the host before a batch the user listed to skip (``skip_batches``).
+        self.listed = _tf_internal.untracked_variable(np.bool_(False), "tb_numerics_listed") if listed else None
         self.held_vars: list = []
 
     def trigger(self, head: tf.Tensor) -> dict[str, tf.Tensor]:
@@ -85,10 +89,12 @@ class UpdateGate:
         cross-replica context (``_apply_if_all_finite``), under the
         strategies a replay supports (MirroredStrategy).
         """
-        if not self.gates or (self.lso and self.spike is None and trace.applied_so_far is None):
+        if not self.gates or (self.lso and self.spike is None and self.listed is None and trace.applied_so_far is None):
             return apply(grads, variables)
         self._hold(variables, grads)
         ok = tf.constant(True) if self.lso else self._finite(grads, variables, trace)
+        if self.listed is not None:
+            ok = tf.logical_and(ok, tf.logical_not(self.listed.read_value()))
         if self.spike is not None:
             codes = _survive_tf.TRIGGER_CODES
             spiked = (trigger == codes["loss_spike"]) | (trigger == codes["grad_norm_spike"])

@@ -126,7 +126,7 @@ class StepProgram:
 
     def __init__(self, model: Any, plan: RowPlan, replay: _keras_replay.StepReplay | None, *,
                  update_ratios: bool, weights_every_n_steps: int, safe_range: analysis.SafeRange,
-                 policy: bool = False, spike: Spike | None = None):
+                 policy: bool = False, spike: Spike | None = None, listed: bool = False):
         self._model, self._plan, self._replay = model, plan, replay
         self._update_ratios = update_ratios and bool(plan.variables)
         self._weights_every_n_steps = weights_every_n_steps
@@ -151,7 +151,7 @@ class StepProgram:
         # on_anomaly policy; under several replicas where the gate can be
         # taken across them (MirroredStrategy).
         replicas_ok = replicas == 1 or isinstance(strategy, tf.distribute.MirroredStrategy)
-        self.gate = UpdateGate(plan, safe_range, lso=self.lso, spike=spike,
+        self.gate = UpdateGate(plan, safe_range, lso=self.lso, spike=spike, listed=listed,
                                gates=replicas_ok and (replay is not None or policy or spike is not None))
 
     # ------------------------------------------------------------ host

@@ -66,12 +66,15 @@ class SurvivalHost:
         learning-rate schedule is wrapped so that the factor reaches it).
       first_verdict: the callback's replay verdict on the run's first
         anomaly, once it ran (an event at that step reuses it).
+      skip_batches: (epoch, batch) of the batches whose update is held back
+        whatever they hold (``survive.failed_batches`` of an earlier run).
     """
 
     def __init__(self, model: Any, policy: survive.OnAnomaly, plan: RowPlan, program: StepProgram,
                  diagnosis: Diagnosis, host: HostRecords, *, safe_range: Any, set_attribute: Callable[..., None],
-                 first_verdict: Callable[[], dict | None]):
+                 first_verdict: Callable[[], dict | None], skip_batches: frozenset = frozenset()):
         self._model, self._policy, self._plan, self._program = model, policy, plan, program
+        self._skip_batches, self._listed_now = skip_batches, False
         self._diagnosis, self._host, self._safe_range = diagnosis, host, safe_range
         self._first_verdict = first_verdict
         self._survival = survive.Survival(policy)
@@ -98,14 +101,30 @@ class SurvivalHost:
                    and values.loss_scale >= rules.LOSS_SCALE_HANDLED_MIN)
         return values.held and not lso_own
 
+    @property
+    def listing(self) -> bool:
+        """Whether the batch being handled is one ``skip_batches`` lists."""
+        return self._listed_now
+
+    def before(self, batch: int) -> None:
+        """Before a batch: a listed one (``skip_batches``) has its update held back."""
+        if (self.epoch, batch) in self._skip_batches:
+            self._program.gate.listed.assign(True)
+            self._listed_now = True
+
     def after(self, steps: list[tuple[np.ndarray, StepValues]], batch: int) -> bool:
         """Acts on the batch's steps (main thread, before the next step);
         True where training stops."""
         for i, (step_stats, values) in enumerate(steps):
             if not values.held:
                 self._survival.healthy()
+            elif self._listed_now and i == 0:
+                self._skip_listed(values, batch - (len(steps) - 1))
             elif self.acts_on(values) and self._act(step_stats, values, batch - (len(steps) - 1 - i)):
                 return True
+        if self._listed_now:
+            self._program.gate.listed.assign(False)
+            self._listed_now = False
         last = steps[-1][1]
         if self.snapshot is not None and not last.held and (last.step + 1) % self._policy.snapshot_every == 0:
             self.snapshot.take(last.step + 1)
@@ -143,6 +162,14 @@ class SurvivalHost:
         line = report_text.action_lines(survive.summarize([dict(event, step=values.step)]))[1]
         print("tb-numerics: %s" % line.strip(), file=sys.stderr)
         return action == "stop"
+
+    def _skip_listed(self, values: StepValues, batch: int) -> None:
+        """The event of a listed batch's skip: planned, so no anomaly of the
+        policy's (it neither counts towards ``max_skips`` nor is replayed)."""
+        event = {"epoch": self.epoch, "batch": batch, "trigger": "listed", "action": "skip", "tensor": None,
+                 "detail": "listed in skip_batches (it failed in an earlier run)"}
+        self._reset_nonfinite_metrics()
+        self._host.writer.write_action(values.step, event)
 
     def _what(self, step_stats: np.ndarray, values: StepValues) -> dict[str, Any]:
         """The tensor and detail of the event: the first non-finite record of

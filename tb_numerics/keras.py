@@ -118,6 +118,10 @@ class NumericsCallback(keras.callbacks.Callback):
         ``tb_numerics.survive``). Each action is an event in the run
         (``actions`` in ``tb-numerics report --json``). None: the update of
         such a step is held back for the replay, and nothing else is done.
+      skip_batches: (epoch, batch) pairs whose update is held back whatever
+        they hold, each a skip event: the batches an earlier run failed on
+        (``tb_numerics.survive.failed_batches(its log_dir)``), for a run
+        trained again on the same data order. Needs ``on_anomaly``.
 
     Under a ``tf.distribute`` strategy with several replicas, each record is
     that of all replicas' values together (one record per step, a NaN on any
@@ -143,9 +147,13 @@ class NumericsCallback(keras.callbacks.Callback):
         replay: bool = True,
         inputs: bool = True,
         on_anomaly: "str | survive.OnAnomaly | None" = None,
+        skip_batches: Sequence[tuple[int, int]] = (),
     ):
         super().__init__()
         policy = survive.OnAnomaly.of(on_anomaly)
+        self._skip_batches = frozenset((int(e), int(b)) for e, b in skip_batches)
+        if self._skip_batches and policy is None:
+            raise ValueError("skip_batches needs an on_anomaly policy: each listed batch's skip is its event")
         if stop_on_anomaly and policy is not None and policy.action != "stop":
             raise ValueError("stop_on_anomaly=True is on_anomaly='stop'; it cannot go with on_anomaly=%r" % (
                 policy.action,))
@@ -206,7 +214,12 @@ class NumericsCallback(keras.callbacks.Callback):
         policy = self._policy
         self._program = StepProgram(model, plan, self._replay, update_ratios=self.update_ratios,
                                     weights_every_n_steps=self.weights_every_n_steps, safe_range=self.safe_range,
-                                    policy=policy is not None, spike=policy.spike if policy is not None else None)
+                                    policy=policy is not None, spike=policy.spike if policy is not None else None,
+                                    listed=bool(self._skip_batches))
+        if self._skip_batches and int(getattr(model, "steps_per_execution", 1) or 1) > 1:
+            raise ValueError("NumericsCallback: skip_batches holds back one batch's update, and steps_per_execution="
+                             "%d runs several batches per call; compile with steps_per_execution=1"
+                             % int(model.steps_per_execution))
         if policy is not None and policy.action != "stop" and not self._program.gate.gates:
             raise ValueError("NumericsCallback: on_anomaly=%r holds a bad step's update back, which it can under one "
                              "device or MirroredStrategy, not %s" % (policy.action, type(strategy_of(model)).__name__))
@@ -220,7 +233,8 @@ class NumericsCallback(keras.callbacks.Callback):
         self._last_call = -1
         self._survival = None if policy is None else SurvivalHost(
             model, policy, plan, self._program, self._diagnosis, self._host, safe_range=self.safe_range,
-            set_attribute=self._patches.set, first_verdict=lambda: self.replay_verdict)
+            set_attribute=self._patches.set, first_verdict=lambda: self.replay_verdict,
+            skip_batches=self._skip_batches)
         hooks.install(self._patches, self.activations)
         if self._survival is not None:
             self._survival.begin()
@@ -257,6 +271,10 @@ class NumericsCallback(keras.callbacks.Callback):
         if self._survival is not None:
             self._survival.epoch = int(epoch)
 
+    def on_train_batch_begin(self, batch, logs=None) -> None:
+        if self._survival is not None:
+            self._survival.before(batch)
+
     def on_epoch_end(self, epoch, logs=None) -> None:
         if self._host is not None:
             self._host.wait()
@@ -276,8 +294,8 @@ class NumericsCallback(keras.callbacks.Callback):
         self._diagnosis.note_bad_batch(values.step, step_records)
         if self._replay is not None and self.replay_verdict is None:
             self.replay_verdict = self._diagnosis.replay(values.step, step_stats)
-        if not self.stop_on_anomaly:
-            return False
+        if not self.stop_on_anomaly or (self._survival is not None and self._survival.listing):
+            return False  # (a listed batch is skipped, whatever it holds)
         self._stop(step_stats, values, why="a record of the step holds a NaN or an Inf")
         return True
 

@@ -40,16 +40,22 @@ from typing import Any, Iterable, Sequence
 
 from tb_numerics.rules import numbers
 
-__all__ = ["ACTIONS", "TRIGGERS", "OnAnomaly", "Spike", "Survival", "TrainingStopped", "parse_event", "summarize"]
+__all__ = [
+    "ACTIONS", "TRIGGERS", "OnAnomaly", "Spike", "Survival", "TrainingStopped", "failed_batches", "parse_event",
+    "summarize",
+]
 
 ACTIONS = ("skip", "rewind", "stop")
 # What made a step an anomaly: a NaN or an Inf in its loss or gradients
 # (under a LossScaleOptimizer: in its loss, or its gradients at a scale of
 # 1 or less, where scaling down no longer helps); its loss or global
 # gradient norm beyond the spike trigger's threshold.
-TRIGGERS = ("nonfinite", "loss_spike", "grad_norm_spike")
+# "listed": a batch the user listed to skip (``skip_batches``: one that
+# failed before, so that a resumed run skips it deterministically).
+TRIGGERS = ("nonfinite", "loss_spike", "grad_norm_spike", "listed")
 _TRIGGER_WORDS = {"nonfinite": ("non-finite step", "non-finite steps"), "loss_spike": ("loss spike", "loss spikes"),
-                  "grad_norm_spike": ("gradient-norm spike", "gradient-norm spikes")}
+                  "grad_norm_spike": ("gradient-norm spike", "gradient-norm spikes"),
+                  "listed": ("listed batch", "listed batches")}
 # How many events a report's words list by step before it counts the rest.
 _STEPS_SHOWN = 3
 
@@ -261,6 +267,20 @@ def summarize(events: Iterable[dict[str, Any]], first_anomaly: dict[str, Any] | 
     return {"events": events, "skipped": len(skips), "rewinds": len(rewinds), "stopped": stop is not None,
             "stopped_at": None if stop is None else stop["step"], "failed_batches": failed,
             "words": words(skips, rewinds, stop)}
+
+
+def failed_batches(run_dir: str) -> list[tuple[int, int]]:
+    """The (epoch, batch) of every step a training in ``run_dir`` acted on,
+    for ``NumericsCallback(skip_batches=...)`` to skip them when the run is
+    resumed or trained again (with the same data order).
+
+    Args:
+      run_dir: the run's log directory (the callback's ``log_dir``).
+    """
+    from tb_numerics import event_reader
+
+    rr = event_reader.read_run(".", event_reader.find_runs(run_dir).get(".", []))
+    return sorted({(e["epoch"], e["batch"]) for e in rr.actions if e["epoch"] is not None and e["batch"] is not None})
 
 
 def words(skips: Sequence[dict], rewinds: Sequence[dict], stop: dict | None) -> str:

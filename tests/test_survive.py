@@ -134,6 +134,38 @@ def test_one_corrupt_batch_is_skipped_and_the_report_names_it(skipped):
     assert "step %d (epoch 1, batch %d): skip (input: 1 NaN of 128 values)" % (truth[1], BAD) in text
 
 
+def test_a_run_trained_again_skips_the_batches_that_failed(skipped, tmp_path):
+    listed = tbn.survive.failed_batches(str(skipped["logdir"]))
+    assert listed == [(0, BAD), (1, BAD)]
+    x, y = _data()
+    x[16 * BAD + 5, 3] = np.nan
+    model = _mlp()
+    model.compile(keras.optimizers.Adam(1e-2), "mse")
+    # on_anomaly="stop" would stop at the NaN batch: listed, it is skipped instead.
+    model.fit(x, y, batch_size=16, epochs=2, shuffle=False, verbose=0, callbacks=[
+        NumericsCallback(str(tmp_path), on_anomaly="stop", skip_batches=listed, replay=False)])
+    actions = _report(tmp_path)["actions"]
+    assert [(e["epoch"], e["batch"], e["action"], e["trigger"]) for e in actions["events"]] == [
+        (0, BAD, "skip", "listed"), (1, BAD, "skip", "listed")]
+    assert not actions["stopped"] and actions["words"] == "survived 2 listed batches (skipped)"
+    assert _finite(model) and int(model.optimizer.iterations) == 2 * (BATCHES - 1)
+    # The same weights as the run that skipped them when they failed.
+    for a, b in zip(model.weights, skipped["model"].weights):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6)
+
+
+def test_skip_batches_is_refused_where_it_cannot_hold_one_batch_back(tmp_path):
+    with pytest.raises(ValueError, match="skip_batches needs an on_anomaly policy"):
+        NumericsCallback(str(tmp_path), skip_batches=[(0, 1)])
+    x, y = _data()
+    model = _mlp()
+    model.compile(keras.optimizers.SGD(1e-2), "mse", steps_per_execution=2)
+    with pytest.raises(ValueError, match="steps_per_execution=2 runs several batches per call"):
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[
+            NumericsCallback(str(tmp_path), on_anomaly="skip", skip_batches=[(0, 1)])])
+    assert int(model.optimizer.iterations) == 0
+
+
 # ---------------------------------------------------------------- persistent NaN: K skips, then stop
 
 
