@@ -12,7 +12,7 @@ setup(
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
-    packages=["tb_numerics", "tb_numerics.oplevel", "tb_numerics.frontend", "tb_numerics.rules"],
+    packages=["tb_numerics", "tb_numerics.backends", "tb_numerics.oplevel", "tb_numerics.frontend", "tb_numerics.rules"],
     # The dashboard's ES modules live at the top in frontend/ and ship inside
     # the package, where the plugin serves them from.
     package_dir={"tb_numerics": "tb_numerics", "tb_numerics.frontend": "frontend", "tb_numerics.rules": "tb_numerics/rules"},
@@ -36,6 +36,12 @@ setup(
         # have, or the GPU build with its CUDA libraries.
         "cpu": ["tensorflow-cpu>=2.16"],
         "gpu": ["tensorflow[and-cuda]>=2.16"],
+        # Keras 3 on JAX or PyTorch (KERAS_BACKEND=jax|torch): NumericsCallback
+        # there needs no TensorFlow (tb_numerics.backends). Ranges, not pins,
+        # so that a user's own build (a CUDA jaxlib, a torch from PyTorch's
+        # index) satisfies them; scripts/test.sh pins CI's CPU builds.
+        "jax": ["jax>=0.4.30", "jaxlib>=0.4.30"],
+        "torch": ["torch>=2.1"],
         "test": [
             "pytest>=7",
             # Property-based fuzzing of the HTTP routes (issue: reliability).
@@ -45,6 +51,10 @@ setup(
             "playwright>=1.40",
             # Builds the wheel that the packaging test installs.
             "build>=1",
+            # scripts/test.sh runs the suite on two workers, a module per
+            # worker at a time: most tests keep one core busy (tracing,
+            # a tensorboard process, a subprocess), so two halve the wall time.
+            "pytest-xdist>=3",
         ],
     },
     entry_points={

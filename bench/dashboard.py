@@ -15,6 +15,7 @@ plugin holds every record (its per-run cache answers).
     .venv/bin/python bench/dashboard.py                  # full size
     .venv/bin/python bench/dashboard.py --steps 10000    # quick
     .venv/bin/python bench/dashboard.py --logdir /tmp/bench-logs   # reuse a written run
+    .venv/bin/python bench/dashboard.py --existing demo_logs --reps 5   # the demo's logdir as it is
 
 Target: banner <= 1.5 s after TensorBoard has loaded the data.
 """
@@ -63,12 +64,39 @@ def first_paint(browser, url: str, timeout_s: float = 120) -> dict[str, float]:
         page.close()
 
 
+def existing(logdir: str, reps: int) -> int:
+    """First paint on a logdir as it is (``python -m demo --logdir DIR``'s eight
+    runs): TensorBoard started, every run listed by the plugin, then ``reps``
+    pages, each timed from navigation (the first one reads the runs)."""
+    from playwright.sync_api import sync_playwright
+
+    with tb_process.tensorboard(logdir, reload_interval=5) as tb:
+        n_runs = len([d for d in os.listdir(logdir) if os.path.isdir(os.path.join(logdir, d))])
+        tb_process.wait_for(lambda: len(tb.get_json("/data/plugin/numerics/runs")["runs"]) >= n_runs, timeout=300)
+        with sync_playwright() as pw:
+            browser = chromium.launch(pw)
+            try:
+                pages = [first_paint(browser, tb.url + "/data/plugin_entry.html?name=numerics") for _ in range(reps)]
+            finally:
+                browser.close()
+    for name in MILESTONES:
+        values = sorted(p[name] for p in pages)
+        print("%-9s median %.3f s  (min %.3f, max %.3f, %d pages)" % (
+            name, values[len(values) // 2], values[0], values[-1], len(values)))
+    print("banner:", pages[-1]["banner_text"])
+    return 0
+
+
 def main() -> int:
     from playwright.sync_api import sync_playwright
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     backend.add_run_arguments(p)
+    p.add_argument("--existing", metavar="LOGDIR", help="time the dashboard on this logdir as it is, e.g. the demo's")
+    p.add_argument("--reps", type=int, default=5, help="pages timed with --existing")
     args = p.parse_args()
+    if args.existing:
+        return existing(args.existing, args.reps)
 
     logdir = args.logdir or tempfile.mkdtemp(prefix="tbn-dash-bench-")
     run_dir = os.path.join(logdir, backend.RUN)

@@ -13,8 +13,12 @@ fatal):
   its error names the first bad op's type and the stack that created it
   (the innermost line of ``zoo_models.py`` is the user's line), and the
   step is counted by the training loop, or by a callback at each batch's
-  start. Nothing of tb-numerics runs in it. Where that step's input batch
-  already holds a NaN (checked in numpy), the truth has no model op;
+  start. For ``model.fit`` the failing step is run again eagerly, so that
+  the first op in program order decides, and under a ``LossScaleOptimizer``
+  a backward overflow that the loss scale handles (it skips the step and
+  lowers its scale) is stepped over, not taken for the failure. Nothing of
+  tb-numerics runs in it. Where that step's input batch already holds a
+  NaN (checked in numpy), the truth has no model op;
 * the product: the same code under tb-numerics (``NumericsCallback()``
   with its defaults for ``model.fit``; ``log_numerics``/``log_gradients``
   and a replay for the loop), then ``tb-numerics report --json``;
@@ -29,9 +33,10 @@ the oracle's, where the truth is a forward or update op: for a gradient op
 check_numerics names the ``tape.gradient`` line while tb-numerics names
 the forward op's, so those are not scored), crash (the training died, or
 the replay raised), hint (right / absent / wrong, by fault kind in
-``HINT_WORDS``), the first warning's lead where the logged loss grew 10x
-over the 10 steps before the NaN (rising at 8 of them), and the fixed
-variants' warnings (each a false warning).
+``HINT_WORDS``), the first warning's lead (steps before the oracle's
+step) where each step's loss grew 10x in magnitude over the 10 steps
+before the NaN (rising at 8 of them), and the fixed variants' warnings
+(each a false warning).
 
 ``--slice ci`` runs three cells without ``--check-fixed`` (tests/test_zoo_slice.py).
 """
@@ -42,6 +47,7 @@ import argparse
 import concurrent.futures
 import contextlib
 import json
+import math
 import os
 import re
 import subprocess
@@ -59,6 +65,7 @@ USER_FILE = os.path.join(HERE, "zoo_models.py")
 # of the cause's words, written once per kind, never per cell.
 HINT_WORDS = {
     "lr100": r"learning rate",
+    "reward": r"rewards? growth|no lower bound|unbounded below",
     "unscaled": r"\binputs?\b.*\b(normali[sz]|standardi[sz]|scale)|unscaled|raw units",
     "nan_batch": r"input pipeline|input batch|\bdata(set)?\b|validate .*inputs?",
     "no_eps": r"\beps(ilon)?\b|division by zero|divides by zero|0/0",
@@ -67,31 +74,136 @@ HINT_WORDS = {
     "div_stat": r"division by zero|divides by zero|0/0|\beps(ilon)?\b|denominator",
     "exp_out": r"\bexp\b|exponential",
 }
-CI_SLICE = (("loop", "div_stat"), ("cnn_bn", "nan_batch"), ("gru", "exp_out"))
+CI_SLICE = (("loop", "div_stat"), ("cnn_bn", "nan_batch"), ("gru", "no_eps"))
 NO_HINT = "no hint: "
 
 
 # ------------------------------------------------------------------ one run (in its subprocess)
 
 
+def _loss_log(hook: Any) -> Any:
+    """A Keras callback that appends each step's own loss to ``hook.losses`` (from Keras' logs,
+    not from tb-numerics) and calls ``hook.step_begins()`` as each step begins."""
+    import keras
+
+    class _LossLog(keras.callbacks.Callback):
+        def on_epoch_begin(self, epoch, logs=None):
+            self.mean, self.k = 0.0, 0
+
+        def on_train_batch_begin(self, batch, logs=None):
+            hook.step_begins()
+
+        def on_train_batch_end(self, batch, logs=None):
+            logged = float((logs or {}).get("loss", float("nan")))
+            # The built-in train_step logs the mean of the epoch's losses so far: its k-th
+            # value is (k + 1) * mean_k - k * mean_(k-1). A custom train_step logs its own.
+            loss = (self.k + 1) * logged - self.k * self.mean if hook.running_mean else logged
+            self.mean, self.k = logged, self.k + 1
+            hook.losses.append(loss)
+
+    return _LossLog()
+
+
 class OracleHook:
     """The oracle's side of a training: counts steps and logs nothing."""
 
     def __init__(self) -> None:
+        self.step = -1
+        self.losses: list[float] = []  # each step's own loss
+        self.skips: list[dict] = []  # loss-scale skips stepped over (see ``fit``)
+        self.running_mean = False  # whether Keras logs the loss as the epoch's running mean
+        self.eager = False  # whether the truth comes from an eager pass of the failing step
+        self.state: list = []  # the model's and its optimizers' variables (``fit``)
+        self.saved: list = []  # their values as the current step began
+        self.callbacks = [_loss_log(self)]
+
+    def step_begins(self) -> None:
+        self.step += 1
+        self.saved = [v.numpy() for v in self.state]
+
+    def fit(self, model: Any, data: Any) -> None:
+        """``model.fit`` under check_numerics, stepping over the overflows a loss scale handles.
+
+        Under a ``LossScaleOptimizer`` (mixed_float16) a float16 backward op that overflows is
+        not the failure: the optimizer skips that step's update and halves its scale, which is
+        how it calibrates (TRAPS.md). Where check_numerics stops on a backward op there, that
+        step is run again with the checks off (the functions retraced), the skip is noted, and
+        training resumes under the checks at the next step. The truth is then the first
+        forward (or update) op to go bad, or, where no applied step follows a run of skips (or
+        the scale fell below 1), the first skip of that run: loss scaling could not handle it.
+        """
         import keras
 
-        self.step = -1
-        self.losses: list[float] = []  # the loss each step logged (Keras: its running mean)
-        hook = self
+        scaled = isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
+        self.running_mean = _logs_running_mean(model)
+        optimizers = {id(o): o for o in [model.optimizer, *vars(model).values()]
+                      if isinstance(o, keras.optimizers.Optimizer)}
+        self.state = list(model.variables) + [v for o in optimizers.values() for v in o.variables]
+        start = 0
+        while True:
+            try:
+                model.fit(data.skip(start), epochs=1, verbose=0, callbacks=self.callbacks)
+                return
+            except Exception as e:  # noqa: BLE001 - the oracle's own error, or a handled skip
+                if not _OP.search(str(e)):
+                    raise
+                if not scaled or _phase(e, _creation_frames(e)) != "backward":
+                    raise self._eager_pass(model, data, e) from e
+                start = self._step_over(model, data, e)
 
-        class _Steps(keras.callbacks.Callback):
-            def on_train_batch_begin(self, batch, logs=None):
-                hook.step += 1
+    def _eager_pass(self, model: Any, data: Any, e: BaseException) -> BaseException:
+        """The error of the failing step run again eagerly under check_numerics (each op checked
+        as it runs, in program order), where it fires at the same step; else ``e``.
 
-            def on_train_batch_end(self, batch, logs=None):
-                hook.losses.append(float((logs or {}).get("loss", float("nan"))))
+        In a graph, the first check to raise is not always the first bad op's: gru:no_eps named
+        the GRU's MatMul, no user line, while the NaN is born in InputNorm's RealDiv before it.
+        The variables are put back as the step began: ops of the graph that did not wait for the
+        failed check (an optimizer's update) may have run.
+        """
+        k = self.step
+        for v, value in zip(self.state, self.saved):
+            v.assign(value)
+        model.run_eagerly, model.train_function = True, None
+        self.step = k - 1
+        try:
+            model.fit(data.skip(k).take(1), epochs=1, verbose=0, callbacks=self.callbacks)
+        except Exception as eager:  # noqa: BLE001 - the eager oracle's error is the result
+            if _OP.search(str(eager)) and self.step == k:
+                self.eager = True
+                return eager
+        self.step = k
+        return e
 
-        self.callbacks = [_Steps()]
+    def _step_over(self, model: Any, data: Any, e: BaseException) -> int:
+        """Runs the step check_numerics stopped at without the checks; returns the next step."""
+        import tensorflow as tf
+
+        k, opt = self.step, model.optimizer
+        scale, before = float(opt.dynamic_scale.numpy()), int(opt.iterations.numpy())
+        tf.debugging.disable_check_numerics()
+        model.train_function = None
+        self.step = k - 1
+        model.fit(data.skip(k).take(1), epochs=1, verbose=0, callbacks=self.callbacks)
+        self.skips.append({"step": k, "error": e, "scale": scale,
+                           "skipped": int(opt.iterations.numpy()) == before})
+        tf.debugging.enable_check_numerics()
+        model.train_function = None
+        return k + 1
+
+    def unhandled_skip(self) -> tuple[int, BaseException] | None:
+        """A skip that loss scaling did not handle, as (step, error): the first at a scale
+        below 1, or the first of a run of skips that ends the training (no applied step after
+        it); None where every skip was handled."""
+        run: list[dict] = []
+        for s in self.skips:
+            if not s["skipped"] or (run and s["step"] != run[-1]["step"] + 1):
+                run = []
+            if s["skipped"]:
+                run.append(s)
+        low = next((s for s in self.skips if s["skipped"] and s["scale"] < 1), None)
+        last = run[0] if run and run[-1]["step"] >= self.step else None
+        bad = low or last
+        return (bad["step"], bad["error"]) if bad else None
 
     def begin_step(self, step: int) -> None:
         self.step = step
@@ -110,6 +222,11 @@ class OracleHook:
         return contextlib.nullcontext()
 
 
+def _logs_running_mean(model: Any) -> bool:
+    """Whether ``model.fit`` logs the loss as the epoch's running mean (the built-in train_step)."""
+    return "train_step" not in type(model).__dict__
+
+
 class ProductHook:
     """tb-numerics' side: the callback for model.fit, log_numerics and a replay for the loop."""
 
@@ -121,10 +238,19 @@ class ProductHook:
         from tb_numerics.keras import NumericsCallback
 
         self.tf, self.tbn, self.oplevel = tf, tbn, oplevel
-        self.callbacks = [NumericsCallback(logdir)]
+        self.losses: list[float] = []  # each step's own loss (Keras' logs), for ``damaged``
+        self.running_mean = False
+        self.callbacks = [NumericsCallback(logdir), _loss_log(self)]
         self.writer = tf.summary.create_file_writer(logdir)
         self.step_var = tf.Variable(0, dtype=tf.int64, trainable=False)
         self.replayed = False
+
+    def fit(self, model: Any, data: Any) -> None:
+        self.running_mean = _logs_running_mean(model)
+        model.fit(data, epochs=1, verbose=0, callbacks=self.callbacks)
+
+    def step_begins(self) -> None:
+        pass
 
     def begin_step(self, step: int) -> None:
         self.step_var.assign(step)
@@ -141,6 +267,7 @@ class ProductHook:
         THE ONE PLACE to switch to the custom-loop escalation wrapper once it lands.
         """
         tf = self.tf
+        self.losses.append(float(loss))
         finite = bool(tf.reduce_all([tf.reduce_all(tf.math.is_finite(t)) for t in [loss, *grads] if t is not None]))
         if not finite and not self.replayed:
             self.replayed = True
@@ -199,10 +326,11 @@ def run_oracle(arch: str, fault: str, fixed: bool) -> dict:
     """The truth: where tf.debugging.enable_check_numerics stops the training.
 
     The tf.functions stay traced (eagerly the CNN's 40 steps took 123 s, not 10 s): each op's
-    output is checked in the graph and the error carries its creation stack. LIMIT: in a graph the
-    first check to raise is not always the first bad op's (gru:no_eps named the GRU's MatMul, no
-    user line, while the NaN is born in InputNorm's RealDiv before it); an eager pass at the failing
-    step would be strict. Read a truth without a user line with care.
+    output is checked in the graph and the error carries its creation stack. In a graph the first
+    check to raise is not always the first bad op's, so for ``model.fit`` the failing step is run
+    once more eagerly, its ops checked in program order (``OracleHook._eager_pass``; ``eager`` in
+    the result says it decided). Under a loss scale, the backward overflows it handles are stepped
+    over (``OracleHook.fit``; ``handled_skips``). LIMIT: the hand-written loop's step stays a graph.
     """
     import tensorflow as tf
 
@@ -211,20 +339,32 @@ def run_oracle(arch: str, fault: str, fixed: bool) -> dict:
     tf.debugging.enable_check_numerics()
     hook = OracleHook()
     out: dict[str, Any] = {"fired": False, "input_bad_step": _input_bad_step(arch, fault, fixed)}
+    failure: tuple[int, BaseException] | None = None
     try:
         zoo_models.train(arch, fault, fixed, hook)
     except Exception as e:  # noqa: BLE001 - the oracle's error is the result
-        m = _OP.search(str(e))
-        if m is None:
-            out.update(error="%s: %s" % (type(e).__name__, str(e)[:400]))
-        else:
-            frames = _creation_frames(e)
-            node = _NODE.search(str(e))
-            out.update(fired=True, step=hook.step, op_type=m.group(2), source=_user_frame(frames),
-                       phase=_phase(e, frames), node=node.group(1) if node else None)
+        failure = (hook.step, e)
     finally:
         out["losses"] = hook.losses
+    skip = hook.unhandled_skip()
+    if skip is not None and (failure is None or skip[0] <= failure[0]):
+        failure = skip
+    out["handled_skips"] = [s["step"] for s in hook.skips if s["skipped"]]
+    out["eager"] = hook.eager
+    if failure is not None:
+        out.update(_truth(*failure))
     return out
+
+
+def _truth(step: int, e: BaseException) -> dict:
+    """The oracle's verdict from check_numerics' error at ``step``."""
+    m = _OP.search(str(e))
+    if m is None:
+        return {"error": "%s: %s" % (type(e).__name__, str(e)[:400])}
+    frames = _creation_frames(e)
+    node = _NODE.search(str(e))
+    return {"fired": True, "step": step, "op_type": m.group(2), "source": _user_frame(frames),
+            "phase": _phase(e, frames), "node": node.group(1) if node else None}
 
 
 def run_product(arch: str, fault: str, fixed: bool, logdir: str) -> dict:
@@ -235,11 +375,13 @@ def run_product(arch: str, fault: str, fixed: bool, logdir: str) -> dict:
     import zoo_models
     from tb_numerics import cli
 
-    zoo_models.train(arch, fault, fixed, ProductHook(logdir))
+    hook = ProductHook(logdir)
+    zoo_models.train(arch, fault, fixed, hook)
     buf = io.StringIO()
     with contextlib.redirect_stdout(buf):
         rc = cli.main(["report", "--json", logdir])
-    return {"rc": rc, "runs": json.loads(buf.getvalue())["runs"] if buf.getvalue().strip() else []}
+    return {"rc": rc, "runs": json.loads(buf.getvalue())["runs"] if buf.getvalue().strip() else [],
+            "losses": hook.losses}
 
 
 def _cell_main(args: argparse.Namespace) -> int:
@@ -310,13 +452,30 @@ def hint_verdict(fault: str, anomaly: dict | None) -> str:
 
 
 def _grew(losses: list[float], step: int) -> bool:
-    """The logged loss rose 10x over the 10 steps before ``step``, at 8 of them at least (a
-    divergence, not one jump)."""
+    """Each step's loss grew 10x in magnitude over the 10 steps before ``step``, at 8 of them at
+    least (a divergence, not one jump; a loss with no lower bound grows towards -inf)."""
     if step < 11 or len(losses) < step:
         return False
-    before = losses[step - 11:step]
+    before = [abs(x) for x in losses[step - 11:step]]
     rises = sum(b > a for a, b in zip(before, before[1:]))
     return before[0] > 0 and before[-1] >= 10 * before[0] and rises >= 8
+
+
+TRIGGER_STEP = 12  # zoo_models.TRIGGER_STEP: the batch that holds a fault's trigger
+
+
+def damaged(losses: list[float]) -> bool:
+    """Whether a fixed variant's training did not come back from its trigger: each step's loss
+    over its last 10 steps (from Keras' logs, not from tb-numerics) is 3x or more its loss over
+    the 10 steps before the trigger, or not finite. A healthy training ends no worse than that,
+    and warnings on a damaged one are true (an outlier count of 1e6 wrecks a softplus head too)."""
+    if len(losses) < TRIGGER_STEP + 10:
+        return False
+    before = [abs(x) for x in losses[TRIGGER_STEP - 10:TRIGGER_STEP]]
+    after = [abs(x) for x in losses[-10:]]
+    if not all(map(math.isfinite, before + after)):
+        return True
+    return sum(after) >= 3 * sum(before)
 
 
 def score_cell(cell: tuple[str, str], runs: dict) -> dict:
@@ -331,7 +490,9 @@ def score_cell(cell: tuple[str, str], runs: dict) -> dict:
     model_op = valid and not input_truth
     line_truth = model_op and truth.get("phase") != "backward" and truth.get("source") is not None
     fw = rep.get("first_warning")
-    lead = fa["step"] - fw["step"] if fa and fw and fw.get("step") is not None and fw["step"] <= fa["step"] else None
+    # The warning's lead on the truth's step: before the first non-finite value, not the product's.
+    lead = (truth["step"] - fw["step"] if valid and fw and fw.get("step") is not None and fw["step"] <= truth["step"]
+            else None)
     s = {
         "arch": cell[0], "fault": cell[1], "valid": valid, "truth": truth, "input_truth": input_truth,
         "product": {"step": (fa or {}).get("step"), "tensor": (fa or {}).get("tensor"), "op_type": op.get("type"),
@@ -350,6 +511,7 @@ def score_cell(cell: tuple[str, str], runs: dict) -> dict:
     frep = runs["fixed_product"].get("report") or {}
     s["fixed_crash"] = bool(runs["fixed_product"].get("crash"))
     s["fixed_report"] = bool(frep)
+    s["fixed_damaged"] = damaged(runs["fixed_product"].get("losses") or [])
     s["false_warnings"] = len(frep.get("warnings") or []) + (1 if frep.get("first_anomaly") else 0)
     s["fixed_oracle_fired"] = runs["fixed_oracle"].get("fired") if "fixed_oracle" in runs else None
     return s
@@ -375,6 +537,7 @@ def totals(scores: list[dict]) -> dict:
     """The zoo's figures against the targets of issues 25 and 26."""
     valid = [s for s in scores if s["valid"]]
     fixed = scores
+    healthy = [s for s in fixed if not s.get("fixed_damaged")]
     hints = [s["hint"] for s in valid]
     grew = [s for s in valid if s["grew"]]
     return {
@@ -389,7 +552,9 @@ def totals(scores: list[dict]) -> dict:
         "hints": {k: hints.count(k) for k in ("right", "absent", "wrong")},
         "lead_10": _share([s["lead"] is not None and s["lead"] >= 10 for s in grew]),
         "false_warnings": "%d in %d of %d fixed variants" % (
-            sum(s["false_warnings"] for s in fixed), sum(bool(s["false_warnings"]) for s in fixed), len(fixed)),
+            sum(s["false_warnings"] for s in healthy), sum(bool(s["false_warnings"]) for s in healthy), len(healthy)),
+        # Fixed variants whose training the trigger damaged (``damaged``): their warnings are true.
+        "damaged_fixed": {s["arch"] + ":" + s["fault"]: s["false_warnings"] for s in fixed if s.get("fixed_damaged")},
         "fixed_crashes": sum(s.get("fixed_crash", False) for s in fixed),
         "fixed_oracle_fired": [s["arch"] + ":" + s["fault"] for s in fixed if s.get("fixed_oracle_fired")],
     }
@@ -406,9 +571,10 @@ def print_cell(s: dict) -> None:
     print("%-12s %-11s truth: %s" % (s["arch"], s["fault"], truth))
     print("%25s product: step %s %s %s %s" % ("", p["step"], p["tensor"], p["op_type"], p["source"]))
     extra = " replay: %s" % p["replay"] if p["replay"] and not p["replay"].get("reproduced", True) else ""
-    print("%25s step %s, op %s, line %s, crash %s, hint %s, lead %s%s, fixed: %s warnings%s%s" % (
+    print("%25s step %s, op %s, line %s, crash %s, hint %s, lead %s%s, fixed: %s warnings%s%s%s" % (
         "", _mark(s["step_exact"]), _mark(s["op_type"]), _mark(s["source_line"]), "YES" if s["crash"] else "no",
         s["hint"], s["lead"], " (grew)" if s["grew"] else "", s.get("false_warnings", "-"),
+        " (its training damaged: true warnings)" if s.get("fixed_damaged") else "",
         ", ORACLE FIRED ON FIXED" if s.get("fixed_oracle_fired") else "", extra), flush=True)
     if p.get("error"):
         print("%25s crash: %s" % ("", p["error"].strip().splitlines()[-1:]))
@@ -437,6 +603,7 @@ def main(argv: list[str] | None = None) -> int:
     chosen = list(CI_SLICE) if args.slice == "ci" else [tuple(c.split(":")) for c in args.cells.split(",") if c] or cells(
         [a for a in args.arch.split(",") if a], [f for f in args.fault.split(",") if f])
     workdir = args.workdir or tempfile.mkdtemp(prefix="zoo_")
+    os.makedirs(workdir, exist_ok=True)  # a run's result file goes there before any logdir exists
     t0 = time.time()
     scores: list[dict] = []
     with concurrent.futures.ThreadPoolExecutor(max(1, args.jobs)) as pool:

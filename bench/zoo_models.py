@@ -9,9 +9,9 @@ variant: the same code with the parameter off). What triggers a fault
 data of both variants, so only the code differs.
 
 ``train(arch, fault, fixed, hook)`` trains ``STEPS`` steps; ``hook`` is the
-runner's: Keras callbacks for ``model.fit`` architectures, and for the
-hand-written loop an object whose ``after_gradients`` decides whether a
-step's update is applied (see ``bench/zoo.py``).
+runner's: its ``fit(model, data)`` trains the Keras architectures (with
+``model.fit``), and for the hand-written loop its ``after_gradients``
+decides whether a step's update is applied (see ``bench/zoo.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ BATCH = 16
 TRIGGER_STEP = 12  # the batch that holds a fault's trigger (blank, unlabelled, outlier)
 NCLS = 4
 TEMPERATURE = 0.02  # classifier logits are divided by it, as in contrastive / cosine heads
+DECAY_GROWTH = 0.3  # reward: the flipped weight decay's push a step (with momentum), a share of the weights
 SEED = 0
 
 # Every fault kind, with what it is.
@@ -42,6 +43,7 @@ FAULTS = {
     "log_softmax": "log of a saturated softmax (or sigmoid)",
     "div_stat": "division by a batch statistic (the count of labelled samples)",
     "exp_out": "exp of an unbounded output",
+    "reward": "a weight decay written with its sign flipped: the loss rewards growth",
 }
 
 
@@ -105,8 +107,11 @@ def make_data(arch: Arch, fault: str | None, fixed: bool) -> tuple[np.ndarray, n
         w[k] = 0  # a batch with no labelled sample
     elif fault == "exp_out" and arch.task == "rate":
         y[TRIGGER_STEP * BATCH] = 1e6  # one outlier count
-    elif fault in ("exp_out", "no_eps") or (fault == "log_softmax" and arch.inputs != "tokens"):
-        x[TRIGGER_STEP * BATCH] *= 300.0  # one outlier sample
+    elif fault in ("exp_out", "no_eps") or (fault == "log_softmax" and arch.inputs != "tokens"
+                                             and arch.policy == "float32"):
+        # One outlier sample. Not under mixed_float16: there it overflows a float16 norm in the
+        # fixed variant too, and the saturated softmax fails at step 0 without it.
+        x[TRIGGER_STEP * BATCH] *= 300.0
     return x, np.concatenate([y, w], axis=1)
 
 
@@ -120,8 +125,10 @@ def masked_mean(per_sample: tf.Tensor, w: tf.Tensor, fault: str | None) -> tf.Te
     return tf.reduce_sum(w * per_sample) / tf.maximum(tf.reduce_sum(w), 1.0)
 
 
-def make_loss(task: str, fault: str | None) -> Callable[[tf.Tensor, tf.Tensor], tf.Tensor]:
-    """The loss of a classifier (softmax) or a rate regressor (Poisson), with its label weights."""
+def make_loss(task: str, fault: str | None, decay: Callable[[], tf.Tensor] | None = None
+              ) -> Callable[[tf.Tensor, tf.Tensor], tf.Tensor]:
+    """The loss of a classifier (softmax) or a rate regressor (Poisson), with its label weights,
+    plus ``decay()`` (a weight penalty) where one is given."""
 
     def zoo_loss(y: tf.Tensor, out: tf.Tensor) -> tf.Tensor:
         out = tf.cast(out, tf.float32)
@@ -133,9 +140,20 @@ def make_loss(task: str, fault: str | None) -> Callable[[tf.Tensor, tf.Tensor], 
         else:
             rate = tf.exp(out) if fault == "exp_out" else tf.nn.softplus(out)
             per = tf.reduce_sum(rate - target * tf.math.log(rate + 1e-6), axis=-1)
-        return masked_mean(per, w, fault)
+        loss = masked_mean(per, w, fault)
+        return loss if decay is None else loss + decay()
 
     return zoo_loss
+
+
+def weight_decay(variables: list, fault: str | None, fixed: bool, lr: float) -> Callable[[], tf.Tensor] | None:
+    """An L2 weight penalty, written ``- DECAY * sum(w**2)`` in the fault (the fix: ``+``): with
+    SGD's momentum the fault grows the weights by about ``DECAY_GROWTH`` a step."""
+    if fault != "reward":
+        return None
+    wd = DECAY_GROWTH / (20 * lr) * (1 if fixed else -1)
+    kernels = [v for v in variables if len(v.shape) >= 2]
+    return lambda: wd * tf.add_n([tf.reduce_sum(tf.square(tf.cast(v, tf.float32))) for v in kernels])
 
 
 # ------------------------------------------------------------------ layers
@@ -357,11 +375,17 @@ class LoopMLP(keras.Model):
 # the transformer (the CNN's loss reached 1e17 at step 40), unscaled inputs wherever a BatchNorm or an
 # input norm comes first, float16 without loss scaling in the CNN, the residual net, the GRU,
 # the transformer (at this learning rate), the embedding model and the loop, and BatchNorm without
-# its epsilon in the CNN and the residual net (a blank batch's variance is not exactly 0).
+# its epsilon in the CNN and the residual net (a blank batch's variance is not exactly 0). The
+# transformer's ``reward`` cell is the zoo's growth cell: each step's loss falls about 1.25x a step,
+# from -597 to -2.5e4, for 17 steps before a float16 norm overflows (oracle: step 18). Also tried for
+# growth: a learning-rate warm-up without its cap and Adam at 0.1 (issue 26 item 4) in the
+# transformer (the first jumps within 3 steps of its threshold; the second stays finite for 60
+# steps: Adam moves each weight by at most its rate, and the pre-norms bound the activations),
+# and lr x300 or x1000 in the CNN (the ReLUs die first).
 ARCHS = {a.name: a for a in (
     Arch("cnn_bn", "cls", "image", 0.02, ("nan_batch", "div_stat", "log_softmax"), CNN),
     Arch("resnet", "rate", "image", 0.01, ("nan_batch", "div_stat", "exp_out"), ResNet),
-    Arch("transformer", "cls", "seq", 0.003, ("lr100", "nan_batch", "no_eps", "div_stat", "log_softmax"),
+    Arch("transformer", "cls", "seq", 0.003, ("lr100", "nan_batch", "no_eps", "div_stat", "log_softmax", "reward"),
          Transformer, policy="mixed_float16", note="under mixed_float16"),
     Arch("gru", "rate", "seq", 0.02, ("nan_batch", "no_eps", "div_stat", "exp_out"), GRUModel),
     Arch("vae", "vae", "vec", 0.01, ("unscaled", "nan_batch", "no_eps", "div_stat", "exp_out"), VAE),
@@ -395,25 +419,27 @@ def train(arch_name: str, fault: str, fixed: bool, hook: Any) -> None:
     x, y = make_data(arch, fault, fixed)
     opt = _optimizer(arch, fault, fixed, policy)
     if arch.build is None:
-        return _train_loop(arch, active, opt, x, y, hook)
+        return _train_loop(arch, fault, fixed, opt, x, y, hook)
     model = arch.build(active)
     model(x[:BATCH])
     if isinstance(model, GAN):
         model.gen(x[:BATCH, :4])
         model.d_optimizer = keras.optimizers.SGD(arch.lr * (100 if active == "lr100" else 1), momentum=0.9)
         model.d_optimizer.build(model.disc.trainable_variables)
-    model.compile(optimizer=opt, loss=make_loss(arch.task, active), jit_compile=False)
+    decay = weight_decay(model.trainable_variables, fault, fixed, arch.lr)
+    model.compile(optimizer=opt, loss=make_loss(arch.task, active, decay), jit_compile=False)
     data = tf.data.Dataset.from_tensor_slices((x, y)).batch(BATCH)
-    model.fit(data, epochs=1, verbose=0, callbacks=hook.callbacks)
+    hook.fit(model, data)
     return None
 
 
-def _train_loop(arch: Arch, fault: str | None, opt, x: np.ndarray, y: np.ndarray, hook: Any) -> None:
+def _train_loop(arch: Arch, fault: str, fixed: bool, opt, x: np.ndarray, y: np.ndarray, hook: Any) -> None:
     """A hand-written training loop: a tf.function computes the loss and the gradients."""
-    model = LoopMLP(fault)
+    active = None if fixed else fault
+    model = LoopMLP(active)
     model(x[:BATCH])
-    loss_fn = make_loss("rate", fault)
     variables = model.trainable_variables
+    loss_fn = make_loss("rate", active, weight_decay(variables, fault, fixed, arch.lr))
     opt.build(variables)
 
     @tf.function

@@ -1,6 +1,10 @@
 """Runs the demo's stories, prints their diagnoses, optionally serves them.
 
-    python -m demo [--logdir DIR] [--serve] [--port N] [--host H] [--only NAME ...]
+    python -m demo [--logdir DIR] [--serve] [--port N] [--host H] [--only NAME ...] [--backend jax|torch]
+
+``--backend jax`` (or ``torch``) runs the stories written for every Keras
+backend (``keras_fit``: ``model.fit`` with ``NumericsCallback``) on that
+backend, without TensorFlow, into ``<logdir>/<backend>/``.
 """
 
 import argparse
@@ -20,23 +24,28 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default="127.0.0.1", help="address TensorBoard binds to (default: 127.0.0.1)")
     p.add_argument("--port", type=int, default=6006, help="TensorBoard's port (default: 6006)")
     p.add_argument("--only", action="append", metavar="NAME", help="run only this story (repeatable)")
+    p.add_argument("--backend", choices=("tensorflow", "jax", "torch"), default="tensorflow",
+                   help="the Keras backend; jax and torch run the stories written for every backend, "
+                   "into LOGDIR/BACKEND (default: tensorflow, every story)")
     return p
 
 
-def run_stories(logdir: str, only: list[str] | None = None) -> float:
+def run_stories(logdir: str, only: list[str] | None = None, backend: str = "tensorflow") -> float:
     """Runs the stories into ``logdir``, one process per core; the total seconds.
 
     Each story is single-threaded enough that running them side by side
     halves the wall time on two cores; each is seeded, so results do not
-    depend on which process runs it.
+    depend on which process runs it. The worker processes inherit
+    ``KERAS_BACKEND``, which picks Keras' backend.
     """
     from demo.stories import STORIES, run_story
 
-    names = [s.name for s in STORIES]
+    stories = [s for s in STORIES if backend in s.backends]
+    names = [s.name for s in stories]
     unknown = sorted(set(only or ()) - set(names))
     if unknown:
-        raise SystemExit("unknown story %s; the stories are: %s" % (", ".join(unknown), ", ".join(names)))
-    chosen = [s for s in STORIES if not only or s.name in only]
+        raise SystemExit("unknown story %s; the stories on %s are: %s" % (", ".join(unknown), backend, ", ".join(names)))
+    chosen = [s for s in stories if not only or s.name in only]
     start = time.perf_counter()
     workers = max(1, min(len(chosen), os.cpu_count() or 1))
     with futures.ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
@@ -65,14 +74,19 @@ def serve(logdir: str, host: str, port: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     start = time.perf_counter()
-    import tensorflow  # noqa: F401  (timed: most of the start-up)
+    logdir = args.logdir
+    if args.backend == "tensorflow":
+        import tensorflow  # noqa: F401  (timed: most of the start-up)
+    else:
+        os.environ["KERAS_BACKEND"] = args.backend
+        logdir = os.path.join(args.logdir, args.backend)
 
     from tb_numerics import cli
 
-    stories_s = run_stories(args.logdir, args.only)
+    stories_s = run_stories(logdir, args.only, args.backend)
     print()
-    status = cli.main(["report", args.logdir])
-    print("\nTOTAL %.1fs (stories %.1fs, logs in %s)" % (time.perf_counter() - start, stories_s, args.logdir))
+    status = cli.main(["report", logdir])
+    print("\nTOTAL %.1fs (stories %.1fs, logs in %s)" % (time.perf_counter() - start, stories_s, logdir))
     if args.serve:
         serve(args.logdir, args.host, args.port)
     # The stories are meant to fail: exit 0 unless the report itself failed.

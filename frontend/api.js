@@ -67,3 +67,6 @@ export async function series(run, tensor, { start, end, maxPoints } = {}, params
   for (const [name, values] of Object.entries(body.fields || {})) fields[name] = values.map((v) => (v === null ? null : toNumber(v)));
   return { ...body, fields };
 }
+
+/** /compare: where `run` first leaves the band of the reference run `against`. */
+export const compare = (run, against, band = {}, signal) => get("compare", { run, against, ...band }, signal);

@@ -50,28 +50,48 @@ function occurrenceWords(a) {
   return el("p", { class: "occurrence" }, `In record ${fmt.count(index)} of the ${fmt.count(of)} records of this tensor at this step.`);
 }
 
+/**
+ * The last healthy and the last finite step, each saying what it is: healthy
+ * is neither a warning nor NaN/Inf; between the two, every record of the
+ * tensor was finite but out of the safe range.
+ */
 function lastHealthyWords(a) {
   const healthy = countOf(a.last_healthy_step);
   const finite = countOf(a.last_finite_step);
   const words = [
-    healthy === null ? "This tensor has no healthy record before it." : `Last healthy step of this tensor: ${fmt.count(healthy)}.`,
+    healthy === null
+      ? "This tensor has no healthy record before it."
+      : `Last healthy step of this tensor: ${fmt.count(healthy)} (inside the safe range, no NaN/Inf).`,
   ];
-  if (finite !== null && finite !== healthy) words.push(`Last finite step: ${fmt.count(finite)}.`);
-  else if (finite === null && healthy === null && "last_finite_step" in a) words.push("No finite record before it either.");
+  if (finite !== null && finite !== healthy) {
+    const from = healthy === null ? "" : ` from step ${fmt.count(healthy + 1)}`;
+    words.push(`Last finite step: ${fmt.count(finite)} (no NaN/Inf, but out of the safe range${from}).`);
+  } else if (finite === null && healthy === null && "last_finite_step" in a) words.push("No finite record before it either.");
   return el("p", { class: "last-healthy" }, words.join(" "));
 }
 
-/** One input's range at the failing step: "#1: min 0 · max 3.2 · 12 zeros of 4,096". */
+/** "64×1024", or null for a shape that is not a list of sizes. */
+function shapeWords(shape) {
+  return Array.isArray(shape) && shape.every((d) => d === null || Number.isInteger(d)) ? shape.map((d) => d ?? "?").join("×") || "scalar" : null;
+}
+
+/**
+ * One input at the failing step: what made it (the op, where the replay saw
+ * it run) and its shape, then its range: "input 1 (mlp/dense_2/Relu,
+ * 64×64): min 0 · max 3.2 · 12 exact zeros of 4,096".
+ */
 function inputWords(input, i) {
   if (!isObject(input)) return null;
   const parts = [];
   if (input.min !== undefined) parts.push(`min ${fmt.number(toNumber(input.min))}`);
   if (input.max !== undefined) parts.push(`max ${fmt.number(toNumber(input.max))}`);
   const zeros = countOf(input.zeros);
-  const size = countOf(input.size);
+  const size = countOf(input.size) ?? countOf(input.count);
   if (zeros !== null) parts.push(`${fmt.count(zeros)} exact zero${zeros === 1 ? "" : "s"}${size !== null ? ` of ${fmt.count(size)}` : ""}`);
   else if (size !== null) parts.push(`${fmt.count(size)} values`);
-  return parts.length ? el("li", {}, `input ${i + 1}: ${parts.join(" · ")}`) : null;
+  const what = [text(input.name), shapeWords(input.shape)].filter(Boolean).join(", ");
+  if (!parts.length && !what) return null;
+  return el("li", {}, `input ${i + 1}`, what ? [" (", el("span", { class: "tensor-name" }, what), ")"] : null, parts.length ? `: ${parts.join(" · ")}` : "");
 }
 
 /** first_anomaly.op, or for an op-level anomaly without it, the same from its own record. */
@@ -127,13 +147,22 @@ function showTargets(a) {
   return name ? [OP_TAG_PREFIX + name, a.tensor] : [a.tensor];
 }
 
+/** The headline with the banner's buttons beside it (one line saved on a small screen). */
+function head(headline, ...buttons) {
+  return el("div", { class: "banner-head" }, el("h3", { class: "headline" }, headline), el("div", { class: "actions" }, ...buttons));
+}
+
 function anomalyBanner(run, s, onShow) {
   const a = s.first_anomaly;
   const cause = isObject(a.likely_cause) ? a.likely_cause : null;
   return el(
     "section",
     { class: "banner anomaly", "aria-label": `First anomaly of run ${run}` },
-    el("h3", { class: "headline" }, `First non-finite value at step ${fmt.count(a.step)}`),
+    head(
+      `First non-finite value at step ${fmt.count(a.step)}`,
+      el("button", { type: "button", class: "show-anomaly", onclick: () => onShow(run, showTargets(a), a.step) }, "Show me"),
+      cause && el("button", { type: "button", class: "show-cause", onclick: () => onShow(run, [cause.tensor], cause.step) }, "Show the likely cause")
+    ),
     el("p", {}, el("span", { class: "tensor-name" }, a.tensor), opWords(a), ": ", el("strong", { class: "counts" }, fmt.nonfiniteCounts(a)), "."),
     occurrenceWords(a),
     opDetail(a),
@@ -149,10 +178,7 @@ function anomalyBanner(run, s, onShow) {
         ` at step ${fmt.count(cause.step)} was already out of the safe range (`,
         el("span", { class: "kind", title: text(cause.kind) }, fmt.kind(cause.kind)),
         `: ${text(cause.detail) ?? ""}).`
-      ),
-    el("button", { type: "button", class: "show-anomaly", onclick: () => onShow(run, showTargets(a), a.step) }, "Show me"),
-    cause &&
-      el("button", { type: "button", class: "show-cause", onclick: () => onShow(run, [cause.tensor], cause.step) }, "Show the likely cause")
+      )
   );
 }
 
@@ -162,7 +188,10 @@ function warningBanner(run, s, onShow) {
   return el(
     "section",
     { class: "banner warning", "aria-label": `First warning of run ${run}` },
-    el("h3", { class: "headline" }, `First warning at step ${fmt.count(w.step)}${before}`),
+    head(
+      `First warning at step ${fmt.count(w.step)}${before}`,
+      el("button", { type: "button", class: "show-warning", onclick: () => onShow(run, [w.tensor], w.step) }, "Show me")
+    ),
     el(
       "p",
       {},
@@ -173,8 +202,25 @@ function warningBanner(run, s, onShow) {
       "."
     ),
     text(w.detail) && el("p", { class: "detail" }, w.detail),
-    text(w.hint) && el("p", { class: "hint" }, el("span", { class: "cause-label" }, "Hint: "), w.hint),
-    el("button", { type: "button", class: "show-warning", onclick: () => onShow(run, [w.tensor], w.step) }, "Show me")
+    text(w.hint) && el("p", { class: "hint" }, el("span", { class: "cause-label" }, "Hint: "), w.hint)
+  );
+}
+
+/**
+ * A run that holds more than one training (summary.restarts): the steps a
+ * later training wrote again, whose records replace the earlier ones.
+ */
+function restartWords(s) {
+  const r = Array.isArray(s.restarts) ? s.restarts.find(isObject) : null;
+  const lo = r ? countOf(r.first_step) : null;
+  const hi = r ? countOf(r.last_step) : null;
+  if (lo === null || hi === null) return null;
+  return el(
+    "p",
+    { class: "restart" },
+    el("span", { class: "cause-label" }, "More than one training in this run: "),
+    `steps ${fmt.steps(lo, hi)} were written again by a later training (a restart from a checkpoint, or another script logging to the same directory); ` +
+      "those steps show the later training's records, the others the earlier one's. Give each training its own log directory to see each whole."
   );
 }
 
@@ -257,12 +303,13 @@ export function renderBanners(container, items, onShow) {
       return el("div", { class: "banner-row single", dataset: { run } }, el("section", { class: "banner anomaly" }, label, el("p", { class: "error" }, error)));
     }
     const main = isObject(summary.first_anomaly) ? anomalyBanner(run, summary, onShow) : healthyBanner(summary);
-    main.prepend(label);
     if (Array.isArray(summary.problems) && summary.problems.length) {
-      main.append(el("div", { class: "problems" }, ...summary.problems.map((p) => el("p", {}, "Skipped: ", text(p) ?? ""))));
+      main.append(el("div", { class: "problems" }, ...summary.problems.map((p) => el("p", {}, "Reading the run: ", text(p) ?? ""))));
     }
     const acted = actionsList(summary);
     if (acted) main.append(acted);
+    const restart = restartWords(summary);
+    if (restart) main.append(restart);
     const info = infoList(summary);
     if (info) main.append(info);
     const row = el("div", { class: "banner-row", dataset: { run } }, main);

@@ -2,7 +2,10 @@
 // (mean ± std), stacked count bars, vertical markers (the anomaly step),
 // linear or log y. Non-finite values never become lines: the line breaks and
 // a marker sits at the edge (+Inf top, -Inf bottom, NaN a cross at the top).
-// Dragging selects a step range (onZoom), double-click resets it.
+// Dragging selects a step range (onZoom), double-click resets it. From the
+// keyboard (the canvas takes focus): the arrows move a cursor over the steps
+// and read them out, Shift with the arrows selects a range, Enter zooms to
+// it, Escape drops the range or, with none, shows every step again.
 
 import { el, replace } from "./dom.js";
 import * as fmt from "./format.js";
@@ -37,15 +40,21 @@ export class Chart {
   constructor(title, { onZoom, extra } = {}) {
     this.onZoom = onZoom;
     this.data = null;
-    this.canvas = el("canvas", { role: "img", "aria-label": title });
+    this.cursor = null; // the keyboard's point index
+    this.anchor = null; // where a Shift+arrow range began
+    this.title = title;
+    this.canvas = el("canvas", {
+      tabindex: "0",
+      role: "application",
+      "aria-label": `${title}: left and right arrows read the steps, Shift+arrows select a range, Enter zooms to it, Escape shows every step`,
+    });
     this.legend = el("div", { class: "chart-legend" });
-    this.readout = el("div", { class: "readout", "aria-live": "off" });
+    this.readout = el("div", { class: "readout", "aria-live": "polite" });
     this.note = el("div", { class: "note", hidden: true });
     this.element = el(
       "section",
       { class: "chart", "aria-label": title },
-      el("h3", {}, el("span", {}, title), extra),
-      this.legend,
+      el("div", { class: "chart-head" }, el("h3", {}, el("span", {}, title)), this.legend, extra),
       this.canvas,
       this.note,
       this.readout
@@ -62,6 +71,13 @@ export class Chart {
       this.draw();
     });
     this.canvas.addEventListener("dblclick", () => this.onZoom && this.onZoom(null, null));
+    this.canvas.addEventListener("keydown", (e) => this.key(e));
+    this.canvas.addEventListener("blur", () => {
+      this.cursor = null;
+      this.anchor = null;
+      this.hoverX = null;
+      this.draw();
+    });
   }
 
   /** Shows a sentence instead of the plot (e.g. "no global norm logged"). */
@@ -80,12 +96,15 @@ export class Chart {
    */
   set(data) {
     this.data = data;
+    this.cursor = null;
+    this.anchor = null;
+    this.dragFrom = null;
     this.note.hidden = true;
     this.canvas.hidden = false;
     const keys = [...(data.lines || []), ...(data.bars || [])];
     replace(
       this.legend,
-      keys.map((s) => el("span", {}, el("i", { style: `background: var(--${s.colour})` }), s.label)),
+      keys.map((s) => el("span", {}, el("i", { style: `background: ${s.hex || `var(--${s.colour})`}` }), s.label)),
       data.band ? el("span", {}, el("i", { style: "background: var(--band); height: 8px" }), data.band.label) : null,
       (data.markers || []).map((m) => el("span", {}, el("i", { style: `background: var(--${m.colour}); width: 3px; height: 10px` }), m.label))
     );
@@ -240,7 +259,8 @@ export class Chart {
   drawLine(ctx, x, y, s) {
     // A line of another run brings its own steps.
     const steps = s.steps || this.data.steps;
-    ctx.strokeStyle = color(s.colour);
+    const stroke = s.hex || color(s.colour);
+    ctx.strokeStyle = stroke;
     ctx.lineWidth = 1.5;
     ctx.setLineDash(s.dash || []);
     ctx.beginPath();
@@ -261,11 +281,15 @@ export class Chart {
     });
     ctx.stroke();
     ctx.setLineDash([]);
-    // A lone finite point between gaps gets a dot so it is not lost.
-    ctx.fillStyle = color(s.colour);
+    // A lone finite point between gaps (or a series of one record) gets a dot so it is not lost.
+    ctx.fillStyle = stroke;
     steps.forEach((step, i) => {
       const ok = (j) => j >= 0 && j < steps.length && Number.isFinite(s.ys[j]) && !(this.data.log && s.ys[j] <= 0);
-      if (ok(i) && !ok(i - 1) && !ok(i + 1)) ctx.fillRect(x.toPx(step) - 1.5, y.toPx(s.ys[i]) - 1.5, 3, 3);
+      if (ok(i) && !ok(i - 1) && !ok(i + 1)) {
+        ctx.beginPath();
+        ctx.arc(x.toPx(step), y.toPx(s.ys[i]), 3, 0, 2 * Math.PI);
+        ctx.fill();
+      }
     });
     ctx.fillStyle = color("nonfinite");
     ctx.strokeStyle = color("nonfinite");
@@ -324,7 +348,8 @@ export class Chart {
       for (const b of bars) {
         const v = b.ys[i];
         if (!Number.isFinite(v) || v <= 0) continue;
-        const h = base - y.toPx(v);
+        // A count of 1 among thousands still shows: at least 3 px.
+        const h = Math.max(3, base - y.toPx(v));
         ctx.fillStyle = color(b.colour);
         ctx.fillRect(a, top - h, w, h);
         top -= h;
@@ -369,8 +394,6 @@ export class Chart {
     if (!this.data) return;
     const px = this.localX(e);
     if (this.dragFrom !== undefined && this.dragFrom !== null) this.dragTo = px;
-    const x = this.xScale();
-    const step = x.toStep(px);
     const { steps } = this.data;
     if (!steps.length || px < M.left || px > this.width - M.right) {
       this.hoverX = null;
@@ -378,21 +401,70 @@ export class Chart {
       this.draw();
       return;
     }
-    const i = nearest(steps, step);
-    this.hoverX = Math.round(x.toPx(steps[i]));
+    this.readAt(nearest(steps, this.xScale().toStep(px)));
+  }
+
+  /** The readout of point `i` (each line's value, or what is known instead), with the hover line on it. */
+  readAt(i) {
+    const { steps } = this.data;
+    this.hoverX = Math.round(this.xScale().toPx(steps[i]));
     const end = this.data.stepEnd ? this.data.stepEnd[i] : steps[i];
     const parts = [...(this.data.lines || []), ...(this.data.bars || [])].map((s) => {
       const j = s.steps ? nearest(s.steps, steps[i]) : i;
       const off = s.steps && s.steps[j] !== steps[i] ? ` (step ${fmt.count(s.steps[j])})` : "";
-      return `${s.label} ${fmt.number(s.ys[j])}${off}`;
+      const known = s.words ? s.words(j) : null;
+      return `${s.label} ${known ?? fmt.number(s.ys[j])}${off}`;
     });
     if (this.data.band) parts.push(`${this.data.band.label} ${fmt.number(this.data.band.std[i])}`);
-    this.readout.textContent = `${end !== steps[i] ? "Steps" : "Step"} ${fmt.steps(steps[i], end)}: ${parts.join(" · ")}`;
+    const total = this.data.total ? ` of ${fmt.count(this.data.total[i])} values` : "";
+    this.readout.textContent = `${end !== steps[i] ? "Steps" : "Step"} ${fmt.steps(steps[i], end)}: ${parts.join(" · ")}${total}`;
     this.draw();
   }
 
+  /** The keyboard: a cursor over the points, a range with Shift, Enter zooms, Escape. */
+  key(e) {
+    if (!this.data || !this.data.steps.length) return;
+    const n = this.data.steps.length;
+    const at = this.cursor ?? nearest(this.data.steps, this.data.markers?.[0]?.step ?? this.data.steps[0]);
+    const moves = { ArrowLeft: at - 1, ArrowRight: at + 1, PageUp: at - 10, PageDown: at + 10, Home: 0, End: n - 1 };
+    if (e.key in moves) {
+      if (e.shiftKey && this.anchor === null) this.anchor = at;
+      if (!e.shiftKey) this.anchor = null;
+      this.cursor = Math.min(n - 1, Math.max(0, moves[e.key]));
+      this.selectKeys();
+      this.readAt(this.cursor);
+    } else if (e.key === "Enter" && this.anchor !== null && this.anchor !== this.cursor && this.onZoom) {
+      const [a, b] = [this.anchor, this.cursor].sort((p, q) => p - q);
+      this.anchor = null;
+      this.dragFrom = null;
+      this.onZoom(this.data.steps[a], this.data.stepEnd ? this.data.stepEnd[b] : this.data.steps[b]);
+    } else if (e.key === "Escape") {
+      if (this.anchor !== null) {
+        this.anchor = null;
+        this.dragFrom = null;
+        this.draw();
+      } else if (this.onZoom) {
+        this.onZoom(null, null);
+      }
+    } else {
+      return;
+    }
+    e.preventDefault();
+  }
+
+  /** The keyboard's range, drawn as a drag would draw it. */
+  selectKeys() {
+    if (this.anchor === null) {
+      this.dragFrom = null;
+      return;
+    }
+    const x = this.xScale();
+    this.dragFrom = x.toPx(this.data.steps[this.anchor]);
+    this.dragTo = x.toPx(this.data.steps[this.cursor]);
+  }
+
   release(e) {
-    if (this.dragFrom === undefined || this.dragFrom === null) return;
+    if (this.dragFrom === undefined || this.dragFrom === null || this.anchor !== null) return;
     const from = this.dragFrom;
     const to = this.localX(e);
     this.dragFrom = null;

@@ -1,6 +1,7 @@
-// The toolbar: which runs to show, the safe-range parameters (the same ones
-// as the CLI's flags and the HTTP API, defaults shown as placeholders) and
-// the step range that the timeline and charts are zoomed to.
+// The toolbar: the run shown and the run it is compared with, the safe-range
+// parameters (the same ones as the CLI's flags and the HTTP API, defaults
+// shown as placeholders, folded until asked for) and the step range that the
+// timeline and charts are zoomed to.
 
 import { el, replace } from "./dom.js";
 import { SAFE_RANGE_KEYS } from "./state.js";
@@ -30,49 +31,48 @@ function placeholderOf(key, value) {
   return String(value);
 }
 
-/** Checkboxes of the runs, each with a dot coloured by its headline health. */
-export class RunPicker {
-  constructor(onChange) {
-    this.onChange = onChange;
-    this.list = el("div", { class: "runs" });
-    this.element = el("fieldset", {}, el("legend", {}, "Runs"), this.list);
+/** A run's headline health in words, from its /runs entry. */
+function healthWords(r) {
+  if (r.first_anomaly_step !== null) return `NaN/Inf at step ${r.first_anomaly_step}`;
+  if (r.first_warning_step !== null) return `warning at step ${r.first_warning_step}`;
+  return "healthy";
+}
+
+/**
+ * A labelled select of runs, each option with its headline health;
+ * `none` (a label) adds a first option for no run.
+ */
+export class RunSelect {
+  constructor(label, onChange, { none = null } = {}) {
+    this.none = none;
+    this.select = el("select", { "aria-label": label });
+    this.select.addEventListener("change", () => onChange(this.select.value || null));
+    this.element = el("label", { class: "run-select" }, el("span", {}, label), this.select);
   }
 
-  set(runs, selected) {
-    replace(
-      this.list,
-      runs.map((r) => {
-        const health = r.first_anomaly_step !== null ? "nonfinite" : r.first_warning_step !== null ? "warning" : "healthy";
-        const words = { nonfinite: "has a non-finite value", warning: "has a warning", healthy: "healthy" }[health];
-        const box = el("input", { type: "checkbox", value: r.run, checked: selected.includes(r.run) });
-        box.addEventListener("change", () => this.onChange(this.checked()));
-        return el(
-          "label",
-          { title: `${r.run}: ${words}` },
-          box,
-          el("span", { class: `dot ${health}`, "aria-hidden": "true" }),
-          el("span", { class: "run-name" }, r.run),
-          el("span", { class: "sr-only" }, `(${words})`)
-        );
-      })
-    );
-  }
-
-  checked() {
-    return [...this.list.querySelectorAll("input:checked")].map((b) => b.value);
+  /** Fills the options from /runs; `selected` is the run chosen (or null), `skip` a run left out. */
+  set(runs, selected, skip = null) {
+    const options = runs
+      .filter((r) => r.run !== skip)
+      .map((r) => el("option", { value: r.run, selected: r.run === selected }, `${r.run} (${healthWords(r)})`));
+    if (this.none !== null) options.unshift(el("option", { value: "", selected: selected === null }, this.none));
+    replace(this.select, options);
+    this.select.value = selected ?? "";
   }
 }
 
 /**
  * The safe-range form, one field per parameter that /safe_range publishes
- * (the ones of state.js until it answers): Apply (or Enter) sends the
- * values, Reset clears them.
+ * (the ones of state.js until it answers), folded behind a toggle that says
+ * how many are set: Apply (or Enter) sends the values, Reset clears them. A
+ * field the server refused is marked with its message, and the form opens.
  */
 export class SafeRangeForm {
   constructor(onApply) {
     this.inputs = {};
+    this.notes = {};
     this.params = {};
-    this.invalidKey = null;
+    this.invalid = {};
     this.fields = el("div", { class: "fields" });
     const form = el(
       "form",
@@ -84,8 +84,27 @@ export class SafeRangeForm {
       e.preventDefault();
       onApply(this.values());
     });
-    this.element = el("fieldset", {}, el("legend", {}, "Safe range"), form);
+    this.panel = el("fieldset", { class: "safe-range-panel", id: "safe-range-panel", hidden: true }, el("legend", {}, "Safe range"), form);
+    this.toggle = el("button", { type: "button", class: "safe-range-toggle", "aria-expanded": "false", "aria-controls": "safe-range-panel" });
+    this.toggle.addEventListener("click", () => this.open(this.panel.hidden));
+    this.element = this.panel;
     this.build(SAFE_RANGE_KEYS, {}, {});
+  }
+
+  /** Shows or folds the fields. */
+  open(shown) {
+    this.panel.hidden = !shown;
+    this.toggle.setAttribute("aria-expanded", String(shown));
+    this.label();
+  }
+
+  /** "Safe range: defaults", "Safe range: 2 set", "Safe range: 1 refused". */
+  label() {
+    const set = Object.keys(this.params).length;
+    const bad = Object.keys(this.invalid).length;
+    const words = bad ? `${bad} refused` : set ? `${set} set` : "defaults";
+    replace(this.toggle, `Safe range: ${words} ${this.panel.hidden ? "▸" : "▾"}`);
+    this.toggle.classList.toggle("invalid", bad > 0);
   }
 
   /** The parameter names, in the form's order. */
@@ -96,6 +115,7 @@ export class SafeRangeForm {
   /** One text field per parameter; defaults as placeholders, help texts as titles. */
   build(keys, defaults, help) {
     this.inputs = {};
+    this.notes = {};
     const fields = keys.map((key) => {
       const list = Array.isArray(defaults[key]);
       const input = el("input", {
@@ -109,10 +129,13 @@ export class SafeRangeForm {
         title: typeof help[key] === "string" ? `${key}: ${help[key]}` : key,
       });
       this.inputs[key] = input;
-      return el("label", {}, labelOf(key)[0], input);
+      // The server's message, outside the label so that the field's name stays its label.
+      this.notes[key] = el("span", { class: "field-error", id: `field-error-${key}`, hidden: true });
+      input.setAttribute("aria-describedby", this.notes[key].id);
+      return el("div", { class: "field" }, el("label", {}, labelOf(key)[0], input), this.notes[key]);
     });
     replace(this.fields, fields);
-    this.set(this.params, this.invalidKey);
+    this.set(this.params, this.invalid);
   }
 
   /** Rebuilds the fields from /safe_range's answer ({defaults, params}). */
@@ -121,14 +144,19 @@ export class SafeRangeForm {
     this.build(keys, defaults, params);
   }
 
-  /** Shows the values of a view; `invalidKey`'s field is marked invalid. */
-  set(params, invalidKey = null) {
+  /** Shows the values of a view; each key of `invalid` is marked with its message. */
+  set(params, invalid = {}) {
     this.params = { ...params };
-    this.invalidKey = invalidKey;
+    this.invalid = { ...invalid };
     for (const [key, input] of Object.entries(this.inputs)) {
       input.value = params[key] ?? "";
-      input.setAttribute("aria-invalid", key === invalidKey ? "true" : "false");
+      const message = Object.hasOwn(invalid, key) ? invalid[key] : null;
+      input.setAttribute("aria-invalid", message ? "true" : "false");
+      this.notes[key].hidden = !message;
+      this.notes[key].textContent = message ? `Not used: ${message}` : "";
     }
+    if (Object.keys(this.invalid).length) this.open(true);
+    else this.label();
   }
 
   values() {

@@ -54,3 +54,8 @@ export function kindWords(name) {
 export function numberFormat() {
   return loaded().number;
 }
+
+/** The first components of tags that name a layer or variable after them ("gradients", ...). */
+export function scopedTagHeads() {
+  return loaded().scoped_tag_heads ?? [];
+}

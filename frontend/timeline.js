@@ -1,12 +1,14 @@
 // The health timeline of one run: one row per tensor in execution order,
-// grouped by phase and role, one column per step bucket (/timeline already
-// keeps the worst health of each bucket, so one bad step always shows).
-// Labels are HTML (ellipsis, full name in the title); cells are a canvas.
+// grouped by phase and role, op-level rows under their layer (rows.js), one
+// column per step bucket (/timeline already keeps the worst health of each
+// bucket, so one bad step always shows). Labels are HTML (ellipsis, full
+// name in the title); cells are a canvas.
 
 import { niceTicks } from "./chart.js";
 import { el, replace } from "./dom.js";
 import * as fmt from "./format.js";
 import * as rules from "./rules.js";
+import { orderRows } from "./rows.js";
 import { color } from "./theme.js";
 
 const AXIS_H = 22;
@@ -69,10 +71,11 @@ export class Timeline {
     return Math.max(50, Math.floor(this.canvas.parentElement.clientWidth || 600));
   }
 
-  setData(data, anomalyRow, anomalyStep) {
-    this.data = data;
+  /** /timeline's answer; the first anomaly's tensor and step (or null) are marked. */
+  setData(data, anomalyTensor, anomalyStep) {
+    this.data = { ...data, rows: orderRows(data.rows) };
     this.cols = data.bucket_start.length;
-    this.anomaly = anomalyRow === null ? null : this.cellOf(anomalyRow, anomalyStep);
+    this.anomaly = anomalyTensor === null ? null : this.cellOf(this.rowOf(anomalyTensor), anomalyStep);
     this.layout();
     this.draw();
   }
@@ -140,7 +143,8 @@ export class Timeline {
     let y = AXIS_H;
     let group = null;
     rows.forEach((r, i) => {
-      const g = `${r.phase} · ${r.role}`;
+      // An op nested under its layer stays in the layer's group.
+      const g = r.nested ? group : `${r.phase} · ${r.role}`;
       if (g !== group) {
         group = g;
         labels.push(el("div", { class: "label group", style: `top:${y}px;height:${GROUP_H}px;line-height:${GROUP_H + 4}px` }, g));
@@ -149,7 +153,7 @@ export class Timeline {
       this.rowY.push(y);
       const name = r.op_type ? `${r.tensor} (${r.op_type})` : r.tensor;
       labels.push(
-        el("div", { class: "label row", title: name, dataset: { row: i }, style: `top:${y}px;height:${ROW_H}px;line-height:${ROW_H}px` }, r.tensor)
+        el("div", { class: r.nested ? "label row nested" : "label row", title: name, dataset: { row: i }, style: `top:${y}px;height:${ROW_H}px;line-height:${ROW_H}px` }, r.tensor)
       );
       y += ROW_H;
     });
@@ -204,14 +208,20 @@ export class Timeline {
     const ends = this.data.bucket_end;
     const first = starts[0];
     const last = ends[ends.length - 1];
+    // Steps need not be evenly spread (a gap, several trainings in one run):
+    // a label that would overlap the one before it is left out.
+    let free = 0;
     for (const t of niceTicks(first, last, Math.max(2, Math.floor(width / 90)))) {
       if (!Number.isInteger(t) || t < first || t > last) continue;
       const col = this.colOf(t);
       if (col === null) continue;
-      const x = (col + (t - starts[col]) / (ends[col] - starts[col] + 1)) * cw;
-      ctx.fillRect(Math.floor(x), AXIS_H - 5, 1, 5);
+      const x = (col + Math.min(1, (t - starts[col]) / (ends[col] - starts[col] + 1))) * cw;
       const text = fmt.count(t);
-      if (x + ctx.measureText(text).width + 2 < width) ctx.fillText(text, x + 2, AXIS_H / 2 - 1);
+      const w = ctx.measureText(text).width;
+      if (x < free || x + w + 2 >= width) continue;
+      ctx.fillRect(Math.floor(x), AXIS_H - 5, 1, 5);
+      ctx.fillText(text, x + 2, AXIS_H / 2 - 1);
+      free = x + w + 8;
     }
     if (this.anomaly && this.anomaly.col !== null) {
       // A triangle over the first anomaly's column, visible when its row is scrolled away.
@@ -280,6 +290,13 @@ export class Timeline {
       this.choose({ row, col });
       e.preventDefault();
     }
+  }
+
+  /** Scrolls the timeline's box (not the page) so that the selected row is in its middle. */
+  revealSelected() {
+    if (!this.selected || !this.rowY) return;
+    const box = this.element;
+    box.scrollTop = Math.max(0, this.rowY[this.selected.row] - (box.clientHeight - ROW_H) / 2);
   }
 
   /** Keeps a row inside the timeline's scroll box (long runs have many rows). */

@@ -21,11 +21,11 @@ replay, once, on the host: the numbers the data-pipeline hint cites.
 from __future__ import annotations
 
 import dataclasses
+import sys
 from typing import Any, Sequence
 
 import keras
 import numpy as np
-import tensorflow as tf
 
 from tb_numerics import metadata
 
@@ -35,8 +35,19 @@ __all__ = ["BatchPlan", "bad_features"]
 _MAX_FEATURES = 8
 
 
+# The dense tensor types of each backend (a ragged or sparse tensor is none of them).
+_TENSOR_TYPES = (("tensorflow", ("Tensor", "Variable")), ("jax", ("Array",)), ("torch", ("Tensor",)))
+
+
 def _is_float(t: Any) -> bool:
-    return isinstance(t, (tf.Tensor, tf.Variable, np.ndarray)) and tf.as_dtype(t.dtype).name in metadata.DTYPE_LIMITS
+    """Whether ``t`` is a dense float tensor of a Keras backend, or a numpy array.
+
+    No backend is imported here (TensorFlow is not, on JAX or PyTorch): a
+    backend's types are looked up where it was imported already.
+    """
+    types = [np.ndarray] + [getattr(sys.modules[m], n) for m, names in _TENSOR_TYPES if m in sys.modules
+                            for n in names if hasattr(sys.modules[m], n)]
+    return isinstance(t, tuple(types)) and keras.backend.standardize_dtype(t.dtype) in metadata.DTYPE_LIMITS
 
 
 def _float_leaves(structure: Any) -> list[tuple[str, Any]]:
@@ -48,7 +59,7 @@ def _float_leaves(structure: Any) -> list[tuple[str, Any]]:
 def _model_count(model: keras.Model, attr: str, floats_only: bool) -> int:
     """How many tensors the model's ``inputs`` or ``outputs`` hold (1 where it does not say)."""
     try:
-        tensors = tf.nest.flatten(getattr(model, attr, None))
+        tensors = keras.tree.flatten(getattr(model, attr, None))
     except (AttributeError, ValueError):  # a subclassed model has neither
         return 1
     if floats_only:

@@ -26,7 +26,7 @@ import os
 import sys
 from typing import Sequence
 
-from tb_numerics import analysis, event_reader, report_text, rules, scalars, survive
+from tb_numerics import analysis, compare, event_reader, report_text, rules, scalars, survive
 
 EXIT_OK = 0
 EXIT_ANOMALY = 1
@@ -57,6 +57,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     r.add_argument("logdir", help="a TensorBoard logdir: a local path, or gs://, s3://, hdfs://, ram:// with TensorFlow")
     r.add_argument("--json", action="store_true", help="print one JSON object")
+    r.add_argument("--against", metavar="RUN", default=None,
+                   help="compare every other run with RUN (a healthy rerun): the first step and tensor where "
+                        "its records leave RUN's band (tb_numerics.compare)")
     for name, (kind, help_text) in analysis.SAFE_RANGE_PARAMS.items():
         r.add_argument(_flag(name), dest=name, default=None, help=help_text)
     return p
@@ -79,26 +82,41 @@ def _parse_flags(args: argparse.Namespace) -> analysis.SafeRange:
         raise
 
 
-def report(logdir: str, sr: analysis.SafeRange) -> tuple[list[dict], list[str]]:
+def report(logdir: str, sr: analysis.SafeRange, against: str | None = None) -> tuple[list[dict], list[str]]:
     """The run summaries of a logdir and the problems met reading it.
 
     A logdir that is itself a run is named by its directory's name, not
     ".". A run with no numerics anomaly takes the first non-finite value of
     its scalar summaries (``scalars.first_anomaly``) as its first anomaly;
-    ``scalars``, where it has any, counts its scalar tags.
+    ``scalars``, where it has any, counts its scalar tags. With ``against``,
+    every other run's summary gets ``against``: ``compare.compare_runs``
+    of it with that run, and its ``run``.
+
+    Raises:
+      event_reader.LogdirError: ``against`` names no run of the logdir.
     """
-    summaries, problems = [], []
+    summaries, problems, series = [], [], {}
     for rr in event_reader.read_logdir(logdir):
         run = rr.run if rr.run != "." else os.path.basename(os.path.normpath(logdir)) or logdir
         ra = analysis.analyze_run(run, rr.series, sr, rr.problems)
         problems.extend("%s: %s" % (run, p) for p in rr.problems)
         s = analysis.run_summary(ra)
+        s["restarts"] = rr.restarts
         if s["first_anomaly"] is None:
             s["first_anomaly"] = scalars.first_anomaly(rr.scalars)
         s["actions"] = survive.summarize(rr.actions, s["first_anomaly"])
         if rr.scalars:
             s["scalars"] = len(rr.scalars)
         summaries.append(s)
+        if against is not None:
+            series[run] = rr.series
+    if against is not None:
+        if against not in series:
+            raise event_reader.LogdirError("--against: no run named %r in %s (runs: %s)" % (
+                against, logdir, ", ".join(sorted(series)) or "none"))
+        for s in summaries:
+            if s["run"] != against:
+                s["against"] = {"run": against, **compare.compare_runs(series[s["run"]], series[against])}
     return summaries, problems
 
 
@@ -113,7 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         event_reader.check_logdir(args.logdir)
         sr = _parse_flags(args)
-        summaries, problems = report(args.logdir, sr)
+        summaries, problems = report(args.logdir, sr, args.against)
     except (event_reader.LogdirError, analysis.SafeRangeError, OSError) as e:
         print("tb-numerics: error: %s" % report_text.safe_text(str(e)), file=sys.stderr)
         return EXIT_USAGE

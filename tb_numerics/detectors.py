@@ -9,7 +9,10 @@ false-positive count is measured by ``bench/healthy.py``):
 
 * dead units: the output of a function known to be ReLU-like whose share
   of exact zeros is at or above ``dead_share`` (AUTOTRAINER: 70 %) for
-  ``sustain`` records;
+  ``sustain`` records, and, where the layer's bias gradient is recorded,
+  whose units are dead too: AUTOTRAINER counts units that are 0 for the
+  whole batch, and a share of zero *values* also holds for sparse but live
+  units;
 * saturation: a sigmoid or tanh output pinned at its bounds, or a softmax
   emitting exact 0 or 1 (the classic precursor of log(0)), for ``sustain``
   records;
@@ -18,13 +21,22 @@ false-positive count is measured by ``bench/healthy.py``):
   1e-4; above 70), for ``sustain`` records;
 * update ratio: ||w_new - w_old|| / ||w_old|| above ``update_ratio_max``
   (healthy training moves weights by about 1e-3 of their norm a step;
-  an update larger than the weights themselves is divergence);
+  an update larger than the weights themselves is divergence), in at least
+  half the layers at once (a learning rate moves them all), or again at the
+  layer's next record, or at its latest: one layer whose small initial
+  weights (an embedding's ±0.05) its first update outgrew, and which then
+  settles, is not divergence;
 * headroom: max |x| still finite, but at its recent growth it reaches the
   largest value of the dtype it is computed in within ``headroom_steps``;
 * square overflow: a finite gradient that an optimizer squares (Adam's
   second moment, RMSprop, Adagrad), beyond the square root of its dtype's
   largest value: its square is infinite, and the weights go NaN a step or
   two later with every gradient finite;
+* a jump that does not last: a jump of max |x| or a gradient-norm spike
+  after which the next ``TRANSIENT_RECORDS`` records are finite and back
+  below the jump's geometric midpoint is one outlier batch that training
+  absorbed (the batch stays an input's record, and a hint's evidence), not
+  divergence;
 * loss trouble: a loss that never went below its first value in its first
   ``loss_window`` records, or that changed direction at nearly every record
   of the last ``loss_window`` while spanning a factor of 10.
@@ -43,6 +55,7 @@ from tb_numerics.records import F, TensorSeries
 __all__ = [
     "by_depth",
     "dead_units",
+    "dead_units_by_gradient",
     "headroom",
     "headroom_forecast",
     "loss_not_decreasing",
@@ -53,7 +66,10 @@ __all__ = [
     "square_overflow",
     "square_overflows",
     "sustained",
+    "transient",
     "update_ratio",
+    "update_ratio_kept",
+    "vanishing",
 ]
 
 # Layers whose exact zeros are by design: dropout masks, padding, softmax.
@@ -69,6 +85,25 @@ def sustained(mask: np.ndarray, k: int) -> np.ndarray:
     out = np.zeros(len(mask), dtype=bool)
     if k <= len(mask):
         out[k - 1 :] = run[k:] - run[:-k] == k
+    return out
+
+
+TRANSIENT_RECORDS = 2
+
+
+def transient(flags: np.ndarray, x: np.ndarray, base: np.ndarray, finite: np.ndarray,
+              k: int = TRANSIENT_RECORDS) -> np.ndarray:
+    """Which ``flags`` (a jump of ``x`` above its ``base``: the record before,
+    or a recent median) the next ``k`` records undo: each of them exists, is
+    finite, and is back below sqrt(x * base), halfway down in log terms. A
+    diverging training's values do not come back; one outlier batch's do."""
+    n = len(x)
+    out = np.zeros(n, dtype=bool)
+    with np.errstate(invalid="ignore"):
+        for i in np.flatnonzero(flags):
+            nxt = slice(i + 1, i + 1 + k)
+            if i + k < n and finite[nxt].all():
+                out[i] = bool(np.all(x[nxt] <= np.sqrt(x[i] * base[i])))
     return out
 
 
@@ -100,6 +135,38 @@ def dead_units(series: TensorSeries, d: dict[str, np.ndarray], share: float, k: 
     with np.errstate(invalid="ignore", divide="ignore"):
         zero_share = np.where(d["finite"] > 0, v[:, F["zeros"]] / np.maximum(d["finite"], 1), 0.0)
     return sustained((count >= 32) & (zero_share >= share), k)
+
+
+def _layer_bias(tag: str, gradients: Sequence[TensorSeries]) -> TensorSeries | None:
+    """The bias gradient of the layer whose output is ``tag`` (``<layer>/output``), by its
+    variable path ``.../<layer>/bias``; None where there is none (no bias, or not logged)."""
+    layer, _, last = tag.rpartition("/")
+    if last != "output" or not layer:
+        return None
+    ends = "/%s/bias" % layer
+    found = [g for g in gradients if g.tag.endswith(ends)]
+    return found[0] if len(found) == 1 else None
+
+
+def dead_units_by_gradient(
+    series: TensorSeries, dead: np.ndarray, gradients: Sequence[TensorSeries], share: float, k: int
+) -> np.ndarray:
+    """``dead`` (the zero-value rule's mask over ``series``), kept only where the
+    layer's units are dead: a unit that is 0 for every example of the batch gets
+    an exact 0 bias gradient, so the bias gradient's share of exact zeros is the
+    share of dead units (or more, where no gradient reached a live unit). A
+    ReLU layer fed only positive inputs is mostly zeros with every unit alive
+    for some examples; its bias gradient says so. Records without a bias
+    gradient at their step keep the zero-value rule."""
+    bias = _layer_bias(series.tag, gradients)
+    if bias is None or not dead.any():
+        return dead
+    j = np.minimum(np.searchsorted(bias.steps, series.steps), max(len(bias.steps) - 1, 0))
+    known = (bias.steps[j] == series.steps) if len(bias.steps) else np.zeros(len(dead), dtype=bool)
+    b = bias.values.astype(np.float64)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        units = b[j, F["zeros"]] / np.maximum(b[j, F["count"]], 1) >= share
+    return dead & sustained(np.where(known, units, True), k)
 
 
 def saturation(series: TensorSeries, d: dict[str, np.ndarray], k: int) -> np.ndarray:
@@ -156,10 +223,35 @@ def headroom_forecast(series: TensorSeries, d: dict[str, np.ndarray], window: in
     return out
 
 
+# A growing tensor is worth a headroom warning from this many bits below its
+# dtype's largest value, or from the safe range's growth floor if that is lower.
+_HEADROOM_FLOOR_BITS = 12
+
+
 def headroom(series: TensorSeries, d: dict[str, np.ndarray], window: int, steps: float, floor: float) -> np.ndarray:
-    """Growing tensors that reach their dtype's largest value within ``steps``."""
+    """Growing tensors that reach their dtype's largest value within ``steps``,
+    once max |x| is at least ``floor`` or 2**-12 of that largest value, the
+    lower: a floor of 100 is only 9.4 bits below float16's 65,504, too late
+    for a warning ahead of a growth of 1.3x a step; 16 leaves 12 bits. Small
+    values that rise as training starts stay below either floor."""
+    dtype = series.info.compute_dtype or series.info.dtype
+    floor = min(floor, metadata.DTYPE_LIMITS[dtype][0] * 2.0 ** -_HEADROOM_FLOOR_BITS)
     with np.errstate(invalid="ignore"):
         return (headroom_forecast(series, d, window) <= steps) & (d["max_abs"] >= floor)
+
+
+def vanishing(norm: np.ndarray, floor: float) -> np.ndarray:
+    """Global gradient norms below ``floor``, except an exact 0 that the next
+    record recovers from: a step whose loss held no sample to learn from (a
+    batch with no labelled sample under a masked mean) has no gradient at
+    all, and the training is not losing its gradients; an exact 0 that stays
+    (every unit dead) or is the latest record still warns."""
+    norm = np.asarray(norm, np.float64)
+    with np.errstate(invalid="ignore"):
+        low = norm < floor
+        recovered = np.zeros(len(norm), dtype=bool)
+        recovered[:-1] = (norm[:-1] == 0) & (norm[1:] >= floor)
+    return low & ~recovered
 
 
 def update_ratio(series: TensorSeries, ratio_max: float) -> np.ndarray:
@@ -168,6 +260,23 @@ def update_ratio(series: TensorSeries, ratio_max: float) -> np.ndarray:
         return np.zeros(len(series.steps), dtype=bool)
     with np.errstate(invalid="ignore"):
         return series.values[:, F["max"]].astype(np.float64) > ratio_max
+
+
+def update_ratio_kept(ratios: Sequence[TensorSeries], marked: Sequence[np.ndarray]) -> list[np.ndarray]:
+    """Of the update-ratio records ``marked`` above the limit (one mask per
+    series of ``ratios``), those that say divergence: at a step where at least
+    half the layers recorded are marked, or whose layer's next record is marked
+    too or does not exist yet."""
+    at_step: dict[int, list[bool]] = {}
+    for s, m in zip(ratios, marked):
+        for st, bad in zip(s.steps.tolist(), m.tolist()):
+            at_step.setdefault(st, []).append(bad)
+    kept = []
+    for s, m in zip(ratios, marked):
+        wide = np.array([2 * sum(at_step[st]) >= len(at_step[st]) for st in s.steps.tolist()], dtype=bool)
+        again = np.r_[m[1:], True]  # the next record is marked, or there is none yet
+        kept.append(m & (wide | again))
+    return kept
 
 
 def square_limit(dtype: str) -> float:

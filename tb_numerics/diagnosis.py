@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from tb_numerics import hints, rules
+from tb_numerics import evidence, hints, rules
 from tb_numerics.health import SeriesHealth
 from tb_numerics.records import F, derived
 from tb_numerics.run_analysis import OP_TAG_PREFIX, RunAnalysis, first_cell, is_op_level, marked_cell, skipped_steps
@@ -149,8 +149,14 @@ def _evidence(ra: RunAnalysis, cell, cause: dict[str, Any] | None, op: dict[str,
         before.setdefault(rules.KIND_NAMES[h.kinds[j] - 1], _warning_json(ra, (int(h.series.steps[j]), row, int(j))))
     if cause is not None:
         before[cause["kind"]] = cause
+    every = [g.series for g in ra.health]
     return hints.Evidence(h.series.tag, h.series.info, step, before, _loss_input(ra, row, step), op,
-                          negative_loss=_negative_loss(ra, step), batch=_batch_fault(ra, cell, cause))
+                          negative_loss=_negative_loss(ra, step), batch=_batch_fault(ra, cell, cause),
+                          unscaled=evidence.unscaled(every, step), amplified=evidence.amplified(every, step),
+                          saturating=evidence.saturating(every, step),
+                          large_update=evidence.large_update(every, step, ra.safe_range.update_ratio_max),
+                          op_output=evidence.op_output(every, op, step), zero_labels=evidence.zero_labels(every, step),
+                          unbounded=evidence.unbounded(every, step))
 
 
 def _negative_loss(ra: RunAnalysis, step: int) -> hints.NegativeLoss | None:
@@ -184,7 +190,8 @@ def _batch_fault(ra: RunAnalysis, cell, cause: dict[str, Any] | None) -> hints.B
         return None
     where = next((t for b in ra.batches if b["step"] == at for t in b["tensors"]
                   if isinstance(t, dict) and t.get("tensor") == tag), None)
-    return hints.BatchFault(tag, at, what, nonfinite=h.series.info.role == "input", where=where)
+    return hints.BatchFault(tag, at, what, nonfinite=h.series.info.role == "input", where=where,
+                            kind="" if h.series.info.role == "input" else cause["kind"])
 
 
 def _loss_input(ra: RunAnalysis, row: int, step: int) -> hints.LossInput | None:

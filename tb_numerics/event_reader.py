@@ -83,6 +83,8 @@ class RunRecords:
     scalars: dict[str, tuple[np.ndarray, np.ndarray]] = dataclasses.field(default_factory=dict)
     # What the training did about its anomalies (``survive.parse_event``), in file order.
     actions: list[dict] = dataclasses.field(default_factory=list)
+    # Steps a later training wrote again (packed.restart_summary).
+    restarts: list[dict[str, int]] = dataclasses.field(default_factory=list)
 
 
 class _RunReader:
@@ -98,6 +100,7 @@ class _RunReader:
 
     def __init__(self) -> None:
         self.problems: list[str] = []
+        self.restarts: list[tuple[str, int, int]] = []
         self.infos: dict[str, metadata.TensorInfo | metadata.BlockTable] = {}
         self.inferred: set[str] = set()
         self.rejected: set[str] = set()
@@ -252,7 +255,7 @@ class _RunReader:
                 parts.append(self._inferred_series(tag, info, steps, rows))
             else:
                 parts.extend(packed.decode_tag(tag, info, steps, rows, self.problems, walls))
-        return packed.merge_all(parts, self.problems)
+        return packed.merge_all(parts, self.problems, self.restarts)
 
     def _inferred_series(self, tag: str, info: metadata.TensorInfo, steps, rows) -> records.TensorSeries:
         s = records.make_series(tag, info, steps, rows, self.problems)
@@ -302,7 +305,8 @@ def read_run(run: str, files: list[str]) -> RunRecords:
         reader.add_file(path)
     series = reader.series()
     scalars = {t: (np.asarray(st, np.int64), np.asarray(v, np.float64)) for t, (st, v) in reader.scalars.items()}
-    return RunRecords(run, series, reader.problems + reader.damage_problems(), scalars, reader.actions)
+    return RunRecords(run, series, reader.problems + reader.damage_problems(), scalars,
+                      actions=reader.actions, restarts=packed.restart_summary(reader.restarts))
 
 
 def read_logdir(logdir: str) -> list[RunRecords]:

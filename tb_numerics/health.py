@@ -61,12 +61,20 @@ def series_health(series: TensorSeries, sr: SafeRange) -> SeriesHealth:
 
 
 def mark_run(health: list[SeriesHealth], sr: SafeRange) -> None:
-    """Applies the run masks (kinds that compare a run's rows) to ``health``, in place.
+    """Applies the run masks (kinds that compare a run's rows) to ``health``, in place,
+    after taking back the warnings the run does not confirm.
 
     Args:
       health: every row of one run, in execution order.
       sr: the safe range.
     """
+    for k in rules.KINDS:
+        if k.unconfirmed is None or k.name in sr.off:
+            continue
+        for row, mask in k.unconfirmed(health, k.parameters(sr)):
+            h = health[row]
+            h.kinds[mask] = 0
+            h.codes[mask & (h.codes == rules.WARNING)] = rules.HEALTHY
     for k in rules.KINDS:
         if k.marks is None or k.name in sr.off:
             continue

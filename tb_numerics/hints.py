@@ -1,11 +1,12 @@
 """Plain-language hints for a first anomaly, each following from the records it cites.
 
 Part of the numpy-only analysis core. A hint is chosen by the first rule
-whose evidence is in the records:
+whose evidence is in the records (``evidence`` gathers what lies in other
+tensors' records):
 
 0. the batch: the anomaly is the input batch's own record (it arrived
-   holding NaN or Inf), or its likely cause is (an input far out of its
-   range): the fix is in the data pipeline, whatever op the NaN reached;
+   holding NaN or Inf): the fix is in the data pipeline, whatever op the
+   NaN reached;
 1. the loss: a loss that takes a log (cross-entropies, KL divergence,
    Poisson) whose input, the tensor logged just before it, holds exact
    zeros or negative values at the anomaly's step (the fix is at the
@@ -14,11 +15,21 @@ whose evidence is in the records:
    (its targets are outside [0, 1], e.g. raw pixels), whatever op overflowed;
 3. the op: its type (from op-level records or a replay), the layer's
    activation function, or a token of the tag (sqrt, log, division, exp,
-   pow) says how a NaN or an Inf is made;
-4. the trend: warnings in the steps before (growth, a jump, a gradient
+   pow) says how a NaN or an Inf is made; inputs in raw units, or the
+   outlier batch that triggered it, are added as what the batch shows;
+4. the evidence of other tensors, most specific first: the first op to
+   hold the NaN cannot make one (it came in with the batch); the targets
+   or sample weights all 0 (a masked mean's 0/0); inputs in raw units at
+   every batch; a loss that fell below 0 and on (no lower bound); an
+   outlier batch that the gradient answered beyond any polynomial (an exp
+   amplified it); a model output that a sigmoid or softmax rounds to 0 or
+   1 where the loss went non-finite (a log of a probability); updates
+   larger than the weights with the inputs in range (the learning rate);
+   an outlier batch and nothing else;
+5. the trend: warnings in the steps before (growth, a jump, a gradient
    spike, values beyond the safe range) point at divergence, and the hint
    says that growth is its only evidence;
-5. otherwise no hint, and the text says what was checked: a wrong hint
+6. otherwise no hint, and the text says what was checked: a wrong hint
    sends a user to change the wrong thing, which is worse than none.
 """
 
@@ -29,7 +40,7 @@ import math
 import re
 from typing import Any
 
-from tb_numerics import metadata
+from tb_numerics import evidence, metadata
 from tb_numerics.rules import NONFINITE_WORDS, count, number, percent
 
 __all__ = ["BatchFault", "Evidence", "LossInput", "NegativeLoss", "choose", "is_cross_entropy", "input_range", "op_family",
@@ -66,7 +77,8 @@ _OP_HINTS = {
     ("sqrt", "forward"): "sqrt of a negative value is NaN, and its gradient at 0 is infinite: "
     "keep the input positive, e.g. sqrt(maximum(x, eps)).",
     ("log", "forward"): "log(0) = -inf: the log of a value that reaches 0 (e.g. a saturated softmax "
-    "probability). Use tf.nn.softmax_cross_entropy_with_logits / log_softmax, or clip the input away from 0.",
+    "probability). Use tf.nn.softmax_cross_entropy_with_logits / log_softmax, or add an epsilon (log(x + eps)) "
+    "or clip the input away from 0.",
     ("log", "backward"): "The gradient of log is infinite at 0: the log's input reached 0. Use "
     "log_softmax or softmax_cross_entropy_with_logits, or add an epsilon.",
     ("div", "forward"): "Division by zero: 0/0 is NaN and x/0 is Inf (e.g. a norm of an all-zero "
@@ -88,6 +100,8 @@ _LOG_PARAMETER = re.compile(r"log_?(var|variance|sigma|std|scale)(?![A-Za-z])", 
 
 # Loss functions that take the log of (or divide by the sum of) their input.
 _LOG_LOSS = re.compile(r"crossentropy|cross_entropy|kl_?div|kld|poisson|nll|log_?loss", re.I)
+# Keras' loss functions known to take no log of a probability.
+_NO_LOG_LOSS = re.compile(r"squared|absolute|\bms[el]e?\b|\bmae\b|mape|huber|hinge|cosine|log_?cosh", re.I)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -136,6 +150,9 @@ class BatchFault:
     # (untrusted JSON): {"examples", "bad_examples", "first_bad_example",
     # "features", "bad_features", "by_feature": [{"feature", "nan", ...}]}.
     where: dict[str, Any] | None = None
+    # The finite batch's warning kind: "overflow_risk" where it was beyond the
+    # safe range itself (a record holding 1e38), "fast_growth" for an outlier.
+    kind: str = ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +173,19 @@ class Evidence:
     # are outside its domain.
     negative_loss: "NegativeLoss | None" = None
     batch: BatchFault | None = None
+    # Evidence in other tensors' records (``evidence``): inputs in raw units,
+    # an outlier batch and the gradient's answer to it, a model output that a
+    # sigmoid or softmax rounds to 0 or 1, an early update larger than the weights.
+    unscaled: evidence.Unscaled | None = None
+    amplified: evidence.Amplified | None = None
+    saturating: evidence.Saturating | None = None
+    large_update: evidence.LargeUpdate | None = None
+    # The exact op's own record at the step: {"nan", "posinf", "neginf", "count"}.
+    op_output: dict[str, Any] | None = None
+    # The target or sample-weight tag that was all zeros at the step, unlike before.
+    zero_labels: str | None = None
+    # A loss that fell below 0 and on: no lower bound.
+    unbounded: evidence.Unbounded | None = None
 
 
 def op_family(tag: str, op_type: str, activation: str = "") -> str | None:
@@ -178,7 +208,11 @@ def choose(ev: Evidence) -> str:
     # A broken batch comes first: whatever it reaches, the data are the cause.
     # A cross-entropy below 0 says the data are wrong before anything grows:
     # it comes before the op that overflowed and the growth that led there.
-    for rule in (_by_batch, _by_loss_input, _by_negative_loss, _by_op, _by_trend):
+    # Then what the op and the other tensors' records tell apart, most
+    # specific first; an outlier batch alone, and growth alone, come last.
+    for rule in (_by_batch, _by_loss_input, _by_negative_loss, _by_op, _by_nan_carried_in, _by_zero_labels,
+                 _by_unscaled, _by_unbounded,
+                 _by_amplified, _by_saturating, _by_large_update, _by_outlier, _by_trend):
         text = rule(ev)
         if text:
             return text
@@ -194,7 +228,144 @@ def _by_op(ev: Evidence) -> str:
     if family is None:
         return ""
     text = _OP_HINTS[(family, "backward" if phase == "backward" else "forward")]
-    return text + _inputs_evidence(ev.op)
+    return text + _inputs_evidence(ev.op) + _data_note(ev)
+
+
+def _data_note(ev: Evidence) -> str:
+    """What the batch adds to an op's or an output's hint: inputs in raw units,
+    or the outlier batch that triggered the failure (a stable form survives it)."""
+    u, a = ev.unscaled, ev.amplified
+    if u is not None:
+        return (" The batch's %s was in raw units at every batch (root mean square at least %s, max |x| %s): "
+                "normalise it in the data pipeline too." % (u.tag, number(u.rms), number(u.max_abs)))
+    if a is not None and ev.step - _OUTLIER_REACH <= a.step <= ev.step:
+        return (" It followed an outlier batch at step %d (%s: max |x| %s× the median of the batches before): "
+                "a numerically stable form survives such a batch; also check the data." % (
+                    a.step, a.tag, number(a.input_factor)))
+    return ""
+
+
+# An outlier batch explains an anomaly this many steps after it at most (its
+# update makes the weights overflow at the next step's forward pass).
+_OUTLIER_REACH = 1
+
+# Op types that cannot make a NaN from finite inputs (at most an overflow to
+# +-Inf): a NaN in their output came in through an input.
+_NAN_PASSING = frozenset({
+    "Square", "Exp", "Relu", "Relu6", "Elu", "Selu", "LeakyRelu", "Abs", "Neg", "Identity", "Cast", "Reshape",
+    "Transpose", "ExpandDims", "Squeeze", "Tanh", "Sigmoid", "Softplus", "Mul", "AddV2", "Add", "Sub", "BiasAdd",
+    "Maximum", "Minimum", "StopGradient", "ConcatV2", "Pack", "GatherV2", "StridedSlice", "Slice", "Tile", "Pad",
+    "PadV2", "SelectV2", "Floor", "Ceil", "Round", "Sign",
+})
+
+
+def _by_nan_carried_in(ev: Evidence) -> str:
+    """The first op of the step to hold a NaN cannot make one: the NaN came into the step."""
+    op, out = ev.op or {}, ev.op_output or {}
+    if op.get("phase") != "forward" or op.get("type") not in _NAN_PASSING or not _count(out.get("nan")):
+        return ""
+    return (
+        "The first op to hold a NaN at step %d, %s (%s), cannot make one from finite values: its input already "
+        "held NaN, and no op before it in that step made one. The NaN came into the step with its inputs: the "
+        "input batch most often (check the data pipeline, e.g. a division by a zero std when normalising, or a "
+        "missing value read as NaN; tf.debugging.assert_all_finite finds the record), or a variable."
+        % (ev.step, op.get("type"), op.get("source") or op.get("name")))
+
+
+def _by_zero_labels(ev: Evidence) -> str:
+    if ev.zero_labels is None:
+        return ""
+    return (
+        "The batch's %s was all exact zeros at step %d, unlike every batch before it: a batch with no labelled "
+        "(or weighted) sample. A loss that averages over the labelled samples, sum(w * loss) / sum(w), divides "
+        "0 by 0 there. Guard the denominator: tf.maximum(sum(w), 1) or an epsilon, or use tf.math.divide_no_nan."
+        % (ev.zero_labels, ev.step))
+
+
+def _by_unbounded(ev: Evidence) -> str:
+    u = ev.unbounded
+    if u is None:
+        return ""
+    return (
+        "%s fell from %s at step %d to %s at step %d, below 0 and on: it has no lower bound, and the values "
+        "grew to lower it until they overflowed; the loss rewards growth. Check its terms "
+        "and their signs: a penalty or regulariser subtracted instead of added, targets outside a "
+        "cross-entropy's domain, a likelihood without its normaliser. The learning rate only sets how fast."
+        % ("The loss" if u.tag == "loss" else "The loss %s" % u.tag, number(u.first), u.first_step, number(u.last),
+           u.step))
+
+
+def _by_unscaled(ev: Evidence) -> str:
+    u = ev.unscaled
+    if u is None:
+        return ""
+    return (
+        "The batch's %s was in raw units at every batch up to step %d (root mean square at least %s, max |x| %s "
+        "over %d batches): values that large make large activations, gradients and updates from the first step, "
+        "whatever the learning rate. Normalise or standardise them in the data pipeline (e.g. pixels / 255, each "
+        "feature to mean 0 and std 1) or in a first Rescaling/Normalization layer."
+        % (u.tag, ev.step, number(u.rms), number(u.max_abs), u.batches))
+
+
+def _by_amplified(ev: Evidence) -> str:
+    a = ev.amplified
+    if a is None or not a.exponential or not ev.step - _OUTLIER_REACH <= a.step <= ev.step:
+        return ""
+    return (
+        "The batch at step %d was an outlier (%s: max |x| %s× the median of the batches before it), and the "
+        "gradient norm answered it %s× its median: faster than any power of the input's growth that products, "
+        "squares and ReLUs give, so an exponential amplified it: an exp (or a large power) of an output without "
+        "a bound, such as a log-variance, a log-rate, or logits over a small temperature. Bound what reaches the "
+        "exp (tanh, softplus or a clip) or compute in log space, and clip gradients; a numerically stable model "
+        "survives such a batch." % (a.step, a.tag, number(a.input_factor), number(a.gradient_factor)))
+
+
+def _by_saturating(ev: Evidence) -> str:
+    sat = ev.saturating
+    if sat is None or _NO_LOG_LOSS.search(sat.loss_function):
+        return ""  # a loss known to take no log (a squared error) meets no log(0)
+    exp = (" Beyond 88, exp(x) overflows too: if the loss takes exp of it, bound it or use a stable form."
+           if sat.max_abs >= 88.7 else "")
+    return (
+        "At step %d the model's output %s held finite values up to |x| = %s, and the loss was not finite: beyond "
+        "±17 float32's sigmoid rounds to exactly 1 (and a softmax's probabilities to exactly 0 and 1), so "
+        "log(sigmoid(x)), log(1 - sigmoid(x)) or log(softmax(x)) meets log(0), and 0 × log(0) is NaN. Compute the "
+        "loss from logits: tf.nn.sigmoid_cross_entropy_with_logits, softmax_cross_entropy_with_logits, "
+        "tf.math.log_sigmoid, or from_logits=True.%s" % (sat.step, sat.tag, number(sat.max_abs), exp)
+    ) + _data_note(ev)
+
+
+def _by_large_update(ev: Evidence) -> str:
+    lu = ev.large_update
+    if lu is None or lu.step > ev.step:
+        return ""
+    worst = sorted(lu.ratios.items(), key=lambda kv: -kv[1])[:3]
+    named = ", ".join("%s %s" % (k, number(v)) for k, v in worst)
+    return (
+        "At step %d, before the first non-finite value, one update moved the weights of %d layer%s by more than "
+        "their own size (||w_new - w_old|| / ||w_old||: %s), with the inputs in range: the step size is too "
+        "large for this model, most often a learning rate too high (or a warm-up missing). Lower the learning "
+        "rate (e.g. 10×), or clip gradients." % (lu.step, len(lu.ratios), "" if len(lu.ratios) == 1 else "s", named))
+
+
+def _by_outlier(ev: Evidence) -> str:
+    """A finite batch far out of range, with no mechanism found: name the batch."""
+    b, a = ev.batch, ev.amplified
+    if b is not None and not b.nonfinite:
+        what, at, detail, where = b.tag, b.step, b.what, _batch_where(b.where)
+    elif a is not None and ev.step - _OUTLIER_REACH <= a.step <= ev.step:
+        what, at, detail, where = a.tag, a.step, "max |x| %s× the median of the batches before" % number(
+            a.input_factor), ""
+    else:
+        return ""
+    return _finite_batch(at, what, detail, where)
+
+
+def _finite_batch(step: int, what: str, detail: str, where: str) -> str:
+    return (
+        "The batch at step %d was already far out of range in %s, before the first non-finite value: %s%s. "
+        "A corrupt or unscaled record, finite but large enough for a layer or the loss to overflow: validate "
+        "or clip the inputs in the data pipeline (a range check, normalisation)." % (step, what, detail, where))
 
 
 def _inputs_evidence(op: dict[str, Any] | None) -> str:
@@ -217,17 +388,16 @@ def _by_batch(ev: Evidence) -> str:
         return ""
     what = "the targets (%s)" % b.tag if b.tag.startswith("target") else b.tag
     where = _batch_where(b.where)
-    if b.nonfinite:
-        effect = _BATCH_EFFECT.get(b.tag.split("/")[0], _BATCH_EFFECT["input"])
-        return (
-            "The batch at step %d held %s in %s%s: it arrived so from the data pipeline, before any layer "
-            "ran (%s). Check the preprocessing, e.g. a division by a zero std when normalising, a log of 0, "
-            "or a missing value read as NaN; tf.debugging.assert_all_finite in the pipeline finds the record."
-            % (b.step, b.what, what, where, effect))
+    if not b.nonfinite and b.kind != "overflow_risk":
+        return ""  # a finite outlier: the op or the output may say how it failed (``_by_outlier``)
+    if not b.nonfinite:
+        return _finite_batch(b.step, what, b.what, where)
+    effect = _BATCH_EFFECT.get(b.tag.split("/")[0], _BATCH_EFFECT["input"])
     return (
-        "The batch at step %d was already far out of range in %s, before the first non-finite value: %s%s. "
-        "A corrupt or unscaled record, finite but large enough for a layer or the loss to overflow: validate "
-        "or clip the inputs in the data pipeline (a range check, normalisation)." % (b.step, what, b.what, where))
+        "The batch at step %d held %s in %s%s: it arrived so from the data pipeline, before any layer "
+        "ran (%s). Check the preprocessing, e.g. a division by a zero std when normalising, a log of 0, "
+        "or a missing value read as NaN; tf.debugging.assert_all_finite in the pipeline finds the record."
+        % (b.step, b.what, what, where, effect))
 
 
 # What a non-finite value in each part of the batch does to the step.

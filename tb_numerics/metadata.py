@@ -222,6 +222,10 @@ def create_later_metadata() -> summary_pb2.SummaryMetadata:
 
 
 # The first component of the Keras callback's tags of the batch.
+# The first component of tags that name a variable or a layer after it
+# (``gradients/<variable path>``, ``update_ratio/<layer>``, ``update/<variable
+# or slot>``): the dashboard files such a row under that layer.
+SCOPED_TAG_HEADS = ("gradients", "update_ratio", "update")
 BATCH_TAG_HEADS = ("input", "target", "sample_weight")
 
 # The order given to a tensor whose TensorInfo was lost: after every tensor

@@ -281,6 +281,7 @@ def merge(
     parts: Sequence[records.TensorSeries],
     shared_steps: dict[tuple[int, ...], np.ndarray] | None = None,
     overlaps: list[tuple[str, int, int]] | None = None,
+    restarts: list[tuple[str, int, int]] | None = None,
 ) -> tuple[records.TensorSeries, list[int] | None]:
     """One tensor's series from its parts (valid series, in the order written).
 
@@ -327,27 +328,43 @@ def merge(
             offsets[i] = at
             at += n
         return records.TensorSeries(last.tag, last.info, steps, values), offsets
-    kept, shared = _kept_records(parts)
+    kept, shared, replaced = _kept_records(parts)
     if shared.size and overlaps is not None:
         overlaps.append((last.tag, int(shared.min()), int(shared.max())))
+    if replaced.size and restarts is not None:
+        restarts.append((last.tag, int(replaced.min()), int(replaced.max())))
     steps = np.concatenate([s for s, _ in reversed(kept)])
     values = np.concatenate([v for _, v in reversed(kept)], dtype=np.float64)
     return records.make_series(last.tag, last.info, steps, values), None
 
 
-def _kept_records(parts: Sequence[records.TensorSeries]) -> tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray]:
-    """Each part's (steps, values) that ``merge`` keeps, last part first,
-    and the steps that parts written at the same time both hold."""
+def _kept_records(
+    parts: Sequence[records.TensorSeries],
+) -> tuple[list[tuple[np.ndarray, np.ndarray]], np.ndarray, np.ndarray]:
+    """Each part's (steps, values) that ``merge`` keeps, last part first, the
+    steps that parts written at the same time both hold, and the steps whose
+    earlier records a later part replaced."""
     kept, later, shared = [], [], np.zeros(0, np.int64)
+    replaced_steps = np.zeros(0, np.int64)
     for p in reversed(parts):
         at_once = [q.steps for q in later if _at_once(p, q)]
         replaced = [q.steps for q in later if not _at_once(p, q)]
         mine = ~np.isin(p.steps, np.concatenate(replaced)) if replaced else np.ones(len(p.steps), bool)
+        # A restart only where both wall-time spans are known to follow each
+        # other (a per-tensor part has none: the same writer may have written it).
+        later_training = [q.steps for q in later if _follows(p, q)]
+        if later_training:
+            replaced_steps = np.union1d(replaced_steps, p.steps[np.isin(p.steps, np.concatenate(later_training))])
         if at_once:
             shared = np.union1d(shared, p.steps[mine & np.isin(p.steps, np.concatenate(at_once))])
         kept.append((p.steps[mine], p.values[mine]))
         later.append(p)
-    return kept, shared
+    return kept, shared, replaced_steps
+
+
+def _follows(earlier: records.TensorSeries, later: records.TensorSeries) -> bool:
+    """Whether ``later`` was known to start after ``earlier`` ended (a restart)."""
+    return earlier.written is not None and later.written is not None and later.written[0] >= earlier.written[1]
 
 
 def _at_once(earlier: records.TensorSeries, later: records.TensorSeries) -> bool:
@@ -370,14 +387,31 @@ def overlap_problem(overlaps: Sequence[tuple[str, int, int]]) -> str:
     )
 
 
-def merge_all(parts: Iterable[records.TensorSeries], problems: list[str] | None = None) -> list[records.TensorSeries]:
+def restart_summary(restarts: Sequence[tuple[str, int, int]]) -> list[dict[str, int]]:
+    """The steps written again by a later training, for a run's summary:
+    ``[{"first_step", "last_step", "tensors"}]`` (one entry: the span of all).
+    Op-level records (``ops/...``) are left out: a replay writes a step's op
+    records again by design."""
+    restarts = [r for r in restarts if not r[0].startswith("ops/")]
+    if not restarts:
+        return []
+    return [{"first_step": min(lo for _, lo, _ in restarts), "last_step": max(hi for _, _, hi in restarts),
+             "tensors": len(restarts)}]
+
+
+def merge_all(
+    parts: Iterable[records.TensorSeries],
+    problems: list[str] | None = None,
+    restarts: list[tuple[str, int, int]] | None = None,
+) -> list[records.TensorSeries]:
     """Series by tag from parts given in the order written (see ``merge``);
-    tensors written by several writers at once are named in ``problems``."""
+    tensors written by several writers at once are named in ``problems``,
+    steps a later training wrote again go to ``restarts``."""
     by_tag: dict[str, list[records.TensorSeries]] = {}
     for p in parts:
         by_tag.setdefault(p.tag, []).append(p)
     overlaps: list[tuple[str, int, int]] = []
-    out = [merge(ps, overlaps=overlaps)[0] for ps in by_tag.values()]
+    out = [merge(ps, overlaps=overlaps, restarts=restarts)[0] for ps in by_tag.values()]
     if overlaps and problems is not None:
         problems.append(overlap_problem(overlaps))
     return out

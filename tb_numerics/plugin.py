@@ -29,7 +29,8 @@ from tensorboard.backend import http_util
 from tensorboard.data import provider
 from tensorboard.plugins import base_plugin
 
-from tb_numerics import analysis, event_reader, loader_guard, logdir_provider, metadata, rules, run_store, survive
+from tb_numerics import (analysis, compare, event_reader, loader_guard, logdir_provider, metadata, rules,
+                         run_store, survive)
 
 __all__ = ["NumericsLoader", "NumericsPlugin", "frontend_dir"]
 
@@ -183,6 +184,7 @@ class NumericsPlugin(base_plugin.TBPlugin):
             "/summary": self._serve_summary,
             "/timeline": self._serve_timeline,
             "/series": self._serve_series,
+            "/compare": self._serve_compare,
             # Everything else under the plugin: the frontend's other files.
             "/*": self._serve_static,
         }
@@ -248,6 +250,7 @@ class NumericsPlugin(base_plugin.TBPlugin):
         events = self._actions(ctx, experiment, run, summary["problems"])
         summary["actions"] = survive.summarize(events, summary["first_anomaly"])
         summary["safe_range"] = analysis.safe_range_to_json(safe_range)
+        summary["restarts"] = answer.restarts
         summary.update(answer.freshness())
         return summary
 
@@ -302,6 +305,15 @@ class NumericsPlugin(base_plugin.TBPlugin):
             **answer.freshness(),
         }
 
+    def compare_impl(self, ctx, experiment: str, run: str, against: str, band: compare.Band) -> dict[str, Any]:
+        """Where ``run`` first leaves ``against``'s band (``compare.compare_runs``)."""
+        mine = self._store.answer(ctx, experiment, run, analysis.SafeRange())
+        theirs = self._store.answer(ctx, experiment, against, analysis.SafeRange())
+        out = compare.compare_runs(
+            [h.series for h in mine.analysis.health], [h.series for h in theirs.analysis.health], band
+        )
+        return {"run": run, "against": against, **out, **mine.freshness()}
+
     # ---------------------------------------------------------- routes
 
     @_route
@@ -339,6 +351,16 @@ class NumericsPlugin(base_plugin.TBPlugin):
         start, end = _step_range(args)
         max_points = _int_param(args, "max_points", DEFAULT_MAX_POINTS, 1, MAX_POINTS)
         return self.series_impl(*_ids(request), run, tag, safe_range, start, end, max_points)
+
+    @_route
+    def _serve_compare(self, request: wrappers.Request) -> dict:
+        args = request.args
+        run, against = _required(args, "run"), _required(args, "against")
+        try:
+            band = compare.parse_band(args)
+        except compare.BandError as e:
+            raise _BadRequest(str(e)) from None
+        return self.compare_impl(*_ids(request), run, against, band)
 
     @wrappers.Request.application
     def _serve_static(self, request: wrappers.Request) -> wrappers.Response:

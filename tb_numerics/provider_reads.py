@@ -76,8 +76,10 @@ class Snapshot:
     def __init__(self, tags: dict[str, TagData], limits: "Limits"):
         self.tags = tags
         overlaps: list[tuple[str, int, int]] = []
-        self.series = _merge(tags, overlaps)
+        restarts: list[tuple[str, int, int]] = []
+        self.series = _merge(tags, overlaps, restarts)
         self._merge_problems = [packed.overlap_problem(overlaps)] if overlaps else []
+        self.restarts = packed.restart_summary(restarts)
         self.as_of_step = max(
             [int(s.steps[-1]) for s in self.series if s.steps.size]
             + [int(t.version[0]) for t in tags.values() if t.series is None and t.parts is None],
@@ -115,7 +117,9 @@ class Snapshot:
             return result
 
 
-def _merge(tags: Mapping[str, TagData], overlaps: list[tuple[str, int, int]]) -> list[records.TensorSeries]:
+def _merge(
+    tags: Mapping[str, TagData], overlaps: list[tuple[str, int, int]], restarts: list[tuple[str, int, int]]
+) -> list[records.TensorSeries]:
     """Every tensor's series: its own tag's, and its parts in packed blocks.
 
     Blocks are taken oldest first (by their last write), so a step written
@@ -124,8 +128,8 @@ def _merge(tags: Mapping[str, TagData], overlaps: list[tuple[str, int, int]]) ->
     (a view of the block's events, maybe float32) is replaced by a slice of
     the merged series: the snapshot then holds each record once, and
     the next refresh, which re-reads only the blocks that grew, still has them.
-    Tensors that several writers wrote at once go to ``overlaps`` (see
-    ``packed.merge``).
+    Tensors that several writers wrote at once go to ``overlaps``, steps a
+    later training wrote again to ``restarts`` (see ``packed.merge``).
     """
     out = [t.series for t in tags.values() if t.series is not None]
     blocks = sorted((t.version[1], tag) for tag, t in tags.items() if t.parts)
@@ -139,7 +143,7 @@ def _merge(tags: Mapping[str, TagData], overlaps: list[tuple[str, int, int]]) ->
     shared_steps: dict[tuple[int, ...], np.ndarray] = {}
     step_slices: dict[tuple[int, int, int], np.ndarray] = {}
     for name, placed in by_tensor.items():
-        merged, offsets = packed.merge([part for _, part in placed], shared_steps, overlaps)
+        merged, offsets = packed.merge([part for _, part in placed], shared_steps, overlaps, restarts)
         if offsets is not None:
             for (tag, part), at in zip(placed, offsets):
                 n = len(part.steps)

@@ -77,8 +77,8 @@ def _op_lines(a: dict) -> list[str]:
         if op.get("source"):
             line += " at %s" % safe_text(str(op["source"]))
         inputs = op.get("inputs") if isinstance(op.get("inputs"), list) else []
-        return [line] + ["    input %d: %s" % (k, hints.input_range(i)) for k, i in enumerate(inputs, 1)
-                         if isinstance(i, dict)]
+        return [line] + ["    input %d%s: %s" % (k, _input_name(i), hints.input_range(i))
+                         for k, i in enumerate(inputs, 1) if isinstance(i, dict)]
     if isinstance(replay, dict) and replay.get("reproduced") is False:
         return ["  replay: did not reproduce the failure (%s)" % safe_text(str(replay.get("why", "")))]
     return []
@@ -113,6 +113,15 @@ def action_lines(actions: dict | None) -> list[str]:
 _EVENTS_SHOWN = 5
 
 
+def _input_name(i: dict) -> str:
+    """" (mlp/dense_2/Relu, 64x64)": the op that made an input and its shape, where known."""
+    shape = i.get("shape")
+    parts = [safe_text(str(i["name"]))] if i.get("name") else []
+    if isinstance(shape, list):
+        parts.append("x".join("?" if d is None else str(d) for d in shape) or "scalar")
+    return " (%s)" % ", ".join(parts) if parts else ""
+
+
 def table(summaries: list[dict]) -> str:
     """The report's text of run summaries (``analysis.run_summary``, as
     ``cli.report`` makes them): per run, its first anomaly and first warning."""
@@ -131,7 +140,23 @@ def table(summaries: list[dict]) -> str:
         else:
             lines.append("  first warning: step %d, %s: %s (%s)" % (
                 w["step"], safe_text(w["tensor"]), w["kind"], w["detail"]))
+        for r in s.get("restarts") or ():
+            lines.append("  more than one training: steps %d-%d were written again by a later training "
+                         "(its records are shown for them); give each training its own logdir"
+                         % (r["first_step"], r["last_step"]))
+        if s.get("against"):
+            lines.append(_against_line(s["against"]))
     return "\n".join(lines)
+
+
+def _against_line(c: dict) -> str:
+    """A run against its reference (``compare.compare_runs``) in one line."""
+    d, ref = c["first_departure"], safe_text(c["run"])
+    if d is None:
+        span = " over steps %d-%d" % tuple(c["steps_compared"]) if c["steps_compared"] else ""
+        return "  against %s: within its band (%d tensors compared%s)" % (ref, c["tensors_compared"], span)
+    return "  against %s: leaves its band at step %d, %s (%s): %s" % (
+        ref, d["step"], safe_text(d["tensor"]), d["phase"], d["detail"])
 
 
 def _none_text(s: dict) -> str:

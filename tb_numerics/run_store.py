@@ -179,6 +179,7 @@ class Answer:
     stale: bool  # TensorBoard holds newer records; a refresh is under way
     as_of_step: int | None  # last step of the records analysed
     latest_step: int | None  # last step TensorBoard holds
+    restarts: list = dataclasses.field(default_factory=list)  # steps a later training wrote again
 
     def freshness(self) -> dict[str, Any]:
         """The routes' freshness fields (see ``http_api.md``)."""
@@ -315,7 +316,7 @@ class RunStore:
         cache.remember(safe_range, self._limits.analyses_per_run)
         snapshot, fresh = self._snapshot_to_answer_from(ctx, experiment, run, cache, listing)
         result = snapshot.analysis(run, safe_range, self._extra_problems(run))
-        return Answer(result, not fresh, snapshot.as_of_step, latest)
+        return Answer(result, not fresh, snapshot.as_of_step, latest, snapshot.restarts)
 
     def refresh_round(self) -> None:
         """One round of the refresher: the runs that ``answer`` left stale,

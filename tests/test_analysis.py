@@ -529,3 +529,27 @@ def test_a_parameter_that_cannot_be_off_needs_a_value(name):
     """Found by the route fuzzer: ``?headroom_steps=`` answered 500."""
     with pytest.raises(analysis.SafeRangeError, match="%s needs a value" % name):
         analysis.parse_safe_range({name: ""})
+
+
+def test_a_jump_that_the_next_records_undo_is_an_outlier_batch_not_divergence():
+    """One outlier batch (x300) that training absorbs: the values come back at the next two
+    records. A jump that stays, or that a non-finite record follows, still warns."""
+    base = {s: healthy() for s in range(12)}
+    absorbed = series("dense/output", {**base, 5: healthy(scale=300.0)})
+    assert analysis.first_warning(analysis.analyze_run("r", [absorbed])) is None
+    stays = series("dense/output", {**base, **{s: healthy(scale=300.0 * 2 ** (s - 5)) for s in range(5, 12)}})
+    assert analysis.first_warning(analysis.analyze_run("r", [stays]))["step"] == 5
+    spike = [1.0, 1.2, 0.9, 1.1, 1.0, 4e3, 1.0, 1.1, 0.9]
+    assert analysis.first_warning(analysis.analyze_run("r", [norm_series(spike)])) is None
+    spike[6] = np.nan  # the step after the spike is not finite: no absorbed outlier
+    w = analysis.first_warning(analysis.analyze_run("r", [norm_series(spike)]))
+    assert (w["step"], w["kind"]) == (5, "gradient_spike")
+
+
+def test_an_exact_zero_gradient_norm_that_recovers_is_not_vanishing():
+    """A batch with no labelled sample under a masked mean has no gradient at all; a norm of
+    exactly 0 that stays (nothing reaches the weights any more) is vanishing."""
+    ra = analysis.analyze_run("r", [norm_series([1.0, 1.2, 0.0, 1.1, 0.9])])
+    assert analysis.first_warning(ra) is None
+    w = analysis.first_warning(analysis.analyze_run("r", [norm_series([1.0, 1.2, 0.0, 0.0, 0.0])]))
+    assert (w["step"], w["kind"]) == (2, "vanishing_gradient")

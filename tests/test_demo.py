@@ -8,6 +8,7 @@ then confirmed on the logs the story writes from its ``tf.function`` step.
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ import pytest
 
 from tb_process import free_port
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ENV = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
@@ -32,9 +33,10 @@ ANOMALIES = {
     "softmax_log": dict(step=16, tensor="log_probs", phase="forward",
                         nan=0, posinf=0, neginf=1, size=512, last_healthy_step=15),
     # The head's output grows ~1.6x a step (0.11 at step 0, 1.3e3 at 14,
-    # 5.3e4 at 22) and passes the float16 maximum 65504 at step 23.
+    # 5.3e4 at 22) and passes the float16 maximum 65504 at step 23; its
+    # headroom forecast warns from step 7 (max |x| 42, 2**-12 of 65504 is 16).
     "repeated_bn_fp16": dict(step=23, tensor="head/output", phase="forward",
-                             nan=0, posinf=7, neginf=0, size=32, last_healthy_step=8),
+                             nan=0, posinf=7, neginf=0, size=32, last_healthy_step=6),
     # tower_a's smallest norm shrinks 0.039, 0.024, 0.012, 0.0016, then 0
     # at step 23: one cosine is 0/0.
     "cosine_zero_tower": dict(step=23, tensor="cosine/similarity", phase="forward",
@@ -44,10 +46,11 @@ ANOMALIES = {
     # that tensor (its max |x| jumped 1e3x at step 4).
     "exploding_lr": dict(step=5, tensor="dense_4/output", phase="forward",
                          nan=0, neginf=0, last_healthy_step=3),
-    # model.fit + NumericsCallback at lr 0.1: the gradient norm spikes 178x
-    # at step 5, 1e14x at 7, and the last hidden layer overflows at step 8.
-    "keras_fit": dict(step=8, tensor="dense_3/output", op_type="Dense", phase="forward",
-                      nan=0, posinf=192, neginf=0, size=4096, last_healthy_step=6),
+    # model.fit + NumericsCallback at lr 0.1: the gradient norm spikes 29x
+    # at step 3, and the last hidden layer overflows at step 9 (the same on
+    # JAX and PyTorch: the story draws its initial weights with numpy).
+    "keras_fit": dict(step=9, tensor="dense_3/output", op_type="Dense", phase="forward",
+                      nan=0, posinf=15, neginf=0, size=4096, last_healthy_step=7),
     # The record holding 1e38 is read at step 20; its squared error is +Inf.
     "bad_input": dict(step=20, tensor="loss", phase="forward",
                       nan=0, posinf=1, neginf=0, size=1, last_healthy_step=19),
@@ -122,29 +125,30 @@ def test_exploding_lr_warns_before_the_anomaly(demo):
 def test_keras_fit_warns_before_the_anomaly_and_hints_at_the_learning_rate(demo):
     _, _, runs = demo
     run = runs["keras_fit"]
-    assert run["first_warning"]["step"] == 5 < run["first_anomaly"]["step"]
-    assert (run["first_warning"]["tensor"], run["first_warning"]["kind"]) == ("gradients/mlp/head/kernel", "fast_growth")
-    kinds = {(w["tensor"], w["kind"], w["first_step"]) for w in run["warnings"]}
-    assert ("gradients/global_norm", "gradient_spike", 5) in kinds
+    assert run["first_warning"]["step"] == 3 < run["first_anomaly"]["step"]
+    assert (run["first_warning"]["tensor"], run["first_warning"]["kind"]) == ("gradients/global_norm", "gradient_spike")
     assert "learning rate" in run["first_anomaly"]["hint"]
 
 
 def test_repeated_bn_fp16_warns_long_before_the_overflow(demo):
-    """The global gradient norm (2.3, 3.8, 7.4, 16, 29, 42, 92, 163) passes
-    10x its running median at step 7, 16 steps before the +Inf (the head's
-    steady growth would warn at step 9 too); by the anomaly, the middle
-    passes are beyond float16's margin (1023.5) as well."""
+    """The block's passes grow about 1.5x a step in float16: the headroom
+    forecast warns at step 7, the first step with 8 records, 16 steps before
+    the +Inf, as the global gradient norm (2.3, 3.8, 7.4, 16, 29, 42, 92, 163)
+    passes 10x its running median; by the anomaly, the middle passes are
+    beyond float16's margin (1023.5) as well. The loss, an MAE without abs,
+    falls below 0 and on: the hint names a loss that rewards growth."""
     _, _, runs = demo
     run = runs["repeated_bn_fp16"]
     warning = run["first_warning"]
-    assert (warning["step"], warning["tensor"], warning["kind"]) == (
-        7, "gradients/global_norm", "gradient_spike")
+    assert (warning["step"], warning["tensor"], warning["kind"]) == (7, "block/pass_6", "headroom")
+    spike = [w for w in run["warnings"] if w["kind"] == "gradient_spike"]
+    assert spike and spike[0]["first_step"] == 7
     # Issue 18: the first warning on this float16 story comes >= 10 steps before the NaN.
     assert run["first_anomaly"]["step"] - warning["step"] >= 10
     cause = run["first_anomaly"]["likely_cause"]
     assert (cause["step"], cause["tensor"], cause["kind"]) == (23, "block/pass_4", "headroom")
     assert "float16 overflow in about" in cause["detail"]
-    assert "Values grew before the first non-finite value" in run["first_anomaly"]["hint"]
+    assert "rewards growth" in run["first_anomaly"]["hint"] and "grew" in run["first_anomaly"]["hint"]
     # The headroom forecast warned on the head's output long before it overflowed.
     head = [w for w in run["warnings"] if w["tensor"] == "head/output"]
     assert head and head[0]["first_step"] <= 13
@@ -161,9 +165,9 @@ def test_stories_without_a_trend_have_no_warning_before_the_anomaly(demo):
     _, _, runs = demo
     for run in ("gru_sqrt_loss", "cosine_zero_tower"):
         assert runs[run]["first_warning"] is None, run
-    # The too-high learning rate kills most of the hidden ReLU units first.
-    w = runs["softmax_log"]["first_warning"]
-    assert (w["step"], w["tensor"], w["kind"]) == (12, "hidden/output", "dead_units")
+    # The hidden ReLU's outputs are 82-87 % zeros from step 8 on, but at most 4 of its 32 units
+    # have a 0 bias gradient (dead for the whole batch): sparse, not dead.
+    assert runs["softmax_log"]["first_warning"] is None
 
 
 def test_runner_prints_each_diagnosis_and_the_total_time(demo):
@@ -177,13 +181,11 @@ def test_runner_prints_each_diagnosis_and_the_total_time(demo):
     assert len(total) == 1, out
 
 
-def test_serve_prints_the_url_and_serves_the_numerics_plugin(tmp_path):
+def test_serve_prints_the_url_and_serves_the_numerics_plugin(demo, tmp_path):
     """Also: a rerun into the same logdir replaces the story's run, so every
     step is recorded once."""
-    subprocess.run(
-        [sys.executable, "-m", "demo", "--logdir", str(tmp_path), "--only", "softmax_log"],
-        cwd=ROOT, env=ENV, check=True, capture_output=True, timeout=300,
-    )
+    # The story's run as the module's demo wrote it: --serve reruns it there.
+    shutil.copytree(os.path.join(demo[0], "softmax_log"), tmp_path / "softmax_log")
     port = free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "demo", "--logdir", str(tmp_path), "--only", "softmax_log",

@@ -24,15 +24,16 @@ from tensorboard.backend.event_processing import data_ingester
 from tensorboard.plugins.core import core_plugin
 from werkzeug import test as wtest
 
-from tb_numerics import analysis, metadata, plugin
+from tb_numerics import analysis, compare, metadata, plugin
 from tb_numerics.record_writer import NumericsRecordWriter
 from tb_numerics.records import numpy_stats
 
-pytestmark = pytest.mark.e2e
+pytestmark = pytest.mark.unit
 
 P = "/data/plugin/numerics"
-API_ROUTES = ("runs", "summary", "timeline", "series", "safe_range")
-PARAMS = ("run", "tensor", "width", "start", "end", "max_points", *analysis.SAFE_RANGE_PARAMS)
+API_ROUTES = ("runs", "summary", "timeline", "series", "safe_range", "compare")
+PARAMS = ("run", "tensor", "width", "start", "end", "max_points", "against", *compare.BAND_PARAMS,
+          *analysis.SAFE_RANGE_PARAMS)
 RUNS = ("healthy", "nan", "<img src=x onerror=alert(1)>", "ctl\x1b[31m\x07run")
 TAGS = ("dense/output", "loss", "<script>alert(1)</script>", "x" * 300)
 FRONTEND = plugin.frontend_dir()
@@ -113,13 +114,14 @@ def queries(draw) -> str:
     if draw(st.booleans()):
         parts.insert(0, "run=" + _encode(draw(st.sampled_from(RUNS))))
         parts.insert(1, "tensor=" + _encode(draw(st.sampled_from(TAGS))))
+        parts.insert(2, "against=" + _encode(draw(st.sampled_from(RUNS))))
     return "&".join(parts)
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(query=queries())
 def test_api_routes_answer_only_200_400_404_with_json(client: wtest.Client, query: str) -> None:
-    for route in API_ROUTES:  # the same parameters to every route: 5 requests
+    for route in API_ROUTES:  # the same parameters to every route: 6 requests
         status, body = check(client, "%s/%s?%s" % (P, route, query))
         if status == 200:
             json.loads(body)

@@ -11,7 +11,7 @@ import pytest
 from demo import buggy_keras, hint_suite
 from tb_numerics import analysis, cli
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")

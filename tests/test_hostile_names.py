@@ -26,7 +26,8 @@ from tb_numerics.records import numpy_stats
 import chromium
 from tb_process import tensorboard, wait_for
 
-pytestmark = pytest.mark.e2e
+# The module's TensorBoard processes serve the e2e tests and the browser test:
+# each test carries its own tier.
 
 XSS_IMG = "<img src=x onerror=alert(1)>"
 XSS_SCRIPT = "<script>alert(2)</script>"
@@ -88,6 +89,7 @@ def run_cli(*args: str) -> tuple[int, bytes, bytes]:
     return p.returncode, p.stdout, p.stderr
 
 
+@pytest.mark.e2e
 def test_cli_table_escapes_every_name(logdir: str) -> None:
     code, out, err = run_cli("report", logdir)
     assert code == 1, err
@@ -101,6 +103,7 @@ def test_cli_table_escapes_every_name(logdir: str) -> None:
     assert "run %s\n" % XSS_SCRIPT in text and "run %s\n" % XSS_IMG in text
 
 
+@pytest.mark.e2e
 def test_cli_json_keeps_every_name_exactly(logdir: str) -> None:
     code, out, _ = run_cli("report", logdir, "--json")
     assert code == 1
@@ -130,6 +133,7 @@ def _q(name: str) -> str:
     return urllib.parse.quote(name.encode("utf-8", "surrogateescape"), safe="")
 
 
+@pytest.mark.e2e
 def test_tensorboard_serves_every_name_as_data(served) -> None:
     tb, load_fast = served
     runs = [r["run"] for r in tb.get_json("/data/plugin/numerics/runs")["runs"]]
@@ -173,7 +177,6 @@ def test_dashboard_shows_hostile_names_as_inert_text(served) -> None:
 
     tb, _ = served
     runs = [r["run"] for r in tb.get_json("/data/plugin/numerics/runs")["runs"]]
-    hash_ = "#" + urllib.parse.urlencode([("run", r) for r in runs] + [("tensor", XSS_IMG)])
     with sync_playwright() as p:
         browser = chromium.launch(p)
         try:
@@ -183,22 +186,30 @@ def test_dashboard_shows_hostile_names_as_inert_text(served) -> None:
             errors: list[str] = []
             page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
             page.on("pageerror", lambda e: errors.append(str(e)))
-            page.goto(tb.url + ENTRY + hash_)
-            page.wait_for_function("n => document.querySelectorAll('.banner-row').length === n", arg=len(runs))
-            page.locator(".timeline canvas").first.wait_for()
-            # Hover and click through the hostile names: the banners' buttons, the timeline.
-            for button in page.locator("button.show-anomaly").all():
-                button.click()
-            box = page.locator(".timeline canvas").first.bounding_box()
-            for fx in (0.3, 0.6, 0.9):
-                page.mouse.move(box["x"] + box["width"] * fx, box["y"] + box["height"] / 2)
-            page.wait_for_timeout(300)
-            seen = page.evaluate(INJECTED)
+            seen = []
+            # One run at a time, each compared with the next (the comparison names both).
+            for k, run in enumerate(runs):
+                other = runs[(k + 1) % len(runs)]
+                hash_ = "#" + urllib.parse.urlencode([("run", run), ("compare", other), ("tensor", XSS_IMG)])
+                page.goto(tb.url + ENTRY + hash_)
+                page.wait_for_function("r => document.querySelector('.banner-row')?.dataset.run === r", arg=run)
+                page.locator(".timeline canvas").first.wait_for()
+                page.locator(".comparison .banner").wait_for()
+                # Hover and click through the hostile names: the banners' buttons, the timeline.
+                for button in page.locator("button.show-anomaly, button.show-departure").all():
+                    button.click()
+                box = page.locator(".timeline canvas").first.bounding_box()
+                for fx in (0.3, 0.6, 0.9):
+                    page.mouse.move(box["x"] + box["width"] * fx, box["y"] + box["height"] / 2)
+                page.wait_for_timeout(300)
+                seen.append(page.evaluate(INJECTED))
         finally:
             browser.close()
     assert dialogs == [] and errors == []
-    assert (seen["elements"], seen["handlers"], seen["scripts"]) == (0, [], 0)
-    assert seen["overflow"] <= 0 and max(seen["banners"]) <= seen["viewport"]
+    for one in seen:
+        assert (one["elements"], one["handlers"], one["scripts"]) == (0, [], 0)
+        assert one["overflow"] <= 0 and max(one["banners"]) <= one["viewport"]
+    text = "\n".join(one["text"] for one in seen)
     # The names are there, as the characters they are.
     for name in (XSS_IMG, XSS_SCRIPT, "&amp;<!--\"'"):
-        assert name in seen["text"]
+        assert name in text

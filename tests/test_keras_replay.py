@@ -123,7 +123,9 @@ def test_the_replay_names_the_op_and_the_line(tmp_path, kind, jit):
     # The text report names the op, its line and its inputs' ranges too.
     text = _report_text(tmp_path)
     assert "op: %s (%s, %s) at %s\n" % (op["name"], op_type, phase, op["source"]) in text, text
-    assert "input 1: min " in text, text
+    # Each input named by the op that made it, as the JSON names it, with its shape.
+    first = op["inputs"][0]
+    assert "input 1 (%s, %s): min " % (first["name"], "x".join(map(str, first["shape"]))) in text, text
 
 
 class DropoutScale(keras.layers.Layer):

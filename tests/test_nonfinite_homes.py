@@ -40,12 +40,16 @@ ALLOWED = {
     "_stats_replicas.py:combine_stats": "NaN in min/max marks 'no finite value' in a record, not a count",
     # The reading side (issue 29's rules core owns these modules and their rules).
     "detectors.py": "reading side: finite values of a per-step series (norms, max |x|), not a record's counts",
+    "evidence.py": "reading side: finite values of a per-step series (a factor over its history, a mean), "
+                   "not a record's counts",
     "rules/kinds.py:rolling_median_before": "a per-step series' finite values (the spike rule's median), not counts",
     "rules/kinds.py:_spike_detail": "how many finite norms the spike's median used, for its words",
     "rules/numbers.py:number": "a number's text ('NaN', '+Inf'), not a count",
     "safe_range.py:_parse_param": "a user's safe-range parameter must be a finite number",
     "views.py:_chart_columns": "NaN in sum_sq marks a field not recorded (op level), not a count",
     "views.py:_bucket_finite_mean": "a chart bucket's mean over a series' finite points",
+    "compare.py:parse_band": "a user's band factor must be a finite number",
+    "compare.py:_first_departure": "a reference band's edge (a max over a window) is finite where the reference was",
     "hints.py:_finite": "a replay input's min or max shown only where it is a finite number",
     "scalars.py": "reading side: raw tf.summary.scalar values, one value each, not numerics records",
     # Writing side, not the rule.

@@ -214,6 +214,23 @@ def test_a_step_written_twice_keeps_the_later_record():
     assert merged.steps.tolist() == list(range(15)) and offsets == [5, 0]
 
 
+def test_steps_a_later_writer_wrote_again_are_named_as_a_restart():
+    """Issue 30 item 8: the replaced steps are said (restarts), only where the
+    wall times show one writer starting after the other ended."""
+    one = numpy_stats(np.float32([1.0]))
+    old = records.TensorSeries("t", ACT, np.arange(0, 10), np.tile(one, (10, 1)), written=(100.0, 110.0))
+    new = records.TensorSeries("t", ACT, np.arange(5, 15), np.tile(one, (10, 1)), written=(200.0, 210.0))
+    restarts: list = []
+    packed.merge([old, new], restarts=restarts)
+    assert restarts == [("t", 5, 9)]
+    assert packed.restart_summary(restarts + [("ops/t/Log", 0, 20)]) == [{"first_step": 5, "last_step": 9, "tensors": 1}]
+    # Two writers at once, or a part with no wall times: no restart is claimed.
+    for written in ((105.0, 120.0), None):
+        restarts = []
+        packed.merge([old, dataclasses.replace(new, written=written)], restarts=restarts)
+        assert restarts == []
+
+
 def test_a_tag_logged_twice_in_one_step_keeps_both_occurrences():
     packer = packed.StepPacker()
     packer.add(3, [("a", numpy_stats(np.float32([1.0])), ACT), ("a", numpy_stats(np.float32([9.0])), ACT)], 0.0)

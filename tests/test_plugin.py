@@ -35,7 +35,7 @@ from tb_numerics import analysis, cli, metadata, plugin
 from tb_numerics.record_writer import NumericsRecordWriter
 from tb_numerics.records import numpy_stats
 
-pytestmark = pytest.mark.e2e
+pytestmark = pytest.mark.unit
 
 P = "/data/plugin/numerics"
 STEPS = 200

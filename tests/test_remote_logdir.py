@@ -27,7 +27,7 @@ from tb_numerics.record_writer import NumericsRecordWriter
 from tb_numerics.records import numpy_stats
 from tb_numerics import metadata
 
-pytestmark = pytest.mark.e2e
+pytestmark = pytest.mark.unit
 
 NAN_STEP = 7
 

@@ -17,7 +17,7 @@ import tensorflow as tf
 from op_records import line_of, marks
 from tb_numerics import cli, oplevel, records
 
-pytestmark = pytest.mark.e2e
+pytestmark = pytest.mark.unit
 
 
 
@@ -109,11 +109,15 @@ def test_replay_reports_the_inputs_ranges():
     got = oplevel.replay_step(step, *args, step=0)
     (inp,) = got.inputs  # the ReLU output the Log consumed: min exactly 0
     assert (inp["min"], inp["max"], inp["zeros"], inp["count"]) == (0.0, 3.0, 1, 3)
+    # Named by the op that made it (tf.nn.relu, in the layer's scope), with its shape.
+    assert inp["name"].endswith("Relu") and inp["shape"] == [1, 3], inp
     assert got.record[records.F["neginf"]] == 1
     step, args = _cosine_step()
     got = oplevel.replay_step(step, *args, step=0)
     num, den = got.inputs  # 0 / 0 in the second row
     assert num["zeros"] == 1 and den["zeros"] == 1 and den["min"] == 0.0
+    # tf.reduce_sum(a * b, -1) / (tf.norm(a) * tf.norm(b)): a Sum over a Mul of two norms.
+    assert num["name"].endswith("Sum") and den["name"].endswith("Mul") and num["shape"] == den["shape"] == [2], got.inputs
 
 
 def test_replay_of_a_healthy_step_returns_none(tmp_path):

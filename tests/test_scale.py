@@ -16,7 +16,7 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir, "bench"))
 import load  # noqa: E402 - bench/load.py
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 # Generous bounds for a shared 2-core CI machine; bench/load.py states the figures.
 COLD_S = 60.0

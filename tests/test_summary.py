@@ -462,12 +462,12 @@ def test_every_record_of_a_tag_logged_twice_in_a_step_reaches_the_report(tmp_pat
 
 
 @pytest.mark.parametrize("every_n", [None, 1], ids=["packed", "per-record"])
-@pytest.mark.parametrize("load_fast", [True, False], ids=["rust", "python"])
-def test_repeated_records_of_a_step_survive_in_real_tensorboard(tmp_path, load_fast, every_n):
-    from tb_process import tensorboard, wait_for
+def test_repeated_records_of_a_step_survive_in_real_tensorboard(served_logdir, every_n):
+    from tb_process import wait_for
 
-    logdir = tmp_path / "logs"
-    writer = tf.summary.create_file_writer(str(logdir / "run"))
+    tb, logdir = served_logdir  # one tensorboard per loader for the module
+    run = "packed" if every_n is None else "per-record"
+    writer = tf.summary.create_file_writer(str(logdir / run))
 
     @tf.function
     def step(a, b):
@@ -483,15 +483,14 @@ def test_repeated_records_of_a_step_survive_in_real_tensorboard(tmp_path, load_f
             step(tf.constant(a), tf.constant(np.full(3, 2.0, np.float32)))
             counter.assign_add(1)
     writer.close()
-    with tensorboard(str(logdir), load_fast=load_fast) as tb:
-        got = wait_for(
-            lambda: (s := tb.get_json("/data/plugin/numerics/summary?run=run"))["records"] == 10
-            and not s["stale"] and s,
-            timeout=90,
-        )
-        assert got["first_anomaly"]["step"] == 3 and got["first_anomaly"]["neginf"] == 1
-        series = tb.get_json("/data/plugin/numerics/series?run=run&tensor=accum/grad")
-        assert series["steps"] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
+    got = wait_for(
+        lambda: (s := tb.get_json("/data/plugin/numerics/summary?run=" + run))["records"] == 10
+        and not s["stale"] and s,
+        timeout=90,
+    )
+    assert got["first_anomaly"]["step"] == 3 and got["first_anomaly"]["neginf"] == 1
+    series = tb.get_json("/data/plugin/numerics/series?run=%s&tensor=accum/grad" % run)
+    assert series["steps"] == [0, 0, 1, 1, 2, 2, 3, 3, 4, 4]
 
 
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "function"])

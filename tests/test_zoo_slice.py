@@ -14,7 +14,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -45,8 +45,11 @@ def test_the_oracle_names_the_injected_faults_op(zoo):
     by_cell = {(c["arch"], c["fault"]): c["truth"] for c in zoo["cells"]}
     div = by_cell[("loop", "div_stat")]
     assert (div["op_type"], div["phase"]) == ("RealDiv", "forward") and "masked_mean" in div["source"]
-    exp = by_cell[("gru", "exp_out")]
-    assert (exp["op_type"], exp["phase"]) == ("Exp", "forward") and "zoo_loss" in exp["source"]
+    # The NaN is born in InputNorm's RealDiv (0/0 on a blank batch); check_numerics in the graph
+    # raised at the GRU's MatMul after it, so the oracle decides on an eager pass of that step.
+    norm = by_cell[("gru", "no_eps")]
+    assert (norm["op_type"], norm["phase"]) == ("RealDiv", "forward") and "(call)" in norm["source"], norm
+    assert norm["eager"], norm
     nan = [c for c in zoo["cells"] if c["fault"] == "nan_batch"]
     assert nan and all(c["input_truth"] for c in nan)
 

@@ -8,12 +8,22 @@ too, next to the hand-written loops they mirror.
 """
 
 import dataclasses
+import importlib
 import os
 import shutil
 import time
 from typing import Callable
 
-from demo.stories import cosine_zero_tower, gru_sqrt_loss, keras_fit, regression, repeated_bn_fp16, softmax_log
+
+def _lazy(module: str, function: str = "run") -> Callable[[str], None]:
+    """``demo.stories.<module>.<function>``, imported when called: most
+    stories import TensorFlow, which a run on JAX or PyTorch must not need."""
+
+    def run(logdir: str) -> None:
+        getattr(importlib.import_module("demo.stories." + module), function)(logdir)
+
+    run.__qualname__ = "%s.%s" % (module, function)
+    return run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -23,62 +33,66 @@ class Story:
     cause: str  # what went wrong, as built (the README's table)
     fix: str
     truth: str | None = None  # a word a right hint holds (scored by demo.hint_suite)
+    # The Keras backends it runs on (``python -m demo --backend``): a story
+    # written with tf.* runs on TensorFlow only.
+    backends: tuple[str, ...] = ("tensorflow",)
 
 
 STORIES = (
     Story(
-        gru_sqrt_loss.NAME,
-        gru_sqrt_loss.run,
+        "gru_sqrt_loss",
+        _lazy("gru_sqrt_loss"),
         cause="sqrt of a squared error: its gradient is infinite where the error is exactly 0",
         fix="drop the sqrt around the squared error (use tf.abs or the squared error itself)",
         truth="gradient of sqrt",
     ),
     Story(
-        softmax_log.NAME,
-        softmax_log.run,
+        "softmax_log",
+        _lazy("softmax_log"),
         cause="log of a softmax that saturated to exactly 0 at a too-high learning rate",
         fix="use tf.nn.softmax_cross_entropy_with_logits (or log_softmax), and a lower peak learning rate",
         truth="log(0)",
     ),
     Story(
-        repeated_bn_fp16.NAME,
-        repeated_bn_fp16.run,
+        "repeated_bn_fp16",
+        _lazy("repeated_bn_fp16"),
         cause="an MAE written without abs rewards ever larger outputs, and BatchNorm called without "
         "training=True does not normalise: 8 passes compound the growth until float16 overflows",
         fix="tf.abs in the loss (or keras.losses.MeanAbsoluteError), and call the model with training=True",
         truth="grew",
     ),
     Story(
-        cosine_zero_tower.NAME,
-        cosine_zero_tower.run,
+        "cosine_zero_tower",
+        _lazy("cosine_zero_tower"),
         cause="cosine similarity of an all-zero ReLU embedding: norm 0, 0/0",
         fix="add an epsilon inside the norm (or use tf.math.l2_normalize)",
         truth="Division by zero",
     ),
     Story(
         "exploding_lr",
-        regression.run_exploding_lr,
+        _lazy("regression", "run_exploding_lr"),
         cause="learning rate too large: each step overshoots more, the gradient norm spikes, activations overflow",
         fix="lower the learning rate (or clip gradients)",
         truth="learning rate",
     ),
     Story(
-        keras_fit.NAME,
-        keras_fit.run,
+        "keras_fit",
+        _lazy("keras_fit"),
         cause="the same too-large learning rate, trained with model.fit and NumericsCallback: "
         "the gradient norm spikes, then a layer overflows",
         fix="lower the learning rate, or clip gradients (clipnorm= on the optimizer)",
         truth="learning rate",
+        backends=("tensorflow", "jax", "torch"),
     ),
     Story(
         "healthy",
-        regression.run_healthy,
+        _lazy("regression", "run_healthy"),
         cause="none: the same model at a sane learning rate",
         fix="nothing to fix",
     ),
     Story(
         "bad_input",
-        regression.run_bad_input,
+        _lazy("regression", "run_bad_input"),
         cause="one corrupt record holds 1e38: finite, but its squared error overflows in the loss",
         fix="validate or clip inputs in the input pipeline",
         truth="far out of range in input",

@@ -8,6 +8,10 @@ output, the loss, each gradient and the global norm, the weights and each
 layer's update ratio ||dw||/||w||; the report names the first layer whose
 output overflows, and the update ratios show the learning rate's jumps.
 
+The same story runs on Keras' JAX and PyTorch backends (``python -m demo
+--backend jax``): its initial weights are drawn with numpy, so every backend
+trains the same model and fails at the same step, in the same layer.
+
 Cause: the learning rate. Fix: lower it, or clip gradients (``clipnorm=`` on
 the optimizer).
 """
@@ -33,6 +37,21 @@ def data() -> tuple[np.ndarray, np.ndarray]:
     return x, y
 
 
+def initial_weights(model: keras.Model) -> list[np.ndarray]:
+    """Glorot-uniform kernels and zero biases drawn with numpy: the same
+    weights on every Keras backend (each backend's own random generator
+    draws other ones from the same seed), so the story fails alike there."""
+    rng = np.random.default_rng(4)
+    out = []
+    for w in model.get_weights():
+        if w.ndim == 2:
+            limit = np.sqrt(6.0 / (w.shape[0] + w.shape[1]))
+            out.append(rng.uniform(-limit, limit, size=w.shape).astype(np.float32))
+        else:
+            out.append(np.zeros_like(w))
+    return out
+
+
 def run(logdir: str) -> None:
     keras.utils.set_random_seed(7)
     model = keras.Sequential(
@@ -41,6 +60,7 @@ def run(logdir: str) -> None:
         + [keras.layers.Dense(1, name="head")],
         name="mlp",
     )
+    model.set_weights(initial_weights(model))
     model.compile(optimizer=keras.optimizers.SGD(learning_rate=LEARNING_RATE), loss="mse")
     x, y = data()
     model.fit(

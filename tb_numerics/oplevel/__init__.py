@@ -82,8 +82,12 @@ op, and its mark).
 """
 
 from tb_numerics.oplevel.record import OpRecord, parse_mark
-from tb_numerics.oplevel.recorder import DEFAULT_SKIP_OP_TYPES, OpNumerics, op_numerics, replay_step
 from tb_numerics.oplevel.tags import TAG_PREFIX
+
+# The recorder's names import TensorFlow: imported on first use, so that
+# ``oplevel.record`` (``OpRecord``, which the JAX and PyTorch replays use)
+# imports none.
+_RECORDER = ("DEFAULT_SKIP_OP_TYPES", "OpNumerics", "op_numerics", "replay_step")
 
 __all__ = [
     "DEFAULT_SKIP_OP_TYPES",
@@ -94,3 +98,11 @@ __all__ = [
     "parse_mark",
     "replay_step",
 ]
+
+
+def __getattr__(name: str):
+    if name in _RECORDER:
+        from tb_numerics.oplevel import recorder
+
+        return getattr(recorder, name)
+    raise AttributeError("module 'tb_numerics.oplevel' has no attribute %r" % name)

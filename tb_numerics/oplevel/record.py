@@ -50,9 +50,11 @@ class OpRecord:
     ``source`` is the user's line that made the op, ``file.py:LINE
     (function)``; for a gradient op, the line of the forward op it
     differentiates (``description`` says which). ``inputs`` holds, for each
-    float input of the op at that step, its element count, min, max
-    (of the finite values), zero count and NaN / +Inf / -Inf counts, where the
-    recorder saw them (``replay_step``); else it is empty.
+    float input of the op at that step, its element count, shape, min, max
+    (of the finite values), zero count and NaN / +Inf / -Inf counts, and
+    ``name``, the scoped name of the op that made it (``mlp/dense_2/Relu``)
+    where the replay saw that op run, where the recorder saw them
+    (``replay_step``); else it is empty.
     """
 
     tag: str
@@ -62,7 +64,7 @@ class OpRecord:
     phase: str
     step: int | None
     record: tuple[float, ...]
-    inputs: tuple[dict[str, float], ...] = ()
+    inputs: tuple[dict[str, Any], ...] = ()
     # Each input's record, whose ranges ``inputs`` shows.
     input_records: tuple[tuple[float, ...], ...] = dataclasses.field(default=(), repr=False)
     occurrence: tuple[int, int] = (1, 1)  # (k, n): the k-th of its tag's n records at the step
@@ -97,24 +99,28 @@ class OpRecord:
         }
 
 
-def _input_records(inputs) -> tuple[tuple[float, ...], ...]:
-    """The record (``numpy_stats``) of each float input (eager tensors)."""
-    return tuple(tuple(numpy_stats(np.asarray(t.numpy(), np.float64), "float64"))
-                 for t in inputs or () if t is not None and t.dtype.is_floating)
+def _float_inputs(inputs, names: Sequence[str | None]) -> list[tuple[Any, str | None]]:
+    """Each float input (eager tensors) with the name of the op that made it, where known."""
+    return [(t, names[k] if k < len(names) else None) for k, t in enumerate(inputs or ())
+            if t is not None and t.dtype.is_floating]
 
 
-def _input_range(v: Sequence[float]) -> dict[str, float]:
-    """An input's count, min, max (of the finite values), zeros and
-    non-finite counts, from its record: what ``inputs`` shows."""
-    return {"count": int(v[F["count"]]), "min": float(v[F["min"]]), "max": float(v[F["max"]]),
+def _input_range(t: Any, name: str | None, v: Sequence[float]) -> dict[str, Any]:
+    """An input's name (where known), shape, count, min, max (of the finite
+    values), zeros and non-finite counts, from its record: what ``inputs`` shows."""
+    return {**({"name": name} if name else {}),
+            "shape": list(t.shape.as_list()) if t.shape.rank is not None else None,
+            "count": int(v[F["count"]]), "min": float(v[F["min"]]), "max": float(v[F["max"]]),
             **{k: int(v[F[k]]) for k in ("zeros", "nan", "posinf", "neginf")}}
 
 
 def op_record(tag: str, vec: Any, info: metadata.TensorInfo, step: int | None,
-              inputs: Any = None) -> OpRecord:
-    """The OpRecord of one record, with its op's inputs' ranges where ``inputs`` are given."""
+              inputs: Any = None, names: Sequence[str | None] = ()) -> OpRecord:
+    """The OpRecord of one record, with its op's inputs' ranges where ``inputs``
+    are given (named by ``names``, the ops that made them, where known)."""
     v = np.asarray(vec, np.float64)
-    input_records = _input_records(inputs)
+    floats = _float_inputs(inputs, names)
+    input_records = tuple(tuple(numpy_stats(np.asarray(t.numpy(), np.float64), "float64")) for t, _ in floats)
     return OpRecord(
         tag=tag,
         op_type=info.op_type,
@@ -123,7 +129,7 @@ def op_record(tag: str, vec: Any, info: metadata.TensorInfo, step: int | None,
         phase=info.phase,
         step=step,
         record=tuple(float(x) for x in v),
-        inputs=tuple(_input_range(r) for r in input_records),
+        inputs=tuple(_input_range(t, n, r) for (t, n), r in zip(floats, input_records)),
         input_records=input_records,
     )
 

@@ -206,6 +206,9 @@ class OpNumerics:
             return None
         # Eager ops run through execute() report their type as bytes.
         op_type = op_type.decode() if isinstance(op_type, bytes) else op_type
+        if self._inspect_inputs and graph is None:  # a replay: name what each op makes
+            made_by = _tf_internal.eager_scope_name() + op_type
+            st.producers.update((id(t), (made_by, t)) for t in outputs if t is not None)
         if graph is None and _tf_internal.is_function_call(op_type):
             # A whole traced function ran: its ops were seen when it was traced,
             # unless that was outside any block; then its outputs are recorded.
@@ -315,7 +318,8 @@ class OpNumerics:
         vec = stats.op_stats(tensor, tag)
         st.eager.append(((st.nested_before, 0, len(st.eager)), tag, vec, info))
         if self._inspect_inputs and st.first_bad is None and nonfinite_count(vec.numpy(), info.neginf_ok) > 0:
-            st.first_bad = op_record(tag, vec, info, st.step, inputs)
+            names = [st.producers.get(id(t), (None,))[0] for t in inputs or ()]
+            st.first_bad = op_record(tag, vec, info, st.step, inputs, names)
 
     # ------------------------------------------------------------ end of a step
 

@@ -62,6 +62,9 @@ class Step:
         self.nested_before = 0  # nested records that ran before the next eager op
         self.function_ran = False  # a function ran since nested_before was read
         self.first_bad: OpRecord | None = None  # found as ops ran (inspect mode)
+        # Inspect mode: id of each eager op output -> (its op's scoped name, the
+        # tensor, kept so that the id is not reused), to name an op's inputs.
+        self.producers: dict[int, tuple[str, Any]] = {}
 
     def describe(self, op: Op, own_graph: bool, where: str, in_backward: bool) -> Described:
         """Role, source line and name of ``op``, made at ``where`` (the user's

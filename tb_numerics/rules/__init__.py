@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from tb_numerics import metadata
 from tb_numerics.rules.codes import HEALTH, HEALTHY, NO_DATA, NONFINITE, WARNING, Health, health_name
 from tb_numerics.rules.kinds import (
     KINDS, LOSS_SCALE_HANDLED_MIN, SeriesView, WarningKind, growth_flags, kind, kind_code, skip_handled,
@@ -43,7 +44,8 @@ INFO_KINDS = frozenset(k.name for k in KINDS if k.info)
 
 def published() -> dict[str, Any]:
     """What the dashboard needs of the rules (the ``/rules`` route's answer):
-    the health codes, every warning kind with its words, and the number format."""
+    the health codes, every warning kind with its words, the number format,
+    and the tag heads after which a tag names a layer or variable."""
     return {
         "health": [{"code": h.code, "name": h.name, "words": h.words} for h in HEALTH],
         "kinds": [
@@ -52,4 +54,5 @@ def published() -> dict[str, Any]:
             for k in KINDS
         ],
         "number": dict(NUMBER_FORMAT),
+        "scoped_tag_heads": list(metadata.SCOPED_TAG_HEADS),
     }

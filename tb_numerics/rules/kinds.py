@@ -20,6 +20,9 @@ or None where the kind does not apply to that series. A run mask
 codes, kinds) after the series masks, and answers (row, mask) pairs: the
 records it turns into its warning (gradients by depth, which compare two
 layers; skipped steps, which turn non-finite records into information).
+A kind may also take back its own series-mask warnings that the run's other
+rows do not confirm (``unconfirmed``: dead units without a dead bias
+gradient), before any run mask.
 """
 
 from __future__ import annotations
@@ -65,6 +68,9 @@ class WarningKind:
     detail: Callable[[Rows, int, int, Any], str]
     mask: Callable[[SeriesView, Any], np.ndarray | None] | None = None
     marks: Callable[[Rows, Any], Iterable[tuple[int, np.ndarray]]] | None = None
+    # (rows, parameters) -> (row, mask) pairs of this kind's warnings that
+    # the run's other rows do not confirm: taken back before the run masks.
+    unconfirmed: Callable[[Rows, Any], Iterable[tuple[int, np.ndarray]]] | None = None
     early: bool = False
     info: bool = False
     health: int = WARNING
@@ -157,7 +163,8 @@ def _spike_mask(s: SeriesView, p: Any) -> np.ndarray | None:
         return None
     norm = s.v[:, F["max"]]
     med = rolling_median_before(norm, p.spike_window)
-    return (med > 0) & (norm > p.spike_factor * med)
+    spike = (med > 0) & (norm > p.spike_factor * med)
+    return spike & ~detectors.transient(spike, norm, med, nonfinite_count(s.v) == 0)
 
 
 def _jump_mask(s: SeriesView, p: Any) -> np.ndarray:
@@ -167,7 +174,7 @@ def _jump_mask(s: SeriesView, p: Any) -> np.ndarray:
     with np.errstate(invalid="ignore", divide="ignore"):
         flags[1:] = (max_abs[1:] >= p.growth_floor) & (max_abs[:-1] > 0) & (
             max_abs[1:] >= p.jump_factor * max_abs[:-1])
-    return flags
+    return flags & ~detectors.transient(flags, max_abs, np.r_[np.nan, max_abs[:-1]], nonfinite_count(s.v) == 0)
 
 
 def _not_input(mask: Callable[[SeriesView, Any], np.ndarray]) -> Callable[[SeriesView, Any], np.ndarray | None]:
@@ -248,6 +255,25 @@ def _skipped_marks(rows: Rows, p: Any) -> list[tuple[int, np.ndarray]]:
     applied = np.setdiff1d(sc.steps, skipped)
     recovered_before = applied[-1] if applied.size else -1
     return [(r, m & (rows[r].series.steps < recovered_before)) for r, m in candidates]
+
+
+def _dead_unconfirmed(rows: Rows, p: Any) -> Iterable[tuple[int, np.ndarray]]:
+    """Dead units that the layer's bias gradient does not confirm (``detectors``)."""
+    code = kind_code("dead_units")
+    grads = [h.series for h in rows if h.series.info.role == "gradient"]
+    for r, h in enumerate(rows):
+        marked = h.kinds == code
+        if marked.any():
+            yield r, marked & ~detectors.dead_units_by_gradient(h.series, marked, grads, p.dead_share, p.sustain)
+
+
+def _ratio_unconfirmed(rows: Rows, p: Any) -> Iterable[tuple[int, np.ndarray]]:
+    """Large updates that neither span the layers nor last (``detectors``)."""
+    code = kind_code("update_ratio")
+    ratios = [r for r, h in enumerate(rows) if h.series.tag.startswith("update_ratio/")]
+    marked = [rows[r].kinds == code for r in ratios]
+    kept = detectors.update_ratio_kept([rows[r].series for r in ratios], marked)
+    return [(r, m & ~keep) for r, m, keep in zip(ratios, marked, kept)]
 
 
 # ---------------------------------------------------------------- details
@@ -452,7 +478,7 @@ KINDS: tuple[WarningKind, ...] = (
         ("vanishing_floor",),
         lambda rows, row, i, p: "global gradient norm %s below the floor %s" % (
             number(_norm(rows, row, i)), number(p.vanishing_floor)),
-        mask=_norm_mask(lambda norm, p: norm < p.vanishing_floor)),
+        mask=_norm_mask(lambda norm, p: detectors.vanishing(norm, p.vanishing_floor))),
     _by_depth(
         "vanishing_by_depth", "vanishing gradients by depth",
         "The first layer's gradients are far smaller than the last layer's: gradients "
@@ -468,7 +494,8 @@ KINDS: tuple[WarningKind, ...] = (
         "Most of the layer's outputs are exactly 0: ReLU units have died. Lower the learning "
         "rate, initialise biases at 0 (not negative), or use LeakyReLU/ELU.",
         ("dead_share", "sustain"), _dead_detail,
-        mask=lambda s, p: detectors.dead_units(s.series, s.d, p.dead_share, p.sustain), early=True),
+        mask=lambda s, p: detectors.dead_units(s.series, s.d, p.dead_share, p.sustain),
+        unconfirmed=_dead_unconfirmed, early=True),
     WarningKind(
         "saturation", "saturated activations",
         "The activation is pinned at its bounds, where its gradient vanishes (and a softmax of "
@@ -482,7 +509,8 @@ KINDS: tuple[WarningKind, ...] = (
         ("update_ratio_max",),
         lambda rows, row, i, p: "||w_new - w_old|| / ||w_old|| = %s, above %s: the update moved the weights by "
         "more than their size" % (number(_norm(rows, row, i)), number(p.update_ratio_max)),
-        mask=lambda s, p: detectors.update_ratio(s.series, p.update_ratio_max), early=True),
+        mask=lambda s, p: detectors.update_ratio(s.series, p.update_ratio_max),
+        unconfirmed=_ratio_unconfirmed, early=True),
     WarningKind(
         "loss_not_decreasing", "loss not decreasing",
         "The loss is not going down: check the learning rate (too small or too large), "

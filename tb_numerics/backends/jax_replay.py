@@ -1,0 +1,213 @@
+"""The replay of a failing step on JAX: its jaxpr evaluated equation by equation.
+
+``replay(train_step, state, data, step)`` traces the model's own training
+step to a jaxpr (``jax.make_jaxpr``) and evaluates it one primitive at a
+time, eagerly, stepping into calls (``jit``, ``custom_jvp_call``, remat),
+until an equation's output holds a NaN or an Inf. That equation is the op:
+its primitive is the type (``log``, ``div``, ``dot_general``), its name is
+the Keras name scope it ran in with the primitive (``dense_3/dot_general``),
+its phase comes from the transformations JAX wrote into the name stack
+(``jvp(...)``: forward; ``transpose(jvp(...))``: backward; after the
+gradients: update; a ``jvp`` equation that only the backward pass reads, a
+derivative's coefficient such as ``0.5 / sqrt(x)``, is backward), its line is the innermost frame of the user's code in
+the equation's traceback, and its inputs' ranges are those it was given.
+Control flow (``cond``, ``while``, ``scan``) runs as one op. The evaluation
+is pure: nothing of the model's state changes.
+
+Unlike ``jax_debug_nans``, which re-runs a jitted function un-jitted after it
+failed, this names the step, the layer and the phase, sees +Inf and -Inf as
+well as NaN, and reads no flag that changes how training runs.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import jax
+import numpy as np
+from jax.extend import core
+
+from tb_numerics import metadata, records
+from tb_numerics.oplevel.record import OpRecord
+from tb_numerics.backends import _source
+
+__all__ = ["replay"]
+
+_TRANSFORM = re.compile(r"^(?:[A-Za-z_]\w*\()+([^()]*)\)+$")
+# Primitives whose work is a jaxpr of their own, by the parameter that holds it.
+_CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+_CALLS = {"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",
+          "remat", "checkpoint", "remat2"}
+
+NOT_REPRODUCED = (
+    "every primitive's output was finite when the step's jaxpr was evaluated eagerly, one equation at a time: "
+    "XLA computed the compiled step differently, or its batch or random draws were other than the step's; "
+    "the layer-level answer stands"
+)
+
+
+class _Found(Exception):
+    """Raised by the evaluation at the first equation with a non-finite output."""
+
+    def __init__(self, eqn: Any, names: list[str], phase: str, invals: list, outvals: list):
+        super().__init__(eqn.primitive.name)
+        self.eqn, self.names, self.phase, self.invals, self.outvals = eqn, names, phase, invals, outvals
+
+
+def _clean(component: str) -> str:
+    """``jvp(dense_1)`` -> ``dense_1``: a name-stack component without its transformations."""
+    m = _TRANSFORM.match(component)
+    return m.group(1) if m else component
+
+
+def _for_backward(jaxpr: Any) -> set[int]:
+    """Indices of the forward (``jvp``) equations of ``jaxpr`` whose outputs
+    only the backward pass reads: the derivatives' coefficients that JAX's
+    linearization computes beside the forward ops (``0.5 / sqrt(x)`` for a
+    sqrt), which belong to the backward phase."""
+    consumers: dict[Any, list[int]] = {}
+    for i, eqn in enumerate(jaxpr.eqns):
+        for v in eqn.invars:
+            if not isinstance(v, core.Literal):
+                consumers.setdefault(v, []).append(i)
+    outputs = {v for v in jaxpr.outvars if not isinstance(v, core.Literal)}
+    backward: set[int] = set()
+    for i in reversed(range(len(jaxpr.eqns))):
+        names = str(jaxpr.eqns[i].source_info.name_stack)
+        if "transpose(" in names:
+            backward.add(i)
+        elif "jvp(" in names:
+            outs = [v for v in jaxpr.eqns[i].outvars if not isinstance(v, core.DropVar)]
+            if outs and not any(v in outputs for v in outs) and all(
+                    c in backward for v in outs for c in consumers.get(v, [])):
+                backward.add(i)
+    return backward
+
+
+class _Evaluator:
+    """Evaluates a jaxpr equation by equation, noting where the backward pass begins."""
+
+    def __init__(self) -> None:
+        self.seen_backward = False
+        self.backward_eqns: set[int] = set()  # of the top-level jaxpr (``_for_backward``)
+        self._forced: str | None = None  # the phase of the top-level equation being stepped into
+
+    def run(self, jaxpr: Any, consts: list, args: list, prefix: list[str]) -> list:
+        env: dict[Any, Any] = {}
+        read = lambda v: v.val if isinstance(v, core.Literal) else env[v]  # noqa: E731
+        for var, value in zip(jaxpr.constvars, consts):
+            env[var] = value
+        for var, value in zip(jaxpr.invars, args):
+            env[var] = value
+        top = not prefix and self._forced is None
+        for i, eqn in enumerate(jaxpr.eqns):
+            invals = [read(v) for v in eqn.invars]
+            names = prefix + [c for c in str(eqn.source_info.name_stack).split("/") if c]
+            if top:
+                self._forced = "backward" if i in self.backward_eqns else None
+            sub = _sub_jaxpr(eqn)
+            if sub is not None:
+                outvals = self.run(sub[0], sub[1], invals, names or [""])
+            else:
+                outvals = self._bind(eqn, invals, names)
+            for var, value in zip(eqn.outvars, outvals):
+                if not isinstance(var, core.DropVar):
+                    env[var] = value
+        return [read(v) for v in jaxpr.outvars]
+
+    def _bind(self, eqn: Any, invals: list, names: list[str]) -> list:
+        params = eqn.primitive.get_bind_params(eqn.params)
+        subfuns, params = params if isinstance(params, tuple) else ((), params)  # (subfuns, params) before JAX 0.7
+        with eqn.ctx.manager:
+            out = eqn.primitive.bind(*subfuns, *invals, **params)
+        outvals = list(out) if eqn.primitive.multiple_results else [out]
+        phase = self._phase(names)
+        if any(_nonfinite(v) for v in outvals):
+            raise _Found(eqn, names, phase, invals, outvals)
+        return outvals
+
+    def _phase(self, names: list[str]) -> str:
+        if self._forced == "backward" or any(c.startswith("transpose(") for c in names):
+            self.seen_backward = True
+            return "backward"
+        if any(c.startswith("jvp(") for c in names):
+            return "forward"
+        return "update" if self.seen_backward else "forward"
+
+
+def _sub_jaxpr(eqn: Any) -> tuple[Any, list] | None:
+    """(jaxpr, consts) of a call-like equation, else None."""
+    if eqn.primitive.name not in _CALLS:
+        return None
+    for key in _CALL_PARAMS:
+        sub = eqn.params.get(key)
+        if isinstance(sub, core.ClosedJaxpr):
+            return sub.jaxpr, list(sub.consts)
+        if isinstance(sub, core.Jaxpr):
+            return sub, []
+    return None
+
+
+def _is_float(value: Any) -> bool:
+    return hasattr(value, "dtype") and np.dtype(value.dtype).name in metadata.DTYPE_LIMITS
+
+
+def _nonfinite(value: Any) -> bool:
+    return _is_float(value) and not bool(np.isfinite(np.asarray(value, np.float64)).all())
+
+
+def _input_ranges(invals: list) -> tuple[dict[str, float], ...]:
+    """Count, min, max, zeros and non-finite counts of each float input."""
+    out = []
+    for value in invals:
+        if not _is_float(value):
+            continue
+        x = np.asarray(value, np.float64).reshape(-1)
+        fin = x[np.isfinite(x)]
+        out.append({"count": int(x.size), "min": float(fin.min()) if fin.size else float("nan"),
+                    "max": float(fin.max()) if fin.size else float("nan"), "zeros": int(np.count_nonzero(x == 0)),
+                    "nan": int(np.count_nonzero(np.isnan(x))), "posinf": int(np.count_nonzero(x == np.inf)),
+                    "neginf": int(np.count_nonzero(x == -np.inf))})
+    return tuple(out)
+
+
+def _op(found: _Found, step: int, fallback: str) -> OpRecord:
+    """The OpRecord of the equation the evaluation stopped at."""
+    eqn = found.eqn
+    tb = eqn.source_info.traceback
+    frames = [(f.file_name, f.line_num, f.function_name) for f in tb.frames] if tb is not None else []
+    source = _source.format_where(_source.user_frame(frames)) or fallback
+    scope = [c for c in (_clean(n) for n in found.names) if c]
+    name = "/".join(scope + [eqn.primitive.name])
+    bad = next(v for v in found.outvals if _nonfinite(v))
+    return OpRecord(tag="ops/" + name, op_type=eqn.primitive.name, source=source, description=source,
+                    phase=found.phase, step=step, record=tuple(records.numpy_stats(np.asarray(bad, np.float64))),
+                    inputs=_input_ranges(found.invals))
+
+
+def replay(train_step: Any, state: Any, data: Any, step: int) -> dict[str, Any]:
+    """The verdict of evaluating ``train_step(state, data)`` equation by
+    equation: ``{"reproduced": True, "op": {...}}`` naming the first
+    equation whose output is not finite, or ``{"reproduced": False, "why": ...}``.
+
+    Args:
+      train_step: the model's own training step (pure: ``(state, data) -> (logs, state)``).
+      state: the state the step began with.
+      data: the step's batch.
+      step: the step's number, for the op's record.
+    """
+    fallback = _source.format_where(_source.user_frame(_source.python_stack()))
+    closed = jax.make_jaxpr(train_step)(state, data)
+    args = jax.tree_util.tree_leaves((state, data))
+    evaluator = _Evaluator()
+    evaluator.backward_eqns = _for_backward(closed.jaxpr)
+    try:
+        evaluator.run(closed.jaxpr, list(closed.consts), args, [])
+    except _Found as found:
+        op = _op(found, step, fallback)
+        if any(i["nan"] or i["posinf"] or i["neginf"] for i in op.inputs):
+            return {"reproduced": False, "why": "the first non-finite op (%s) read values that were already "
+                    "non-finite (a variable an earlier update made so): %s" % (op.name, NOT_REPRODUCED)}
+        return {"reproduced": True, "op": op.to_json()}
+    return {"reproduced": False, "why": NOT_REPRODUCED}

@@ -1,0 +1,238 @@
+"""Evidence for a first anomaly's hint that lies in other tensors' records.
+
+Part of the numpy-only analysis core: ``analysis`` gathers these for
+``hints.choose``. Each function reads the run's series and answers one
+question whose answer tells causes apart that a first anomaly alone does
+not (issue 26):
+
+* were the inputs unscaled: large at every batch, not one outlier;
+* was the batch of a step an outlier, and did the gradient answer it far
+  beyond what any polynomial path gives (an exp of an unbounded output);
+* were a model's outputs beyond where a sigmoid or a softmax rounds to
+  exactly 0 or 1 (a log of them is log(0));
+* did an early update move the weights by more than their own size,
+  while the inputs were in range (the learning rate);
+* were the batch's targets or sample weights all 0 at the step, unlike
+  the batches before (a mean over labelled samples divides 0 by 0);
+* did the loss fall below 0 and on, to 10 times its first magnitude: a
+  loss with no lower bound, which training lowers by growing the values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+import numpy as np
+
+from tb_numerics import detectors
+from tb_numerics.records import F, TensorSeries, derived
+
+__all__ = ["Amplified", "LargeUpdate", "Saturating", "Unbounded", "Unscaled", "amplified", "large_update",
+           "op_output", "saturating", "unbounded", "unscaled", "zero_labels", "SATURATES_AT", "UNSCALED_RMS"]
+
+# Inputs whose root mean square is at least this at every batch are in raw
+# units: standardised data have an RMS of about 1, data in [0, 1] below 1.
+UNSCALED_RMS = 10.0
+# |x| beyond which float32's sigmoid rounds to exactly 1 (1 - 2**-24 is the
+# largest float32 below 1, and exp(-17) is below 2**-24): log(1 - sigmoid(x))
+# is then log(0). A softmax's largest probability rounds to 1 the same way.
+SATURATES_AT = 17.0
+# A gradient that grew by more than the input's growth to this power grew
+# faster than any path of products, squares and ReLUs gives (a squared error
+# on a linear model gives the 2nd power): an exponential amplified the batch.
+_POLYNOMIAL_DEGREE = 4.0
+# A batch is an outlier when its max |x| is this many times the median of the
+# batches before it.
+_OUTLIER_FACTOR = 10.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Unscaled:
+    """An input whose values were large at every batch up to the anomaly."""
+
+    tag: str
+    rms: float  # the smallest root mean square over those batches
+    max_abs: float  # the largest max |x|
+    batches: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Amplified:
+    """A batch far out of range at ``step``, and the gradient norm's jump there."""
+
+    tag: str
+    step: int
+    input_factor: float  # max |x| against the median of the batches before it
+    gradient_factor: float  # the global gradient norm against its median before
+    exponential: bool  # the gradient grew beyond a polynomial of the input's growth
+
+
+@dataclasses.dataclass(frozen=True)
+class Saturating:
+    """An output logged before the loss whose values a sigmoid or softmax rounds to 0 or 1."""
+
+    tag: str
+    step: int
+    max_abs: float
+    loss_function: str = ""  # the loss's function name, "" where unknown
+
+
+@dataclasses.dataclass(frozen=True)
+class Unbounded:
+    """A loss that fell below 0 and on, from ``first`` to ``last`` (its mean values)."""
+
+    tag: str
+    first_step: int
+    first: float
+    step: int
+    last: float
+
+
+@dataclasses.dataclass(frozen=True)
+class LargeUpdate:
+    """Layers whose update at ``step`` moved their weights by more than their own size."""
+
+    step: int
+    ratios: dict[str, float]  # layer -> ||w_new - w_old|| / ||w_old||
+
+
+def _inputs(series: Sequence[TensorSeries]) -> list[TensorSeries]:
+    """The batch's float inputs and targets (the Keras callback's ``input``/``target``)."""
+    return [s for s in series if s.info.role == "input" and not s.tag.startswith("sample_weight")]
+
+
+def unscaled(series: Sequence[TensorSeries], step: int) -> Unscaled | None:
+    """The input whose root mean square was at least ``UNSCALED_RMS`` at every
+    batch up to ``step`` (at least one): data in raw units, not an outlier.
+    Targets are left out: a regression's targets in their own units are usual."""
+    for s in _inputs(series):
+        if not s.tag.startswith("input"):
+            continue
+        at = s.steps <= step
+        if not at.any():
+            continue
+        v = s.values[at].astype(np.float64)
+        d = derived(v)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            rms = np.sqrt(v[:, F["sum_sq"]] / np.maximum(d["finite"], 1))
+        if np.all(rms >= UNSCALED_RMS):
+            return Unscaled(s.tag, float(np.min(rms)), float(np.nanmax(d["max_abs"])), int(at.sum()))
+    return None
+
+
+def _factor_at(x: np.ndarray, i: int) -> float:
+    """x[i] against the median of the finite values before it (NaN with fewer than 3)."""
+    before = x[:i][np.isfinite(x[:i])]
+    if len(before) < 3 or not np.isfinite(x[i]):
+        return math.nan
+    med = float(np.median(before))
+    return float(x[i] / med) if med > 0 else math.nan
+
+
+def amplified(series: Sequence[TensorSeries], step: int) -> Amplified | None:
+    """The latest step at or before ``step`` whose input batch was an outlier (max |x|
+    ``_OUTLIER_FACTOR`` × the median of the batches before), with the gradient's answer."""
+    norms = [s for s in series if s.info.role == "global_norm"]
+    for s in _inputs(series):
+        mx = derived(s.values.astype(np.float64))["max_abs"]
+        for i in np.flatnonzero(s.steps <= step)[::-1]:
+            f = _factor_at(mx, int(i))
+            if not f >= _OUTLIER_FACTOR:
+                continue
+            at = int(s.steps[i])
+            g = math.nan
+            if norms:
+                j = np.flatnonzero(norms[0].steps == at)
+                if j.size:
+                    g = _factor_at(norms[0].values[:, F["max"]].astype(np.float64), int(j[0]))
+            exponential = g > 1 and math.log(g) > _POLYNOMIAL_DEGREE * math.log(f)
+            return Amplified(s.tag, at, f, g, bool(exponential))
+    return None
+
+
+def saturating(series: Sequence[TensorSeries], step: int) -> Saturating | None:
+    """The model's output (the layer-level activation logged last before a loss)
+    where that loss is not finite at ``step``, no layer-level tensor before the
+    output is, and the output held finite values beyond ``SATURATES_AT``: where
+    it is a logit, its sigmoid or softmax is exactly 0 or 1 in float32, and a
+    log of that is log(0). ``series`` in execution order."""
+    layer = [s for s in series if not s.tag.startswith("ops/")]
+    for k, loss in enumerate(layer):
+        if loss.info.role != "loss" or not _nonfinite_at(loss, step):
+            continue
+        out = next((i for i in range(k - 1, -1, -1) if layer[i].info.role == "activation"), None)
+        if out is None or any(_nonfinite_at(s, step) for s in layer[:out]):
+            return None
+        j = np.flatnonzero(layer[out].steps == step)
+        mx = derived(layer[out].values[j].astype(np.float64))["max_abs"] if len(j) else np.zeros(0)
+        if mx.size and np.nanmax(mx) >= SATURATES_AT:
+            return Saturating(layer[out].tag, step, float(np.nanmax(mx)), loss.info.activation)
+        return None
+    return None
+
+
+def _nonfinite_at(s: TensorSeries, step: int) -> bool:
+    v = s.values[s.steps == step].astype(np.float64)
+    return bool(np.any(derived(v)["finite"] < v[:, F["count"]])) if len(v) else False
+
+
+def large_update(series: Sequence[TensorSeries], step: int, ratio_max: float) -> LargeUpdate | None:
+    """The first step at or before ``step`` where layers' update ratios
+    (``update_ratio/<layer>``) were above ``ratio_max``, as the update-ratio
+    warning keeps them (``detectors.update_ratio_kept``)."""
+    ratios = [s for s in series if s.tag.startswith("update_ratio/")]
+    with np.errstate(invalid="ignore"):
+        marked = [s.values[:, F["max"]].astype(np.float64) > ratio_max for s in ratios]
+    found: dict[int, dict[str, float]] = {}
+    for s, keep in zip(ratios, detectors.update_ratio_kept(ratios, marked)):
+        for i in np.flatnonzero(keep & (s.steps <= step)):
+            found.setdefault(int(s.steps[i]), {})[s.tag.split("/", 1)[1]] = float(s.values[i, F["max"]])
+    if not found:
+        return None
+    first = min(found)
+    return LargeUpdate(first, found[first])
+
+
+def op_output(series: Sequence[TensorSeries], op: dict | None, step: int) -> dict[str, int] | None:
+    """The non-finite counts of an exact op's own record (``ops/<name>``) at ``step``."""
+    name = (op or {}).get("name")
+    s = next((s for s in series if isinstance(name, str) and s.tag == "ops/" + name), None)
+    at = np.flatnonzero(s.steps == step) if s is not None else []
+    if not len(at):
+        return None
+    v = s.values[at].astype(np.float64)
+    return {k: int(v[:, F[k]].sum()) for k in ("nan", "posinf", "neginf", "count")}
+
+
+def zero_labels(series: Sequence[TensorSeries], step: int) -> str | None:
+    """The target or sample-weight tag that was all exact zeros at ``step``
+    and at no batch before it: a batch with nothing labelled."""
+    for s in series:
+        if s.info.role != "input" or not s.tag.startswith(("target", "sample_weight")):
+            continue
+        v = s.values.astype(np.float64)
+        empty = (v[:, F["zeros"]] == v[:, F["count"]]) & (v[:, F["count"]] > 0)
+        now, before = empty[s.steps == step], empty[s.steps < step]
+        if now.size and now.all() and before.size and not before.any():
+            return s.tag
+    return None
+
+
+def unbounded(series: Sequence[TensorSeries], step: int) -> Unbounded | None:
+    """The loss whose lowest finite record before ``step`` was below 0 and at least 10
+    times the magnitude of its first: training kept lowering a loss with no lower bound."""
+    for s in series:
+        v = s.values[s.steps < step].astype(np.float64) if s.info.role == "loss" else np.zeros((0, 1))
+        if len(v) < 2:
+            continue
+        d = derived(v)
+        mean = np.where(d["finite"] == v[:, F["count"]], d["mean"], np.nan)
+        ok = np.flatnonzero(np.isfinite(mean))
+        if len(ok) < 2:
+            continue
+        low = ok[np.argmin(mean[ok])]
+        if mean[low] < 0 and abs(mean[low]) >= 10 * abs(mean[ok[0]]):
+            return Unbounded(s.tag, int(s.steps[ok[0]]), float(mean[ok[0]]), int(s.steps[low]), float(mean[low]))
+    return None

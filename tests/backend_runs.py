@@ -1,0 +1,213 @@
+"""Trainings of one small model on one Keras backend, for the backend tier (``test_backends.py``).
+
+    KERAS_BACKEND=jax python tests/backend_runs.py OUT.json LOGDIR
+
+Keras picks its backend once per process, so each backend runs in a process
+of its own, and every training a backend's tests need runs in that one
+process. On JAX and PyTorch, TensorFlow is made impossible to import first
+(as on a machine without it; Keras tolerates that), and the result says
+whether anything imported it anyway.
+
+Each fault is injected at a known step into a known place, the truth the
+tests hold every backend to: ``log0`` (a log of an exact 0 in the layer
+``fault``), ``div00`` (0/0 in the loss) and ``overflow`` (exp overflowing in
+the layer ``fault``). The batch at ``BAD_STEP`` holds the trigger (its last
+feature, 1 elsewhere, 0 there); the step is the same on every backend.
+"""
+
+from __future__ import annotations
+
+import inspect
+import re
+import json
+import os
+import sys
+
+BACKEND = os.environ.get("KERAS_BACKEND", "tensorflow")
+
+
+if __name__ == "__main__" and BACKEND != "tensorflow":
+    # As if TensorFlow were not installed: ``import tensorflow`` raises
+    # ModuleNotFoundError, ``importlib.util.find_spec`` finds nothing.
+    sys.modules["tensorflow"] = None
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+
+from tb_numerics import analysis, event_reader, rules  # noqa: E402
+from tb_numerics.keras import NumericsCallback  # noqa: E402
+
+BATCH, STEPS, BAD_STEP = 8, 12, 7
+FAULTS = ("log0", "div00", "overflow", "sqrt0")
+
+
+@keras.saving.register_keras_serializable("tbn_tests")
+class Fault(keras.layers.Layer):
+    """Passes its input on, with its last feature through a fault that fires where that feature is 0."""
+
+    def __init__(self, kind: str, **kwargs):
+        super().__init__(**kwargs)
+        self.kind = kind
+        if kind == "sqrt0":
+            self.scale = self.add_weight(shape=(), initializer="ones", name="scale")
+
+    def call(self, x):
+        head, trigger = x[:, :-1], x[:, -1:]
+        if self.kind == "sqrt0":  # finite forward (sqrt(0) = 0), NaN gradient (inf * 0) where the trigger is 0
+            out = keras.ops.sqrt(keras.ops.square(self.scale * (1.0 - trigger)))  # FAULT_LINE sqrt0
+        elif self.kind == "log0":
+            out = keras.ops.log(trigger)  # FAULT_LINE log0
+        elif self.kind == "overflow":
+            out = keras.ops.exp(100.0 * (1.0 - trigger))  # FAULT_LINE overflow
+        else:
+            out = trigger
+        return keras.ops.concatenate([head, out], axis=-1)
+
+
+def ratio_loss(y, p):
+    """Mean squared error, times the target's second column over itself: 0/0 where it is 0."""
+    y2 = y[:, 1:2]
+    return keras.ops.mean(keras.ops.square(p - y[:, :1]) * (y2 / y2))  # FAULT_LINE div00
+
+
+def fault_line(kind: str) -> int:
+    """The line of this file that holds the fault ``kind``."""
+    lines = inspect.getsource(sys.modules[__name__]).splitlines()
+    return next(i for i, line in enumerate(lines, 1) if line.rstrip().endswith("FAULT_LINE " + kind))
+
+
+def data(kind: str) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(3)
+    x = rng.uniform(0.5, 1.5, size=(STEPS * BATCH, 5)).astype(np.float32)
+    x[:, -1] = 1.0
+    y = np.ones((STEPS * BATCH, 2), np.float32)
+    y[:, 0] = x[:, :4].sum(axis=1) * 0.1
+    bad = slice(BAD_STEP * BATCH, BAD_STEP * BATCH + 2)
+    if kind == "div00":
+        y[bad, 1] = 0.0
+    elif kind == "sqrt0":
+        x[:, -1] = 0.0
+        x[bad, -1] = 1.0
+    else:
+        x[bad, -1] = 0.0
+    return x, y
+
+
+def model(kind: str, dtype_policy: str | None = None) -> keras.Model:
+    keras.utils.set_random_seed(5)
+    if dtype_policy:
+        keras.mixed_precision.set_dtype_policy(dtype_policy)
+    m = keras.Sequential([keras.Input((5,)), Fault(kind, name="fault"),
+                          keras.layers.Dense(8, activation="relu", name="dense_0"),
+                          keras.layers.Dense(1, name="head", dtype="float32")], name="faulty")
+    keras.mixed_precision.set_dtype_policy("float32")
+    m.compile(optimizer=keras.optimizers.SGD(0.01), loss=ratio_loss if kind == "div00" else "mse")
+    return m
+
+
+def report(logdir: str) -> dict:
+    """The run's first anomaly as ``tb-numerics report --json`` gives it, and what the tests check beside it."""
+    rr = event_reader.read_run(".", event_reader.find_runs(logdir).get(".", []))
+    ra = analysis.analyze_run(logdir, rr.series, analysis.SafeRange(), rr.problems)
+    first = analysis.first_anomaly(ra)
+    tags = {h.series.tag: sorted({int(s) for s in h.series.steps}) for h in ra.health}
+    infos = {h.series.tag: h.series.info.to_json() for h in ra.health}
+    return {"first_anomaly": json.loads(rules.dumps(first)), "steps": tags, "infos": infos, "problems": rr.problems}
+
+
+def run_fault(kind: str, root: str, **callback_args) -> dict:
+    logdir = os.path.join(root, "%s_%s" % (kind, "_".join("%s%s" % kv for kv in sorted(callback_args.items()))))
+    x, y = data(kind)
+    cb = NumericsCallback(logdir, **callback_args)
+    model(kind).fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[cb])
+    return {"report": report(logdir), "line": fault_line(kind), "verdict": cb.replay_verdict}
+
+
+def run_mixed(policy: str, root: str) -> dict:
+    """A healthy fit under a mixed-precision policy: the compute dtype recorded."""
+    logdir = os.path.join(root, "mixed_" + policy)
+    x, y = data("log0")
+    x[:, -1] = 1.0
+    m = model("log0", policy)
+    m.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[NumericsCallback(logdir)])
+    return {"report": report(logdir)}
+
+
+def jax_debug_oracle(kind: str) -> str:
+    """JAX's own word on the bad batch: the forward pass and the loss, then
+    their gradient, run un-jitted under ``jax_debug_nans`` and ``jax_debug_infs``,
+    which raise at the first primitive whose output is NaN or Inf ("invalid
+    value (nan) encountered in div")."""
+    import jax
+
+    m = model(kind)
+    x, y = (jax.numpy.asarray(a[BAD_STEP * BATCH:(BAD_STEP + 1) * BATCH]) for a in data(kind))
+    bad = slice(None)
+    ntv = [v.value for v in m.non_trainable_variables]
+    loss_fn = keras.losses.get(m.loss)
+
+    def loss(tv):  # the forward pass and the loss, differentiated: the backward pass too
+        y_pred, _ = m.stateless_call(tv, ntv, x[bad], training=True)
+        return keras.ops.mean(loss_fn(y[bad], y_pred))
+
+    tv = [v.value for v in m.trainable_variables]
+    jax.config.update("jax_debug_nans", True)
+    jax.config.update("jax_debug_infs", True)
+    try:
+        with jax.disable_jit():
+            loss(tv)  # the forward pass first, as the step runs it
+            jax.grad(loss)(tv)
+    except FloatingPointError as e:  # Keras may wrap it: "Exception encountered when calling Fault.call()..."
+        found = re.search(r"invalid value \((?:nan|inf)\) encountered in \w+", str(e))
+        return found.group(0) if found else str(e)
+    finally:
+        jax.config.update("jax_debug_nans", False)
+        jax.config.update("jax_debug_infs", False)
+    return ""
+
+
+def torch_anomaly_oracle(kind: str) -> str:
+    """PyTorch's own word on the bad batch: the step's forward and backward
+    passes under ``torch.autograd.detect_anomaly()``, which raises at the
+    first backward function that returned NaN ("Function 'SqrtBackward0'
+    returned nan values in its 0th output"); "" where it raised nothing (it
+    checks the backward pass only)."""
+    import torch
+
+    m = model(kind)
+    x, y = data(kind)
+    bad = slice(BAD_STEP * BATCH, (BAD_STEP + 1) * BATCH)
+    loss_fn = keras.losses.get(m.loss)
+    try:
+        with torch.autograd.detect_anomaly():
+            keras.ops.mean(loss_fn(torch.as_tensor(y[bad]), m(torch.as_tensor(x[bad]), training=True))).backward()
+    except RuntimeError as e:
+        found = re.search(r"Function '(\w+)' returned nan", str(e))
+        return found.group(1) if found else str(e)
+    return ""
+
+
+def main(out: str, root: str) -> None:
+    results = {"backend": keras.backend.backend()}
+    for kind in FAULTS:
+        results[kind] = run_fault(kind, root)
+        if BACKEND == "jax":
+            results[kind]["oracle"] = jax_debug_oracle(kind)
+        elif BACKEND == "torch":
+            results[kind]["oracle"] = torch_anomaly_oracle(kind)
+    from demo.stories import keras_fit
+
+    keras_fit.run(root)
+    results["keras_fit"] = {"report": report(os.path.join(root, keras_fit.NAME))}
+    if __name__ == "__main__" and BACKEND != "tensorflow":  # TensorFlow's own tests cover these there
+        results["every_n"] = run_fault("log0", root, every_n_steps=5, stop_on_anomaly=True)
+        for policy in ("mixed_float16", "mixed_bfloat16"):
+            results[policy] = run_mixed(policy, root)
+    results["tensorflow_imported"] = sorted(m for m, mod in sys.modules.items()
+                                            if mod is not None and (m == "tensorflow" or m.startswith("tensorflow.")))
+    with open(out, "w") as f:
+        json.dump(results, f, default=str)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2])

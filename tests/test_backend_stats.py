@@ -1,0 +1,100 @@
+"""The JAX and PyTorch statistics agree with the numpy reference, records.numpy_stats.
+
+Every dtype the record supports, with NaN, +Inf, -Inf, signed zeros,
+subnormals (which XLA on CPU flushes to zero in float compares), values
+beyond the overflow margin, finite values whose squares overflow float32,
+and empty tensors. Counts and extrema must be exact, sums within the
+accumulation precision. On JAX's CPU backend, which flushes float32,
+bfloat16 and float64 subnormals to zero in the step itself, the reference
+is the numpy record of the flushed values (``jax_stats.flushes``).
+"""
+
+import numpy as np
+import pytest
+
+from tb_numerics import metadata, records
+
+pytestmark = pytest.mark.unit
+
+F = metadata.FIELD_INDEX
+DTYPES = ("float16", "bfloat16", "float32", "float64")
+SUBNORMAL = {"float16": 3e-6, "bfloat16": 1e-39, "float32": 1e-40, "float64": 1e-310}
+HUGE = {"float16": 2000.0, "bfloat16": 1e37, "float32": 1e37, "float64": 1e306}
+
+
+def _cases(dtype):
+    rng = np.random.default_rng(0)
+    base = rng.normal(size=257) * 10
+    yield "healthy", base
+    bad = base.copy()
+    bad[:6] = [np.nan, np.inf, -np.inf, 0.0, -0.0, np.nan]
+    bad[6], bad[7], bad[8] = SUBNORMAL[dtype], -SUBNORMAL[dtype] / 2, HUGE[dtype]
+    yield "nonfinite", bad
+    near_zero = np.abs(base)
+    near_zero[:5] = [0.0, 0.0, SUBNORMAL[dtype], SUBNORMAL[dtype] * 2, 0.0]
+    yield "relu_like", near_zero
+    yield "overflow", np.full(9, HUGE[dtype])
+    yield "empty", np.zeros(0)
+    yield "all_nan", np.full(4, np.nan)
+    if dtype == "float32":
+        yield "squares_overflow", np.array([3e30, -2e30, 1.0])  # finite: the norm must not read as Inf
+
+
+def _check(got, x_np, dtype, name):
+    ref = records.numpy_stats(x_np, dtype)
+    exact = [F[k] for k in ("count", "nan", "posinf", "neginf", "zeros", "overflow", "underflow")]
+    np.testing.assert_array_equal(got[exact], ref[exact], err_msg=name)
+    np.testing.assert_array_equal(got[[F["min"], F["max"]]], ref[[F["min"], F["max"]]], err_msg=name)
+    for k in ("sum", "sum_sq"):
+        tol = 2e-3 * max(1.0, abs(ref[F["sum_sq"]]) if k == "sum_sq" else np.sqrt(abs(ref[F["sum_sq"]])) * 20)
+        assert got[F[k]] == ref[F[k]] or abs(got[F[k]] - ref[F[k]]) <= tol, (name, k, got[F[k]], ref[F[k]])
+    assert np.isfinite(got[F["sum_sq"]]) or not np.isfinite(ref[F["sum_sq"]]), name
+
+
+def _flushed(x: np.ndarray, dtype: str) -> np.ndarray:
+    """``x`` with ``dtype``'s subnormals as signed zeros: what a device that
+    flushes them computes with (XLA on CPU, for all but float16)."""
+    with np.errstate(invalid="ignore"):
+        small = np.abs(x) < metadata.smallest_normal(dtype)
+    return np.where(small, np.copysign(0.0, x), x)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_jax_stats_agree_with_numpy(dtype):
+    """Exact, except that where the device flushes subnormals (XLA on CPU)
+    they are zeros, as the step itself computes with them."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+    enable_x64 = jax.enable_x64 if hasattr(jax, "enable_x64") else jax.experimental.enable_x64  # moved in JAX 0.8
+
+    from tb_numerics.backends import jax_stats
+
+    stats = jax.jit(jax_stats.tensor_stats)
+    with enable_x64(dtype == "float64"):
+        for name, values in _cases(dtype):
+            x = jnp.asarray(values, jnp.dtype(dtype))
+            counts, vals = stats(x)
+            got = jax_stats.to_records(np.asarray(counts)[None], np.asarray(vals)[None])[0]
+            _check(got, _flushed(np.asarray(x, np.float64), dtype) if jax_stats.flushes(dtype) else np.asarray(x, np.float64), dtype, name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_torch_stats_agree_with_numpy(dtype):
+    torch = pytest.importorskip("torch")
+    from tb_numerics.backends import torch_stats
+
+    for name, values in _cases(dtype):
+        x = torch.tensor(values, dtype=torch.float64).to(getattr(torch, dtype))
+        got = torch_stats.records([x], [torch_stats.quick(x, name)])[0]
+        _check(got, x.to(torch.float64).numpy(), dtype, name)
+
+
+def test_non_float_tensors_are_refused_by_name():
+    torch = pytest.importorskip("torch")
+    jnp = pytest.importorskip("jax.numpy")
+    from tb_numerics.backends import jax_stats, torch_stats
+
+    with pytest.raises(TypeError, match="'ids'.*int32"):
+        torch_stats.quick(torch.zeros(3, dtype=torch.int32), "ids")
+    with pytest.raises(TypeError, match="'ids'.*int32"):
+        jax_stats.tensor_stats(jnp.zeros(3, jnp.int32), "ids")

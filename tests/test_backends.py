@@ -1,0 +1,146 @@
+"""NumericsCallback on Keras' JAX and PyTorch backends: the same answer as on TensorFlow (issue 32).
+
+One process per backend (Keras picks its backend once per process) runs
+every training this module checks (``backend_runs.py``), the three side by
+side. Truth comes from outside the product: the injected faults (their step,
+layer and source line), TensorFlow's own report of the same model, and on
+JAX ``jax_debug_nans``/``jax_debug_infs``, which name the first primitive
+that made a NaN or an Inf.
+"""
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import backend_runs
+from tb_numerics import hints
+
+pytestmark = pytest.mark.e2e
+
+BACKENDS = ("tensorflow", "jax", "torch")
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """backend -> the results of ``backend_runs.py`` there."""
+    missing = [m for m in ("jax", "torch") if importlib.util.find_spec(m) is None]
+    if missing:
+        pytest.skip("%s not installed: pip install -e '.[test,cpu,jax,torch]' (scripts/test.sh does)" % ", ".join(missing))
+    root = tmp_path_factory.mktemp("backends")
+    procs = {}
+    for b in BACKENDS:
+        env = dict(os.environ, KERAS_BACKEND=b, TF_CPP_MIN_LOG_LEVEL="2")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [os.path.dirname(HERE), env.get("PYTHONPATH")]))  # demo/
+        procs[b] = subprocess.Popen([sys.executable, os.path.join(HERE, "backend_runs.py"), str(root / (b + ".json")),
+                                     str(root / b)], env=env, cwd=HERE, stdout=subprocess.PIPE,
+                                    stderr=subprocess.STDOUT, text=True)
+    out = {}
+    for b, p in procs.items():
+        log = p.communicate(timeout=600)[0]
+        assert p.returncode == 0, "%s:\n%s" % (b, log[-4000:])
+        with open(root / (b + ".json")) as f:
+            out[b] = json.load(f)
+    return out
+
+
+# fault -> (the tensor it goes bad in, its phase, the op family a hint names;
+# None where the backends' ops differ: TensorFlow's SqrtGrad, a div elsewhere)
+TRUTH = {"log0": ("fault/output", "forward", "log"), "div00": ("loss", "forward", "div"),
+         "overflow": ("fault/output", "forward", "exp"), "sqrt0": ("gradients/fault/scale", "backward", None)}
+
+
+@pytest.mark.parametrize("kind", backend_runs.FAULTS)
+def test_every_backend_names_the_same_first_anomaly_as_tensorflow(runs, kind):
+    tensor, phase, _ = TRUTH[kind]
+    for b in BACKENDS:
+        a = runs[b][kind]["report"]["first_anomaly"]
+        assert (a["step"], a["tensor"], a["phase"]) == (backend_runs.BAD_STEP, tensor, phase), b
+        assert a["last_healthy_step"] == backend_runs.BAD_STEP - 1, b
+
+
+@pytest.mark.parametrize("kind", backend_runs.FAULTS)
+def test_every_backend_replays_the_step_to_the_faults_own_line(runs, kind):
+    _, phase, family = TRUTH[kind]
+    for b in BACKENDS:
+        r = runs[b][kind]
+        op = r["report"]["first_anomaly"]["op"]
+        assert r["report"]["first_anomaly"]["replay"] == {"reproduced": True}, b
+        assert op["source"].startswith("backend_runs.py:%d (" % r["line"]), (b, op)
+        assert op["phase"] == phase, (b, op)
+        if family:
+            assert hints.op_family(op["name"], op["type"]) == family, (b, op)
+        assert r["verdict"]["op"]["inputs"], (b, r["verdict"])  # the ranges of the op's inputs at that step
+
+
+@pytest.mark.parametrize("kind", backend_runs.FAULTS)
+def test_the_jax_replay_names_the_primitive_jax_debug_nans_names(runs, kind):
+    r = runs["jax"][kind]
+    assert r["oracle"].endswith("encountered in %s" % r["report"]["first_anomaly"]["op"]["type"]), r["oracle"]
+
+
+def test_the_torch_replay_agrees_with_anomaly_mode_on_the_backward_fault(runs):
+    # Anomaly mode checks the backward pass only, and for NaN only: it names
+    # the first backward function that returned a NaN (the square's, whose
+    # 2x times the sqrt's Inf is 0 x Inf). The replay names the first that
+    # returned a NaN or an Inf: the sqrt's own, an Inf (0.5 / sqrt(0)).
+    r = runs["torch"]["sqrt0"]
+    op = r["report"]["first_anomaly"]["op"]
+    assert r["oracle"].endswith("Backward0"), r["oracle"]
+    if op["name"].split("/")[0] != r["oracle"]:
+        assert op["name"].startswith("SqrtBackward0/") and r["verdict"]["op"]["nan"] == 0, (op, r["oracle"])
+        assert r["verdict"]["op"]["posinf"] + r["verdict"]["op"]["neginf"] > 0, r["verdict"]
+
+
+def test_nothing_imports_tensorflow_on_jax_and_torch(runs):
+    # backend_runs.py made TensorFlow impossible to import there; a module
+    # that needed it would have failed the run.
+    assert runs["jax"]["tensorflow_imported"] == [] and runs["torch"]["tensorflow_imported"] == []
+    assert runs["tensorflow"]["tensorflow_imported"]  # the check sees an import where there is one
+
+
+def test_every_n_steps_still_writes_the_first_bad_step_and_the_one_before(runs):
+    # every_n_steps=5, stop_on_anomaly: steps 0 and 5 regularly, 6 as the step
+    # before the first bad one, 7; then training stopped.
+    for b in ("jax", "torch"):
+        report = runs[b]["every_n"]["report"]
+        assert report["steps"]["fault/output"] == [0, 5, 6, 7], b
+        assert report["first_anomaly"]["step"] == backend_runs.BAD_STEP, b
+
+
+@pytest.mark.parametrize("policy", ["mixed_float16", "mixed_bfloat16"])
+def test_mixed_precision_records_the_compute_dtype_on_every_backend(runs, policy):
+    compute = policy.split("_")[1]
+    for b in ("jax", "torch"):
+        infos = runs[b][policy]["report"]["infos"]
+        assert runs[b][policy]["report"]["first_anomaly"] is None, b
+        assert infos["dense_0/output"]["dtype"] == compute, b
+        grad = infos["gradients/faulty/dense_0/kernel"]
+        assert (grad["dtype"], grad["compute_dtype"]) == ("float32", compute), b
+        assert infos["head/output"]["dtype"] == "float32", b  # the layer the model keeps in float32
+        assert ("loss_scale" in infos) == (compute == "float16"), b  # Keras scales the loss for float16 only
+
+
+def test_the_records_are_the_same_rows_on_every_backend(runs):
+    # The layer-level rows; TensorFlow's replay also writes op-level records (ops/...).
+    tags = {b: [t for t in runs[b]["log0"]["report"]["infos"] if not t.startswith("ops/")] for b in BACKENDS}
+    assert tags["jax"] == tags["tensorflow"] and tags["torch"] == tags["tensorflow"]
+    fields = ("order", "role", "phase", "dtype", "shape", "op_type", "activation")
+    meta = {b: [[runs[b]["log0"]["report"]["infos"][t][k] for k in fields] for t in tags[b]] for b in BACKENDS}
+    assert meta["jax"] == meta["tensorflow"] and meta["torch"] == meta["tensorflow"]
+
+
+def test_the_demos_keras_fit_story_fails_alike_on_every_backend(runs):
+    # Its initial weights are drawn with numpy: the same model on every backend.
+    firsts = {b: runs[b]["keras_fit"]["report"]["first_anomaly"] for b in BACKENDS}
+    for b, a in firsts.items():
+        assert (a["step"], a["tensor"], a["posinf"]) == (9, "dense_3/output", 15), b
+        assert a["op"]["source"].startswith("demo/stories/keras_fit.py:") or a["op"]["source"].startswith(
+            os.path.join(os.path.dirname(HERE), "demo", "stories", "keras_fit.py")), (b, a["op"])
+        assert hints.op_family(a["op"]["name"], a["op"]["type"]) is None and a["op"]["name"].split("/")[-2] == "dense_1", b
+    sources = {a["op"]["source"] for a in firsts.values()}
+    assert len(sources) == 1, sources
