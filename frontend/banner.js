@@ -274,7 +274,7 @@ function actionsList(s) {
   if (events.length > ACTIONS_SHOWN) lines.push(el("li", {}, `and ${fmt.count(events.length - ACTIONS_SHOWN)} more`));
   return el(
     "div",
-    { class: "actions" },
+    { class: "training-actions" },
     el("p", {}, el("span", { class: "cause-label" }, "Training acted: "), text(actions.words) ?? ""),
     el("ul", {}, ...lines)
   );

@@ -75,7 +75,7 @@ def test_the_banner_and_the_timeline_show_the_actions(tb):
             page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
             page.on("pageerror", lambda e: errors.append(str(e)))
             page.goto(tb.url + ENTRY)
-            acted = page.locator(".banner .actions")
+            acted = page.locator(".banner .training-actions")
             expect(acted).to_contain_text("Training acted: survived 11 non-finite steps (skipped), 1 rewind at step 30")
             items = acted.locator("li")
             expect(items.first).to_have_text("Step 10 (epoch 0, batch 10): skip (%s)" % HOSTILE)
