@@ -46,8 +46,8 @@ ANOMALIES = {
     # that tensor (its max |x| jumped 1e3x at step 4).
     "exploding_lr": dict(step=5, tensor="dense_4/output", phase="forward",
                          nan=0, neginf=0, last_healthy_step=3),
-    # model.fit + NumericsCallback at lr 0.1: the gradient norm spikes 29x
-    # at step 3, and the last hidden layer overflows at step 9 (the same on
+    # model.fit + NumericsCallback at lr 0.1: the gradients grow 685x and
+    # their norm spikes at step 6, and the last hidden layer overflows at step 9 (the same on
     # JAX and PyTorch: the story draws its initial weights with numpy).
     "keras_fit": dict(step=9, tensor="dense_3/output", op_type="Dense", phase="forward",
                       nan=0, posinf=15, neginf=0, size=4096, last_healthy_step=7),

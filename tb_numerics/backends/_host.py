@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 import keras
 import numpy as np
 
-from tb_numerics import _keras_batch, analysis, cli, event_reader, latch, metadata, record_writer, records
+from tb_numerics import _keras_batch, analysis, event_reader, latch, metadata, record_writer, records, report_text
 from tb_numerics.backends import _plan
 
 __all__ = ["BackendCallback", "StepResult"]
@@ -298,7 +298,7 @@ class BackendCallback(keras.callbacks.Callback):
         self.anomaly = analysis.first_anomaly(ra)
         self.model.stop_training = True
         if self.anomaly is not None:
-            print("\n".join(cli.anomaly_lines(self.anomaly, head="tb-numerics: stopping training at ")),
+            print("\n".join(report_text.anomaly_lines(self.anomaly, head="tb-numerics: stopping training at ")),
                   file=sys.stderr)
 
 
