@@ -343,13 +343,24 @@ _MIRRORED = """
     skip_stop = fit(args["logdir"] + "/skip_stop", tbn.OnAnomaly("skip", max_skips=1), bad, y, 1e-3, 1)
     # The linear regression at 10x its stable learning rate (diverging at step 15), rewound.
     rewind = fit(args["logdir"] + "/rewind", tbn.OnAnomaly("rewind", lr_factor=0.1), x, y, 1.0, 4, replay=False)
-    print(json.dumps([skip_stop, rewind]))
+    # A strategy the gate cannot take one decision across: refused before the first step.
+    central = tf.distribute.experimental.CentralStorageStrategy(["/cpu:0", "/cpu:1"])
+    with central.scope():
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(1)])
+        model.compile(keras.optimizers.SGD(0.1), "mse")
+    try:
+        model.fit(x, y, batch_size=16, epochs=1, verbose=0,
+                  callbacks=[NumericsCallback(args["logdir"] + "/central", on_anomaly="skip")])
+        refused = None
+    except ValueError as e:
+        refused = [str(e), int(model.optimizer.iterations.numpy())]
+    print(json.dumps([skip_stop, rewind, refused]))
 """
 
 
 def test_under_mirrored_strategy_one_decision_holds_for_every_replica(tmp_path):
     arg = json.dumps({"logdir": str(tmp_path)})
-    skip_stop, rewind = two_replicas.run(_MIRRORED, arg)
+    skip_stop, rewind, refused = two_replicas.run(_MIRRORED, arg)
     # A NaN on replica 1 alone: the update held back on both, training went on;
     # then a NaN in every batch: one more skip, and the stop. Finite throughout.
     actions = _report(tmp_path / "skip_stop")["actions"]
@@ -362,6 +373,9 @@ def test_under_mirrored_strategy_one_decision_holds_for_every_replica(tmp_path):
     rewinds = [e for e in actions["events"] if e["action"] == "rewind"]
     assert rewinds and not actions["stopped"] and rewind["finite"], (actions["words"], rewind)
     assert rewind["lr"] == pytest.approx(0.1 ** len(rewinds), rel=1e-5)
+    # Another strategy with two replicas is refused, with the reason, before any update.
+    assert refused == ["NumericsCallback: on_anomaly='skip' holds a bad step's update back, which it can under one "
+                       "device or MirroredStrategy, not CentralStorageStrategy", 0]
 
 
 # ---------------------------------------------------------------- two optimizers (issue 25, zoo)
