@@ -11,8 +11,9 @@ remembers how to put each one back):
   gradients, the weights before the update and the update itself, which
   ``StepProgram.recorded_apply`` records);
 * the ``apply`` of every other optimizer the model holds as an attribute
-  (a GAN's second one), whose update is held back with the step's
-  (``UpdateGate.gated_other_apply``);
+  (a GAN's second one), whose gradients are recorded with the model
+  optimizer's where it runs before it, and whose update is held back with
+  the step's (``UpdateGate.gated_other_apply``);
 * ``model.train_function``, rebuilt so that the wrappers are traced into it.
 
 While a replay runs a step again (``_keras_replay``), the wrappers record
@@ -140,7 +141,7 @@ class StepHooks:
         def wrapped(grads, trainable_variables=None):
             if self._replaying():
                 if self._trace is not None:
-                    self._trace.grads = list(zip(grads, trainable_variables or self._model.trainable_variables))
+                    self._trace.grads += list(zip(grads, trainable_variables or self._model.trainable_variables))
                 return None  # a replay never updates the weights
             trace = self._trace
             if trace is None:
@@ -156,11 +157,15 @@ class StepHooks:
 
         @functools.wraps(apply)
         def wrapped(grads, trainable_variables=None):
+            grads = list(grads)
+            variables = list(trainable_variables if trainable_variables is not None
+                             else opt._trainable_variables)  # noqa: SLF001 - Keras' own default
+            trace = self._trace if self._replaying() else self._step_trace
+            if trace is not None:  # its gradients are the step's records too (before the model's update)
+                trace.grads += list(zip(grads, variables))
             if self._replaying():
                 return None  # a replay never updates the weights
-            variables = (trainable_variables if trainable_variables is not None
-                         else opt._trainable_variables)  # noqa: SLF001 - Keras' own default
-            return self._program.gate.gated_other_apply(apply, list(grads), list(variables), self._step_trace)
+            return self._program.gate.gated_other_apply(apply, grads, variables, self._step_trace)
 
         return wrapped
 

@@ -84,7 +84,10 @@ class Trace:
     # Each gradient's plain sum, as its statistics computed it (by variable index).
     grad_sums: dict[int, tf.Tensor] = dataclasses.field(default_factory=dict)
     data: Any = None  # the step's batch, kept for a replay if the step goes bad
-    grads: list[tuple[Any, Any]] = dataclasses.field(default_factory=list)  # a replay's (gradient, variable) pairs
+    # (gradient, variable) pairs of the other optimizers the step applied
+    # before the model's (a GAN's), recorded as its gradients; in a replay,
+    # every optimizer's.
+    grads: list[tuple[Any, Any]] = dataclasses.field(default_factory=list)
     # Whether every update of the step so far was applied (a bool tensor), so
     # that a second optimizer's update is held back with the first's; None
     # before the step's first gated update.
@@ -244,7 +247,7 @@ class StepProgram:
             row = plan.rows[plan.loss_row]
             row.dtype, row.shape, row.present = trace.loss.dtype.base_dtype.name, tuple(trace.loss.shape), True
             rows[plan.loss_row] = stats.tensor_stats(tf.stop_gradient(trace.loss), "loss")
-        grad_of = {id(v): g for g, v in zip(grads, variables)}
+        grad_of = {id(v): g for g, v in trace.grads + list(zip(grads, variables)) if g is not None}
         for j in sorted(plan.grad_rows):
             r = plan.grad_rows[j]
             g = grad_of.get(id(plan.variables[j]))

@@ -384,8 +384,9 @@ def test_under_mirrored_strategy_one_decision_holds_for_every_replica(tmp_path):
 class TwoOptimizers(keras.Model):
     """A GAN-like custom ``train_step``: the critic's update with an
     optimizer of its own first, then the generator's (``model.optimizer``),
-    whose loss reads the critic after its update. A log of the real batch
-    goes NaN where the batch holds a negative value."""
+    whose loss reads the critic after its update. The critic's loss, a mean
+    over the examples it weights, is 0 / 0 in a batch that weights none: a
+    NaN in its loss and its gradients, never in a layer's output."""
 
     def __init__(self):
         super().__init__()
@@ -399,8 +400,9 @@ class TwoOptimizers(keras.Model):
         real, _ = data
         noise = tf.ones_like(real) * 0.5
         with tf.GradientTape() as tape:
-            features = tf.math.log(real + 6.0)  # LOG_OF_REAL
-            c_loss = tf.reduce_mean(tf.square(self.critic(features) - 1.0))
+            weights = tf.cast(real[:, 5] > -6.0, real.dtype)  # a batch with no weighted example: 0 / 0
+            weighted = tf.reduce_sum(weights * tf.square(self.critic(real) - 1.0))
+            c_loss = weighted / tf.reduce_sum(weights)  # DIV_BY_WEIGHTS
         c_vars = self.critic.trainable_variables
         self.critic_optimizer.apply(tape.gradient(c_loss, c_vars), c_vars)
         with tf.GradientTape() as tape:
@@ -420,7 +422,7 @@ def two_optimizers(tmp_path_factory):
     model.critic_optimizer.build(model.critic.trainable_variables)
     model.compile(keras.optimizers.SGD(0.01), "mse")
     x, y = _data()
-    x[16 * BAD + 3, 5] = -7.0  # log(-1): NaN in the critic's loss only
+    x[16 * BAD:16 * BAD + 16, 5] = -7.0  # NaN in the critic's loss and gradients only: no layer's output
     model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[
         _BatchOracle(logdir, lambda e, b: b == BAD), NumericsCallback(str(logdir), on_anomaly="skip")])
     return dict(logdir=logdir, model=model, batch=(tf.constant(x[16 * BAD:16 * BAD + 16]), tf.constant(y[:16])))
@@ -454,11 +456,11 @@ def test_every_optimizer_the_step_applies_is_held_back(two_optimizers):
     run = _report(two_optimizers["logdir"])
     a = run["first_anomaly"]
     op_type, line = _check_numerics_names(lambda: model.train_step(two_optimizers["batch"]))
-    assert (op_type, line) == ("Log", line_of(__file__, "# LOG_OF_REAL"))
+    assert (op_type, line) == ("RealDiv", line_of(__file__, "# DIV_BY_WEIGHTS"))
     assert a["step"] == truth and a["replay"] == {"reproduced": True}, a
     assert a["op"]["type"] == op_type and a["op"]["source"].endswith("test_survive.py:%d (train_step)" % line)
     (event,) = run["actions"]["events"]
-    assert (event["step"], event["action"], event["op"]["type"]) == (truth, "skip", "Log")
+    assert (event["step"], event["action"], event["op"]["type"]) == (truth, "skip", "RealDiv")
 
 
 # ---------------------------------------------------------------- a custom loop under tbn.guard
