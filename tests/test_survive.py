@@ -413,9 +413,8 @@ class TwoOptimizers(keras.Model):
         return {"loss": c_loss + g_loss}
 
 
-@pytest.fixture(scope="module")
-def two_optimizers(tmp_path_factory):
-    logdir = tmp_path_factory.mktemp("two_optimizers")
+def _fit_two_optimizers(logdir, policy, replay: bool = True) -> dict:
+    """TwoOptimizers for one epoch whose batch BAD weights no example."""
     keras.utils.set_random_seed(0)
     model = TwoOptimizers()
     model(np.zeros((1, 8), np.float32))
@@ -424,8 +423,13 @@ def two_optimizers(tmp_path_factory):
     x, y = _data()
     x[16 * BAD:16 * BAD + 16, 5] = -7.0  # NaN in the critic's loss and gradients only: no layer's output
     model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[
-        _BatchOracle(logdir, lambda e, b: b == BAD), NumericsCallback(str(logdir), on_anomaly="skip")])
+        _BatchOracle(logdir, lambda e, b: b == BAD), NumericsCallback(str(logdir), on_anomaly=policy, replay=replay)])
     return dict(logdir=logdir, model=model, batch=(tf.constant(x[16 * BAD:16 * BAD + 16]), tf.constant(y[:16])))
+
+
+@pytest.fixture(scope="module")
+def two_optimizers(tmp_path_factory):
+    return _fit_two_optimizers(tmp_path_factory.mktemp("two_optimizers"), "skip")
 
 
 def _check_numerics_names(fn) -> tuple[str, int]:
@@ -461,6 +465,20 @@ def test_every_optimizer_the_step_applies_is_held_back(two_optimizers):
     assert a["op"]["type"] == op_type and a["op"]["source"].endswith("test_survive.py:%d (train_step)" % line)
     (event,) = run["actions"]["events"]
     assert (event["step"], event["action"], event["op"]["type"]) == (truth, "skip", "RealDiv")
+
+
+def test_a_rewind_puts_back_every_optimizer_the_step_applies(tmp_path):
+    run = _fit_two_optimizers(tmp_path, tbn.OnAnomaly("rewind", snapshot_every=1), replay=False)
+    (truth,) = _oracle_steps(tmp_path)
+    (event,) = _report(tmp_path)["actions"]["events"]
+    # Snapshots after every healthy step, the rewind to the older of the last two
+    # (the state after BAD - 1 batches), then the batches after BAD.
+    assert (event["step"], event["action"], event["to_step"]) == (truth, "rewind", BAD - 1)
+    model = run["model"]
+    # Both optimizers' counters went back with the weights (without the critic's
+    # own state in the snapshot, its counter would be BATCHES - 1).
+    assert int(model.critic_optimizer.iterations) == int(model.optimizer.iterations) == BATCHES - 2
+    assert _finite(model)
 
 
 # ---------------------------------------------------------------- a custom loop under tbn.guard
