@@ -282,8 +282,9 @@ def test_a_rewind_to_the_newest_checkpoint_a_model_checkpoint_wrote(diverging):
 @pytest.fixture(scope="module")
 def mixed(tmp_path_factory):
     """Under mixed_float16: batch 2's targets overflow float16 (the
-    LossScaleOptimizer's own skip), batch BAD holds a NaN (an anomaly)."""
-    logdir = tmp_path_factory.mktemp("mixed")
+    LossScaleOptimizer's own skip), batch BAD holds a NaN (an anomaly); and
+    a second training where every batch from BAD on holds one (skip, then stop)."""
+    logdir, persistent = tmp_path_factory.mktemp("mixed"), tmp_path_factory.mktemp("mixed_persistent")
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
         model = _mlp(out_dtype="float32")  # a float32 loss: the targets overflow float16 gradients only
@@ -297,9 +298,16 @@ def mixed(tmp_path_factory):
         policy = tbn.OnAnomaly("rewind", snapshot_every=1, max_rewinds=1)
         model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0,
                   callbacks=[_BatchOracle(logdir, lambda e, b: b == BAD), NumericsCallback(str(logdir), on_anomaly=policy), probe])
+        stopped = _mlp(out_dtype="float32")
+        stopped.compile(keras.optimizers.SGD(1e-3), "mse")
+        x, y = _data()
+        x[16 * BAD + 1::16, 2] = np.nan
+        stopped.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[
+            _BatchOracle(persistent, lambda e, b: b >= BAD),
+            NumericsCallback(str(persistent), on_anomaly=tbn.OnAnomaly("skip", max_skips=1), replay=False)])
     finally:
         keras.mixed_precision.set_global_policy("float32")
-    return dict(logdir=logdir, model=model, scales=scales)
+    return dict(logdir=logdir, model=model, scales=scales, persistent=persistent, stopped=stopped)
 
 
 def test_under_mixed_float16_the_loss_scale_skips_are_its_own_and_a_rewind_restores_the_scale(mixed):
@@ -315,6 +323,16 @@ def test_under_mixed_float16_the_loss_scale_skips_are_its_own_and_a_rewind_resto
     # Snapshots after every step, the rewind to the older of the last two.
     assert event["to_step"] == BAD - 2 and scales[BAD] == scales[BAD - 3] != scales[BAD - 1] / 2
     assert _finite(mixed["model"])
+
+
+def test_under_mixed_float16_a_persistent_nan_escalates_after_k_skips_and_stops(mixed):
+    truth = _oracle_steps(mixed["persistent"])
+    actions = _report(mixed["persistent"])["actions"]
+    assert [(e["step"], e["action"], e["trigger"]) for e in actions["events"]] == [
+        (truth[0], "skip", "nonfinite"), (truth[1], "stop", "nonfinite")]
+    assert actions["stopped"] and actions["events"][1]["reason"] == "2 anomalous steps in a row (at most 1 skipped)"
+    model = mixed["stopped"]
+    assert int(model.optimizer.iterations) == BAD and _finite(model)
 
 
 # ---------------------------------------------------------------- MirroredStrategy
