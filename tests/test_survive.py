@@ -297,7 +297,8 @@ def mixed(tmp_path_factory):
         x[16 * BAD + 1, 2] = np.nan
         policy = tbn.OnAnomaly("rewind", snapshot_every=1, max_rewinds=1)
         model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0,
-                  callbacks=[_BatchOracle(logdir, lambda e, b: b == BAD), NumericsCallback(str(logdir), on_anomaly=policy), probe])
+                  callbacks=[_BatchOracle(logdir, lambda e, b: b == BAD),
+                             NumericsCallback(str(logdir), on_anomaly=policy), probe])
         stopped = _mlp(out_dtype="float32")
         stopped.compile(keras.optimizers.SGD(1e-3), "mse")
         x, y = _data()
@@ -351,7 +352,8 @@ _MIRRORED = """
         model.fit(x, y, batch_size=16, epochs=epochs, shuffle=False, verbose=0,
                   callbacks=[NumericsCallback(logdir, on_anomaly=policy, replay=replay)])
         return {"finite": all(bool(np.isfinite(w.numpy()).all()) for w in model.weights),
-                "iterations": int(model.optimizer.iterations.numpy()), "lr": float(model.optimizer.learning_rate.numpy())}
+                "iterations": int(model.optimizer.iterations.numpy()),
+                "lr": float(model.optimizer.learning_rate.numpy())}
 
     x = (np.random.RandomState(2).randn(16 * 12, 8) * 3).astype("float32")
     y = x.sum(1, keepdims=True)
@@ -558,12 +560,13 @@ def test_a_custom_loop_under_the_guard_skips_and_stops(tmp_path, compiled):
         "test_survive.py:%d (step_fn)" % line_of(__file__, "# GUARD_LOG"))
     stop = _guarded_loop(tmp_path / "stop", BAD, tbn.OnAnomaly("skip", max_skips=1), compiled)
     assert stop["finite"] and stop["iterations"] == (BAD, BAD)
-    assert isinstance(stop["stopped"], tbn.survive.TrainingStopped) and "stopped at step %d" % (BAD + 1) in str(stop["stopped"])
+    assert isinstance(stop["stopped"], tbn.survive.TrainingStopped)
+    assert "stopped at step %d" % (BAD + 1) in str(stop["stopped"])
     actions = _report(tmp_path / "stop")["actions"]
     assert [(e["step"], e["action"]) for e in actions["events"]] == [(BAD, "skip"), (BAD + 1, "stop")]
 
 
-# ---------------------------------------------------------------- the spike trigger, and a fault that does not reproduce
+# ------------------------------------------------ the spike trigger, and a fault that does not reproduce
 
 _FLIP = tf.Variable(0.0, trainable=False)  # 1 while the fault is injected: no variable of the model
 
@@ -614,7 +617,8 @@ def test_a_loss_spike_is_skipped_before_any_nan(spiky):
     spike_step, flaky_step = _oracle_steps(spiky["logdir"])
     run = _report(spiky["logdir"])
     spike = run["actions"]["events"][0]
-    assert (spike["step"], spike["trigger"], spike["action"], spike["tensor"]) == (spike_step, "loss_spike", "skip", "loss")
+    assert (spike["step"], spike["trigger"], spike["action"], spike["tensor"]) == (
+        spike_step, "loss_spike", "skip", "loss")
     assert "σ above the mean" in spike["detail"] and spike["value"] > 1e4
     assert _finite(spiky["model"]) and int(spiky["model"].optimizer.iterations) == BATCHES - 2
     assert run["actions"]["words"] == "survived 1 non-finite step and 1 loss spike (skipped)"
