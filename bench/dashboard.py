@@ -1,6 +1,7 @@
 """First paint of the Numerics dashboard in Chromium, on bench/backend.py's long run.
 
-Writes (or reuses) the 100,000-step x 50-tensor run of ``bench/backend.py``,
+Writes (or reuses) the 100,000-step x 500-tensor run of ``bench/backend.py``
+(``--tensors 50`` for the run this bench was first measured on),
 starts ``tensorboard``, waits until TensorBoard has loaded every record, then
 opens the dashboard's page in Debian's Chromium and times, from navigation:
 
@@ -13,7 +14,7 @@ for it, and may answer from a partial read); "warm" is a page opened once the
 plugin holds every record (its per-run cache answers).
 
     .venv/bin/python bench/dashboard.py                  # full size
-    .venv/bin/python bench/dashboard.py --steps 10000    # quick
+    .venv/bin/python bench/dashboard.py --steps 10000 --tensors 50   # quick
     .venv/bin/python bench/dashboard.py --logdir /tmp/bench-logs   # reuse a written run
     .venv/bin/python bench/dashboard.py --existing demo_logs --reps 5   # the demo's logdir as it is
 

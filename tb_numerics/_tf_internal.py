@@ -18,6 +18,11 @@ privately, the same ones its own ``enable_check_numerics`` and
 * the eager name scope; the variable class's ``assign`` methods, to put
   back what a replayed step wrote (``variable_writes_undone``); and variables that bypass ``tf.function``'s
   "variables only on the first trace" rule (ring buffers made per trace);
+* ``tf.function``'s ``__call__`` and ``tf.data.Dataset.__iter__``, routed
+  through a recorder on the thread of its block (``acquire_routes``), and a
+  copy of a ``tf.function`` that traces anew (``retraceable_copy``), so that
+  what a block calls that was traced before it is traced anew in it (the
+  pipeline's own private API is in ``_tf_data_internal``);
 * for the summary API and the writers around it: the default summary
   writer (``tf.summary`` has no public getter), ``smart_cond`` (a cond
   decided when tracing where its predicate is known then), whether an op
@@ -77,6 +82,8 @@ def check_supported() -> None:
         from tensorflow.python import pywrap_tfe
         from tensorflow.python.eager import backprop, context
         from tensorflow.python.framework import op_callbacks, smart_cond
+        from tensorflow.python.data.ops import dataset_ops
+        from tensorflow.python.eager.polymorphic_function import polymorphic_function
         from tensorflow.python.ops import control_flow_util, gradients_util, resource_variable_ops, summary_ops_v2
 
         missing = [
@@ -101,6 +108,10 @@ def check_supported() -> None:
                  "op" in _local_names(gradients_util._GradientsHelper)),
                 ("summary_ops_v2._summary_state", hasattr(summary_ops_v2, "_summary_state")),
                 ("smart_cond.smart_cond", hasattr(smart_cond, "smart_cond")),
+                ("polymorphic_function.Function.__call__", "__call__" in vars(polymorphic_function.Function)),
+                ("dataset_ops.DatasetV2.__iter__", "__iter__" in vars(dataset_ops.DatasetV2)),
+                ("dataset_ops.DatasetV2._variant_tensor",
+                 isinstance(vars(dataset_ops.DatasetV2).get("_variant_tensor"), property)),
             )
             if not ok
         ]
@@ -138,14 +149,19 @@ def is_function_call(op_type: str) -> bool:
     return op_type.startswith(_FUNCTION_PREFIXES)
 
 
-def outermost_function_name(graph: Any) -> str:
-    """The name of the outermost function graph ``graph`` is (or is nested in)."""
+def outermost_function_graph(graph: Any) -> Any:
+    """The outermost function graph ``graph`` is (or is nested in)."""
     while True:
         ref = getattr(graph, "_weak_outer_graph", None)
         outer = ref() if ref is not None else None
         if outer is None or not getattr(outer, "building_function", False):
-            return graph.name
+            return graph
         graph = outer
+
+
+def outermost_function_name(graph: Any) -> str:
+    """The name of the outermost function graph ``graph`` is (or is nested in)."""
+    return outermost_function_graph(graph).name
 
 
 def function_graphs(graph: Any) -> list[Any]:
@@ -479,6 +495,91 @@ def variable_writes_undone():
             setattr(cls, name, original)
         for var, value in before.values():
             var.assign(value)
+
+
+# ------------------------------------------ calls of tf.functions, iterations of datasets
+
+_route_lock = threading.Lock()
+_route_users = 0
+_routes = threading.local()
+_originals: dict[str, Any] = {}
+
+
+def _routed_call(self, *args, **kwargs):
+    """``tf.function``'s ``__call__``, through this thread's router where one is set."""
+    route = getattr(_routes, "current", None)
+    if route is None:
+        return _originals["call"](self, *args, **kwargs)
+    return route[0](_originals["call"], self, args, kwargs)
+
+
+def _routed_iter(self):
+    """``tf.data.Dataset.__iter__``, of the dataset this thread's router gives."""
+    route = getattr(_routes, "current", None)
+    return _originals["iter"](self if route is None else route[1](self))
+
+
+def _routed_variant(self):
+    """``tf.data.Dataset._variant_tensor`` (what a graph captures of a
+    dataset), as this thread's router gives it."""
+    variant = _originals["variant"].fget(self)
+    route = getattr(_routes, "current", None)
+    return variant if route is None else route[2](self, variant)
+
+
+def _route_targets() -> list[tuple[Any, str, str, Any]]:
+    from tensorflow.python.data.ops import dataset_ops
+    from tensorflow.python.eager.polymorphic_function import polymorphic_function
+
+    return [(polymorphic_function.Function, "__call__", "call", _routed_call),
+            (dataset_ops.DatasetV2, "__iter__", "iter", _routed_iter),
+            (dataset_ops.DatasetV2, "_variant_tensor", "variant", property(_routed_variant))]
+
+
+def acquire_routes(call: Callable[..., Any], iterate: Callable[[Any], Any],
+                   variant: Callable[[Any, Any], Any]) -> None:
+    """Routes this thread's calls of ``tf.function``s through ``call(original,
+    function, args, kwargs)`` (which must return ``original(target, *args,
+    **kwargs)`` for the function it picks), its iterations of ``tf.data``
+    datasets over ``iterate(dataset)``, the dataset to iterate, and the
+    variant tensor a dataset gives (what a graph captures of it) through
+    ``variant(dataset, tensor)``.
+
+    The two methods are patched process-wide, reference-counted
+    (``release_routes`` puts them back at zero); a thread without routes
+    calls through unchanged.
+    """
+    global _route_users
+    with _route_lock:
+        if _route_users == 0:
+            for cls, attr, key, routed in _route_targets():
+                _originals[key] = vars(cls)[attr]
+                setattr(cls, attr, routed)
+        _route_users += 1
+    _routes.stack = getattr(_routes, "stack", []) + [getattr(_routes, "current", None)]
+    _routes.current = (call, iterate, variant)
+
+
+def release_routes() -> None:
+    """Undoes this thread's last ``acquire_routes``."""
+    global _route_users
+    *_routes.stack, _routes.current = _routes.stack
+    with _route_lock:
+        _route_users -= 1
+        if _route_users == 0:
+            for cls, attr, key, _ in _route_targets():
+                setattr(cls, attr, _originals.pop(key))
+
+
+def retraceable_copy(fn: Any) -> Any:
+    """A new ``tf.function`` of ``fn``'s Python function and options, with no
+    traces yet: calling it traces anew. None where ``fn`` made variables on
+    its first trace (a copy would make others), is compiled with XLA, or
+    this TensorFlow cannot copy one."""
+    clone = getattr(fn, "_clone", None)
+    if clone is None or getattr(fn, "_created_variables", None) or getattr(fn, "_jit_compile", False):
+        return None
+    return clone(None)
 
 
 # ---------------------------------------------------------------- event files

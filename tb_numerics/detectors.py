@@ -53,9 +53,11 @@ from tb_numerics import metadata
 from tb_numerics.records import F, TensorSeries
 
 __all__ = [
+    "SATURATING",
     "by_depth",
     "dead_units",
     "dead_units_by_gradient",
+    "depth_pair",
     "headroom",
     "headroom_forecast",
     "loss_not_decreasing",
@@ -77,6 +79,8 @@ _ZEROS_BY_DESIGN = re.compile(r"dropout|embedding|softmax|attention|mask|pool|pa
 _RELU_LIKE = re.compile(r"^(relu|relu6|leaky_relu|elu|selu|gelu|silu|swish)$", re.I)
 # Op types (graph ops, Keras layer classes) that are a ReLU-like function.
 _RELU_LIKE_OPS = frozenset({"relu", "relu6", "leakyrelu", "elu", "selu", "prelu"})
+# Functions whose outputs the saturation rule reads (by activation, else op type).
+SATURATING = frozenset({"sigmoid", "hard_sigmoid", "tanh", "softmax"})
 
 
 def sustained(mask: np.ndarray, k: int) -> np.ndarray:
@@ -163,15 +167,24 @@ def dead_units_by_gradient(
         return dead
     j = np.minimum(np.searchsorted(bias.steps, series.steps), max(len(bias.steps) - 1, 0))
     known = (bias.steps[j] == series.steps) if len(bias.steps) else np.zeros(len(dead), dtype=bool)
-    b = bias.values.astype(np.float64)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        units = b[j, F["zeros"]] / np.maximum(b[j, F["count"]], 1) >= share
+    # Only the records that the marked ones' windows read (a long run's are read back from its files).
+    marked = np.flatnonzero(dead)
+    lo, hi = max(int(marked[0]) - k + 1, 0), int(marked[-1]) + 1
+    units = np.zeros(len(dead), dtype=bool)
+    if len(bias.steps):
+        first = int(j[lo])
+        b = bias.records(first, int(j[hi - 1]) + 1)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            at = j[lo:hi] - first
+            units[lo:hi] = b[at, F["zeros"]] / np.maximum(b[at, F["count"]], 1) >= share
     return dead & sustained(np.where(known, units, True), k)
 
 
 def saturation(series: TensorSeries, d: dict[str, np.ndarray], k: int) -> np.ndarray:
     """Sigmoid, tanh or softmax outputs pinned at their bounds."""
     fn = _function(series) or series.info.op_type.lower()
+    if fn not in SATURATING:
+        return np.zeros(len(series.steps), dtype=bool)
     v = series.values.astype(np.float64, copy=False)
     with np.errstate(invalid="ignore", divide="ignore"):
         mean_sq = v[:, F["sum_sq"]] / np.maximum(d["finite"], 1)
@@ -183,8 +196,6 @@ def saturation(series: TensorSeries, d: dict[str, np.ndarray], k: int) -> np.nda
         elif fn == "softmax":
             # Exact 0 (underflowed exp) or exact 1: log(0) is one step away.
             pinned = (v[:, F["zeros"]] > 0) | (v[:, F["max"]] >= 1.0)
-        else:
-            return np.zeros(len(v), dtype=bool)
     return sustained(pinned & (d["finite"] > 0), k)
 
 
@@ -203,7 +214,6 @@ def headroom_forecast(series: TensorSeries, d: dict[str, np.ndarray], window: in
         y = np.log2(d["max_abs"])
     good = np.isfinite(y)
     y = np.where(good, y, 0.0)
-    x = series.steps.astype(np.float64) - float(series.steps[0])
     with np.errstate(invalid="ignore"):
         rising = np.r_[False, (np.diff(y) > 0) & good[1:] & good[:-1]]
 
@@ -211,12 +221,15 @@ def headroom_forecast(series: TensorSeries, d: dict[str, np.ndarray], window: in
         c = np.concatenate([[0.0], np.cumsum(a, dtype=np.float64)])
         return c[window:] - c[:-window]
 
+    rises = window_sum(rising.astype(np.float64)) - rising[: n - window + 1]  # rises inside the window
+    if not np.any(rises >= window - 2):
+        return out  # growing steadily nowhere (most tensors): no line to fit
+    x = series.steps.astype(np.float64) - float(series.steps[0])
     sx, sy, sxx, sxy = (window_sum(a) for a in (x, y, x * x, x * y))
     var = sxx - sx * sx / window
     with np.errstate(invalid="ignore", divide="ignore"):
         slope = np.where(var > 0, (sxy - sx * sy / window) / var, 0.0)
     bad = window_sum((~good).astype(np.float64)) > 0
-    rises = window_sum(rising.astype(np.float64)) - rising[: n - window + 1]  # rises inside the window
     ok = ~bad & (rises >= window - 2) & (slope > 0)
     with np.errstate(divide="ignore"):
         out[window - 1 :] = np.where(ok, (limit - y[window - 1 :]) / np.where(ok, slope, 1.0), np.inf)
@@ -237,7 +250,10 @@ def headroom(series: TensorSeries, d: dict[str, np.ndarray], window: int, steps:
     dtype = series.info.compute_dtype or series.info.dtype
     floor = min(floor, metadata.DTYPE_LIMITS[dtype][0] * 2.0 ** -_HEADROOM_FLOOR_BITS)
     with np.errstate(invalid="ignore"):
-        return (headroom_forecast(series, d, window) <= steps) & (d["max_abs"] >= floor)
+        big = d["max_abs"] >= floor
+        if not big.any():  # most tensors: no forecast to make
+            return big
+        return (headroom_forecast(series, d, window) <= steps) & big
 
 
 def vanishing(norm: np.ndarray, floor: float) -> np.ndarray:
@@ -353,6 +369,22 @@ def _layer(tag: str) -> str:
     return tag.rsplit("/", 1)[0]
 
 
+def depth_pair(grads: Sequence[tuple[str, metadata.TensorInfo]]) -> tuple[str, str] | None:
+    """The tags of the two gradients ``by_depth`` compares: the last layer's
+    first kernel (rank 2 and more) and the first layer's, where the layer is
+    the variable's path without its last name; None where there are no two
+    such layers.
+
+    Args:
+      grads: (tag, info) of the gradients in backward order (the last layer's first).
+    """
+    kernels = [tag for tag, info in grads if info.shape is not None and len(info.shape) >= 2]
+    if not kernels:
+        return None
+    others = [tag for tag in kernels if _layer(tag) != _layer(kernels[0])]
+    return (kernels[0], others[-1]) if others else None
+
+
 def by_depth(
     grads: Sequence[TensorSeries], steps: np.ndarray, vanishing: float, exploding: float, k: int
 ) -> dict[str, Any] | None:
@@ -365,14 +397,11 @@ def by_depth(
     there are no two such layers, else the first layer's series, the ratio
     at ``steps`` and the vanishing and exploding masks over those steps.
     """
-    kernels = [g for g in grads if g.info.shape is not None and len(g.info.shape) >= 2]
-    if not kernels:
+    pair = depth_pair([(g.tag, g.info) for g in grads])
+    if pair is None:
         return None
-    last = kernels[0]
-    others = [g for g in kernels if _layer(g.tag) != _layer(last.tag)]
-    if not others:
-        return None
-    first = others[-1]
+    by_tag = {g.tag: g for g in grads}
+    last, first = by_tag[pair[0]], by_tag[pair[1]]
 
     def norm_at(s: TensorSeries) -> np.ndarray:
         out = np.full(len(steps), np.nan)

@@ -105,7 +105,7 @@ def first_anomaly(ra: RunAnalysis) -> dict[str, Any] | None:
     cell = marked_cell(ra, cell)
     step, row, i = cell
     h = ra.health[row]
-    v = h.series.values[i]
+    v = h.series.record(i)
     index, of = h.series.occurrence(i)
     cause = likely_cause(ra, cell)
     # A batch that arrived broken: no op of the step made its NaN.
@@ -183,7 +183,7 @@ def _batch_fault(ra: RunAnalysis, cell, cause: dict[str, Any] | None) -> hints.B
     step, row, i = cell
     h = ra.health[row]
     if h.series.info.role == "input":
-        tag, at, what = h.series.tag, step, rules.describe_nonfinite(h.series.values[i])
+        tag, at, what = h.series.tag, step, rules.describe_nonfinite(h.series.record(i))
     elif cause is not None and cause.get("role") == "input":
         tag, at, what = cause["tensor"], cause["step"], cause["detail"]
     else:
@@ -205,8 +205,8 @@ def _loss_input(ra: RunAnalysis, row: int, step: int) -> hints.LossInput | None:
         at = np.flatnonzero(s.steps == step)
         if not at.size:
             return None
-        v = s.values[at[-1]].astype(np.float64)
-        first = s.values[0].astype(np.float64)
+        v = s.record(int(at[-1]))
+        first = s.record(0)
         with np.errstate(invalid="ignore"):
             return hints.LossInput(
                 tag=s.tag,
@@ -290,7 +290,15 @@ def warnings_by_tensor(ra: RunAnalysis) -> list[dict[str, Any]]:
 
 
 def run_summary(ra: RunAnalysis) -> dict[str, Any]:
-    """The per-run summary shared by the CLI's JSON and the HTTP API."""
+    """The per-run summary shared by the CLI's JSON and the HTTP API
+    (computed once per analysis: a long run's takes a second; a new dict
+    each call, for the caller to add to)."""
+    if "summary" not in ra.memo:
+        ra.memo["summary"] = _run_summary(ra)
+    return dict(ra.memo["summary"])
+
+
+def _run_summary(ra: RunAnalysis) -> dict[str, Any]:
     steps = ra.steps
     return {
         "run": ra.run,

@@ -18,7 +18,7 @@ import dataclasses
 import numpy as np
 
 from tb_numerics import rules
-from tb_numerics.records import TensorSeries, derived
+from tb_numerics.records import TensorSeries
 from tb_numerics.safe_range import SafeRange
 
 __all__ = ["SeriesHealth", "mark_run", "series_health"]
@@ -40,14 +40,14 @@ def series_health(series: TensorSeries, sr: SafeRange) -> SeriesHealth:
       series: one tensor's records.
       sr: the safe range.
     """
-    # float64 whatever the series holds, so that thresholds compare the same.
-    v = series.values.astype(np.float64, copy=False)
     n = len(series.steps)
     codes = np.zeros(n, dtype=np.int8)
     kinds = np.zeros(n, dtype=np.int8)
     if n == 0:
         return SeriesHealth(series, codes, kinds)
-    view = rules.SeriesView(series, v, derived(v))
+    # float64 whatever the series holds, so that thresholds compare the same.
+    v, d = series.mask_view()
+    view = rules.SeriesView(series, v, d)
     with np.errstate(invalid="ignore"):
         for k in rules.KINDS:
             if k.mask is None or k.name in sr.off:
@@ -56,7 +56,7 @@ def series_health(series: TensorSeries, sr: SafeRange) -> SeriesHealth:
             if mask is not None:
                 kinds[mask & (kinds == 0)] = rules.kind_code(k.name)
     codes[kinds > 0] = rules.WARNING
-    codes[rules.nonfinite_mask(series, sr)] = rules.NONFINITE
+    codes[rules.nonfinite_mask(series, sr, v)] = rules.NONFINITE
     return SeriesHealth(series, codes, kinds)
 
 

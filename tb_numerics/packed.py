@@ -192,24 +192,37 @@ def unpack_block(
     step, is skipped and described in ``problems``; records are checked as
     in ``make_series``.
     """
+    rows = block_rows(block, table, steps, arrays, problems)
+    if rows is None:
+        return []
+    fast = _split_regular(table, rows)
+    if fast is not None:
+        return fast
+    return _split_by_tensor(table, _checked_rows(block, table, rows.astype(np.float64, copy=False), problems))
+
+
+def block_rows(
+    block: str, table: metadata.BlockTable, steps: np.ndarray, arrays: Sequence[np.ndarray], problems: list[str]
+) -> np.ndarray | None:
+    """The rows of one block's events together (``unpack_block``'s
+    arguments), in their dtype, version 2's given a step column; None where
+    there are none. Events of the wrong shape are skipped and described in
+    ``problems``; the rows themselves are not checked."""
     v2 = table[0][1].version < 3
     width = _V2_COLUMNS if v2 else COLUMNS
     keep = [i for i, a in enumerate(arrays) if a.ndim == 2 and a.shape[1] == width and a.dtype.kind in "fiu"]
     if len(keep) < len(arrays):
         problems.append("%s: %d malformed packed event(s) skipped" % (block, len(arrays) - len(keep)))
     if not keep:
-        return []
+        return None
     # Rows keep the events' dtype, float32 or float64 (version 2 wrote float64).
     dtype = np.float64 if v2 else np.result_type(*[arrays[i].dtype for i in keep], np.float32)
     rows = np.concatenate([arrays[i] for i in keep], dtype=dtype)
     if not len(rows):
-        return []
+        return None
     if v2:
         rows = np.insert(rows, 1, np.repeat(np.asarray(steps, np.float64)[keep], [arrays[i].shape[0] for i in keep]), axis=1)
-    fast = _split_regular(table, rows)
-    if fast is not None:
-        return fast
-    return _split_by_tensor(table, _checked_rows(block, table, rows.astype(np.float64, copy=False), problems))
+    return rows
 
 
 def _checked_rows(block: str, table: metadata.BlockTable, rows: np.ndarray, problems: list[str]) -> np.ndarray:
@@ -254,10 +267,20 @@ def _split_by_tensor(table: metadata.BlockTable, rows: np.ndarray) -> list[recor
 
 
 def _split_regular(table: metadata.BlockTable, rows: np.ndarray) -> list[records.TensorSeries] | None:
+    """The usual block's series: each a strided view of ``rows``, with no
+    per-tensor work (see ``regular_cube``). None for any other block."""
+    got = regular_cube(table, rows)
+    if got is None:
+        return None
+    steps, ids, cube = got
+    return [records.TensorSeries(*table[int(i)], steps, cube[:, j, 2:]) for j, i in enumerate(ids.tolist())]
+
+
+def regular_cube(table: metadata.BlockTable, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """The usual block, where each step logs the same distinct tensors in
-    the same order, with valid records and rising steps: each tensor's series
-    is then a strided view of ``rows``, with no per-tensor work. None for
-    any other block."""
+    the same order, with valid records and rising steps, as (steps ``[S]``,
+    each tensor's index in ``table`` ``[T]``, rows ``[S, T, COLUMNS]``, a
+    view of ``rows``); None for any other block."""
     n = int(np.argmax(rows[:, 1] != rows[0, 1])) or len(rows)
     if len(rows) % n:
         return None
@@ -273,8 +296,7 @@ def _split_regular(table: metadata.BlockTable, rows: np.ndarray) -> list[records
         return None
     if not records.valid_records(rows[:, 2:]).all():
         return None
-    steps = steps.astype(np.int64)
-    return [records.TensorSeries(*table[int(i)], steps, cube[:, j, 2:]) for j, i in enumerate(ids.tolist())]
+    return steps.astype(np.int64), ids.astype(np.int64), cube
 
 
 def merge(
@@ -347,12 +369,12 @@ def _kept_records(
     kept, later, shared = [], [], np.zeros(0, np.int64)
     replaced_steps = np.zeros(0, np.int64)
     for p in reversed(parts):
-        at_once = [q.steps for q in later if _at_once(p, q)]
-        replaced = [q.steps for q in later if not _at_once(p, q)]
+        at_once = [q.steps for q in later if written_at_once(p, q)]
+        replaced = [q.steps for q in later if not written_at_once(p, q)]
         mine = ~np.isin(p.steps, np.concatenate(replaced)) if replaced else np.ones(len(p.steps), bool)
         # A restart only where both wall-time spans are known to follow each
         # other (a per-tensor part has none: the same writer may have written it).
-        later_training = [q.steps for q in later if _follows(p, q)]
+        later_training = [q.steps for q in later if follows(p, q)]
         if later_training:
             replaced_steps = np.union1d(replaced_steps, p.steps[np.isin(p.steps, np.concatenate(later_training))])
         if at_once:
@@ -362,12 +384,12 @@ def _kept_records(
     return kept, shared, replaced_steps
 
 
-def _follows(earlier: records.TensorSeries, later: records.TensorSeries) -> bool:
+def follows(earlier: records.TensorSeries, later: records.TensorSeries) -> bool:
     """Whether ``later`` was known to start after ``earlier`` ended (a restart)."""
     return earlier.written is not None and later.written is not None and later.written[0] >= earlier.written[1]
 
 
-def _at_once(earlier: records.TensorSeries, later: records.TensorSeries) -> bool:
+def written_at_once(earlier: records.TensorSeries, later: records.TensorSeries) -> bool:
     """Whether ``later`` was being written before ``earlier`` ended: two
     writers at once, not a restart (unknown wall times count as a restart)."""
     if earlier.written is None or later.written is None:

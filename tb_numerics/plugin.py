@@ -1,10 +1,13 @@
 """The Numerics dashboard's backend: HTTP routes over TensorBoard's data.
 
 The routes, their parameters, JSON, the frontend's files and the loader.
-Records are read, cached and kept current by ``run_store.RunStore``
-through ``context.data_provider`` (so the Rust data server,
-``--load_fast=true``, and the Python loader alike), or through the logdir's
-own files once that provider stops answering (``logdir_provider``); every health decision is
+Records are read, cached and kept current by ``run_store.RunStore``: for a
+local logdir, from its event files (``file_provider``: TensorBoard then
+keeps only a sample of them, so that a long run does not cost its memory
+twice); otherwise through ``context.data_provider`` (so the Rust data
+server, ``--load_fast=true``, and the Python loader alike), or through the
+logdir's own files once that provider stops answering
+(``logdir_provider``); every health decision is
 ``tb_numerics.analysis``'s, so the dashboard, the HTTP API and
 ``tb-numerics report`` agree. Routes are documented in ``http_api.md``.
 
@@ -29,8 +32,8 @@ from tensorboard.backend import http_util
 from tensorboard.data import provider
 from tensorboard.plugins import base_plugin
 
-from tb_numerics import (analysis, compare, event_reader, loader_guard, logdir_provider, metadata, rules,
-                         run_store, survive)
+from tb_numerics import (analysis, compact, compare, event_reader, file_provider, loader_guard, logdir_provider,
+                         metadata, rules, run_store, survive)
 
 __all__ = ["NumericsLoader", "NumericsPlugin", "frontend_dir"]
 
@@ -161,13 +164,23 @@ class NumericsPlugin(base_plugin.TBPlugin):
           context: TensorBoard's; only its data provider, flags and sampling hints are used.
           frontend: the folder of the dashboard's files (default: ``frontend_dir()``).
         """
-        self._data_provider = _failover(context)
-        # Set by the user despite NumericsLoader.fix_flags: records may be lost.
-        sample_limit = (context.sampling_hints or {}).get(self.plugin_name)
+        reload_interval = getattr(context.flags, "reload_interval", 5.0)
+        # Asked whether the tab is active: TensorBoard's own index, which it loads itself.
+        self._tensorboard = context.data_provider
+        logdir = local_logdir(context.flags) if context.data_provider is not None else None
+        if logdir is not None:
+            # The records come from the files: none is lost to TensorBoard's
+            # sampling, and none depends on its data server staying up.
+            self._data_provider: Any = file_provider.FileProvider(logdir)
+            sample_limit = None
+        else:
+            self._data_provider = _failover(context)
+            # Set by the user despite NumericsLoader.fix_flags: records may be lost.
+            sample_limit = (context.sampling_hints or {}).get(self.plugin_name)
         # Started now so that runs are read by the time the tab is opened.
         self._store = run_store.RunStore(
             self._data_provider,
-            reload_interval=getattr(context.flags, "reload_interval", 5.0),
+            reload_interval=reload_interval,
             sample_limit=sample_limit,
             run_problems=self._data_provider.problems if self._data_provider is not None else None,
         )
@@ -190,17 +203,21 @@ class NumericsPlugin(base_plugin.TBPlugin):
         }
 
     def is_active(self) -> bool:
-        """Whether any run holds numerics records (TensorBoard's own index)."""
+        """Whether any run holds numerics records: TensorBoard's index says
+        so at once (TensorBoard asks before its first page shows; indexing a
+        long run's files would hold every tab back), else, for a local
+        logdir, the plugin's index of its files as it stands."""
         if self._data_provider is None:
             return False
+        ctx = tb_context.RequestContext()
         try:
-            plugins = self._data_provider.list_plugins(
-                tb_context.RequestContext(), experiment_id=""
-            )
+            if self.plugin_name in (self._tensorboard.list_plugins(ctx, experiment_id="") or ()):
+                return True
         except Exception:  # noqa: BLE001 - an inactive tab beats a broken listing
             logger.warning("numerics: is_active could not list plugins", exc_info=True)
-            return False
-        return self.plugin_name in (plugins or ())
+        if isinstance(self._data_provider, file_provider.FileProvider):
+            return self.plugin_name in self._data_provider.list_plugins(ctx, experiment_id="", index=False)
+        return False
 
     def frontend_metadata(self) -> base_plugin.FrontendMetadata:
         return base_plugin.FrontendMetadata(es_module_path="/index.js", tab_name="Numerics")
@@ -258,16 +275,20 @@ class NumericsPlugin(base_plugin.TBPlugin):
         """The run's action events (``survive``): a few records of a plugin of
         their own, read whole at each request; what cannot be read is said
         in ``problems``."""
-        if self._data_provider is None:
+        # TensorBoard's own provider where the plugin reads a local logdir's
+        # files itself (``file_provider`` serves the numerics records only).
+        source = self._tensorboard if isinstance(self._data_provider, file_provider.FileProvider) else (
+            self._data_provider)
+        if source is None:
             return []
         rtf = provider.RunTagFilter(runs=[run], tags=[metadata.ACTIONS_TAG])
         try:
-            listed = self._data_provider.list_tensors(
+            listed = source.list_tensors(
                 ctx, experiment_id=experiment, plugin_name=metadata.ACTIONS_PLUGIN, run_tag_filter=rtf,
             ).get(run, {}).get(metadata.ACTIONS_TAG)
             if listed is None:
                 return []
-            data = self._data_provider.read_tensors(
+            data = source.read_tensors(
                 ctx, experiment_id=experiment, plugin_name=metadata.ACTIONS_PLUGIN, downsample=_ALL_ACTIONS,
                 run_tag_filter=rtf,
             ).get(run, {}).get(metadata.ACTIONS_TAG, [])
@@ -309,6 +330,15 @@ class NumericsPlugin(base_plugin.TBPlugin):
         """Where ``run`` first leaves ``against``'s band (``compare.compare_runs``)."""
         mine = self._store.answer(ctx, experiment, run, analysis.SafeRange())
         theirs = self._store.answer(ctx, experiment, against, analysis.SafeRange())
+        for name, answer in ((run, mine), (against, theirs)):
+            # The band reads every record's L2 norm and zeros, which a long
+            # run holds in its files only: read back tensor by tensor, that
+            # is every block once per tensor (hours for 500 tensors).
+            if any(isinstance(h.series, compact.CompactSeries) for h in answer.analysis.health):
+                raise _BadRequest(
+                    "run %r is a long run (%d records), held compact: it is not compared record by "
+                    "record here; tb-numerics report LOGDIR --against RUN compares it from its files"
+                    % (name, sum(len(h.series.steps) for h in answer.analysis.health)))
         out = compare.compare_runs(
             [h.series for h in mine.analysis.health], [h.series for h in theirs.analysis.health], band
         )
@@ -437,14 +467,30 @@ def frontend_dir() -> str | None:
     return None
 
 
+def local_logdir(flags: Any) -> str | None:
+    """The logdir the plugin reads from its files: TensorBoard's one
+    ``--logdir`` where it is a local path (not ``--logdir_spec``, not a
+    remote filesystem); None otherwise."""
+    logdir = getattr(flags, "logdir", None) or None
+    if not logdir or getattr(flags, "logdir_spec", None) or "://" in logdir:
+        return None
+    return os.path.expanduser(logdir)
+
+
 class NumericsLoader(base_plugin.TBLoader):
-    """Loads the plugin and makes TensorBoard keep every numerics record.
+    """Loads the plugin and tells TensorBoard how many numerics records to keep.
 
     TensorBoard keeps only a sample of each tensor series (10 with the Python
     loader, 100 with the Rust data server) and may drop the first anomaly.
-    ``fix_flags`` runs before the data ingester is built, so setting
-    ``numerics=0`` ("keep all") there reaches both loaders. A value the user
-    set explicitly is respected. It also installs ``loader_guard``, without
+    ``fix_flags`` runs before the data ingester is built, so what it sets
+    reaches both loaders. For a local logdir the plugin reads the records
+    from the files (``file_provider``), and TensorBoard keeps the least it
+    can (``numerics=1``, the latest record of each series: a long run's
+    records are then held once, by the plugin, compactly); otherwise it
+    keeps every one (``numerics=0``). A value the user set explicitly is
+    respected. The training's action events (``survive``, a plugin of their
+    own, a handful a run) are always kept whole (``numerics_actions=0``) and
+    read through TensorBoard. It also installs ``loader_guard``, without
     which one damaged record header crashes TensorBoard's Python loader.
     """
 
@@ -462,8 +508,8 @@ class NumericsLoader(base_plugin.TBLoader):
                 }
             except ValueError:
                 raise base_plugin.FlagsError("malformed --samples_per_plugin: %r" % spp) from None
-        spp.setdefault(metadata.PLUGIN_NAME, 0)
-        spp.setdefault(metadata.ACTIONS_PLUGIN, 0)
+        spp.setdefault(metadata.PLUGIN_NAME, 1 if local_logdir(flags) is not None else 0)
+        spp.setdefault(metadata.ACTIONS_PLUGIN, 0)  # the action events: a handful, each kept
         flags.samples_per_plugin = spp
 
     def load(self, context: base_plugin.TBContext) -> NumericsPlugin:

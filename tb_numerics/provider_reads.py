@@ -17,13 +17,14 @@ import ctypes
 import dataclasses
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Mapping
 
 import numpy as np
 
+from tensorboard import context as tb_context
 from tensorboard.data import provider
 
-from tb_numerics import analysis, metadata, packed, records
+from tb_numerics import analysis, compact, detectors, metadata, packed, records
 
 if TYPE_CHECKING:
     from tb_numerics.run_store import Limits
@@ -78,6 +79,8 @@ class Snapshot:
         overlaps: list[tuple[str, int, int]] = []
         restarts: list[tuple[str, int, int]] = []
         self.series = _merge(tags, overlaps, restarts)
+        # A long run's records are read back for what its compact series do not hold.
+        self.compact = any(isinstance(s, compact.CompactSeries) for s in self.series)
         self._merge_problems = [packed.overlap_problem(overlaps)] if overlaps else []
         self.restarts = packed.restart_summary(restarts)
         self.as_of_step = max(
@@ -112,7 +115,9 @@ class Snapshot:
             if self.records > self._limits.inline_read_records:
                 return_freed_memory()  # the analysis' float64 copies of float32 records
             self._analyses[key] = result
-            while len(self._analyses) > self._limits.analyses_per_run:
+            # A long run's analysis holds a health code and kind per record.
+            keep = self._limits.analyses_per_compact_run if self.compact else self._limits.analyses_per_run
+            while len(self._analyses) > keep:
                 self._analyses.popitem(last=False)
             return result
 
@@ -143,7 +148,7 @@ def _merge(
     shared_steps: dict[tuple[int, ...], np.ndarray] = {}
     step_slices: dict[tuple[int, int, int], np.ndarray] = {}
     for name, placed in by_tensor.items():
-        merged, offsets = packed.merge([part for _, part in placed], shared_steps, overlaps, restarts)
+        merged, offsets = _merge_parts([part for _, part in placed], shared_steps, overlaps, restarts)
         if offsets is not None:
             for (tag, part), at in zip(placed, offsets):
                 n = len(part.steps)
@@ -156,6 +161,27 @@ def _merge(
         else:
             out.append(merged)
     return out
+
+
+def _merge_parts(
+    parts: list[records.TensorSeries],
+    shared_steps: dict,
+    overlaps: list[tuple[str, int, int]],
+    restarts: list[tuple[str, int, int]],
+) -> tuple[records.TensorSeries, list[int] | None]:
+    """``packed.merge`` of one tensor's parts; compact parts (a long run's)
+    make a compact series of their pieces where they lie end to end (the
+    parts then stay as they are: the series shares their arrays), else
+    their records are read back and merged in full."""
+    if not any(isinstance(p, compact.CompactSeries) for p in parts):
+        return packed.merge(parts, shared_steps, overlaps, restarts)
+    if all(isinstance(p, compact.CompactSeries) for p in parts):
+        got = compact.merge(parts, shared_steps, restarts)
+        if got is not None:
+            return got, None
+    full = [records.TensorSeries(p.tag, p.info, p.steps, p.records(0, len(p.steps)), p.written)
+            if isinstance(p, compact.CompactSeries) else p for p in parts]
+    return packed.merge(full, None, overlaps, restarts)[0], None
 
 
 def return_freed_memory() -> None:
@@ -201,16 +227,33 @@ def _log_new_problems(run: str, prev: TagData | None, problems: list[str]) -> No
             logger.warning("numerics: run %r: %s", run, p)
 
 
+# Decodes a block's events into its parts, compact (those whose tensors keep
+# their records aside): (block, table, steps, arrays, problems, wall times).
+_Compactor = Callable[[str, "metadata.BlockTable", np.ndarray, list, list, list], list[records.TensorSeries]]
+
 # A tag to read: its listed version, parsed metadata, and its previous read.
 _ToRead = tuple[tuple, "metadata.TensorInfo | metadata.BlockTable", "TagData | None"]
 
 
 class ProviderReader:
-    """Reads and decodes a run's tags through TensorBoard's data provider."""
+    """Reads and decodes a run's tags through TensorBoard's data provider.
 
-    def __init__(self, data_provider: provider.DataProvider, records_per_read: int):
+    A run of more than ``compact_above`` records keeps its packed blocks'
+    parts compact (``compact.CompactSeries``), read back through this
+    reader (a few blocks cached per run) for what they do not hold.
+    """
+
+    def __init__(self, data_provider: provider.DataProvider, records_per_read: int, compact_above: int = 500_000):
         self._provider = data_provider
         self._records_per_read = records_per_read
+        self._compact_above = compact_above
+        self._lock = threading.Lock()
+        self._blocks: dict[tuple[str, str], _BlockReader] = {}
+
+    def block_reader(self, experiment: str, run: str) -> "_BlockReader":
+        """The run's reader of packed blocks read again (one per run, kept)."""
+        with self._lock:
+            return self._blocks.setdefault((experiment, run), _BlockReader(self, experiment, run))
 
     def read(
         self, ctx, experiment: str, run: str, listing: Mapping[str, Any], known: list[Mapping[str, TagData]]
@@ -219,16 +262,29 @@ class ProviderReader:
         version are shared, the others read again (whole: the data provider
         has no "steps after N")."""
         tags, to_read = _unchanged_and_to_read(run, listing, known)
-        # One read ahead: the data server prepares the next batch while this
-        # thread decodes the last (a fifth less time on a long run).
+        blocks = self.block_reader(experiment, run)
+        blocks.learn(to_read)
+        held = _records_held(tags) + sum(
+            _steps_held(tag, listing[tag]) * (1 if isinstance(info, metadata.TensorInfo) else len(info))
+            for tag, (_, info, _) in to_read.items())
+        compactor = blocks.compactor(to_read) if held > self._compact_above else None
+
+        def read_and_decode(batch: list[str]) -> dict[str, TagData]:
+            data, unreadable = self._read_tags(ctx, experiment, run, batch)
+            return _decode_tags(run, batch, data, unreadable, to_read, compactor)
+
+        # Two batches at a time, each read and decoded by its own thread:
+        # the data server (or the files) prepares one while the other is
+        # decoded, and numpy's work, which releases the GIL, takes both
+        # cores (a long run reads in about half the time).
         batches = self._batches(to_read, listing)
         with concurrent.futures.ThreadPoolExecutor(max_workers=2, thread_name_prefix="numerics-read") as pool:
-            reads = [pool.submit(self._read_tags, ctx, experiment, run, b) for b in batches[:2]]
-            for i, batch in enumerate(batches):
-                data, unreadable = reads[i].result()
+            reads = [pool.submit(read_and_decode, b) for b in batches[:2]]
+            for i in range(len(batches)):
+                done = reads[i].result()
                 if i + 2 < len(batches):
-                    reads.append(pool.submit(self._read_tags, ctx, experiment, run, batches[i + 2]))
-                tags.update(_decode_tags(run, batch, data, unreadable, to_read))
+                    reads.append(pool.submit(read_and_decode, batches[i + 2]))
+                tags.update(done)
         return tags
 
     def _batches(self, to_read: Mapping[str, _ToRead], listing: Mapping[str, Any]) -> list[list[str]]:
@@ -275,6 +331,65 @@ class ProviderReader:
         ).get(run, {})
 
 
+def _records_held(tags: Mapping[str, TagData]) -> int:
+    """How many records the tags held already hold."""
+    return sum(len(t.series.steps) if t.series is not None else sum(len(p.steps) for p in (t.parts or {}).values())
+               for t in tags.values())
+
+
+class _BlockReader:
+    """Reads a run's packed blocks again and decodes them: the source of a
+    compact series' records (through ``compact.PartCache``)."""
+
+    def __init__(self, reader: ProviderReader, experiment: str, run: str):
+        self._reader, self._experiment, self._run = reader, experiment, run
+        self._tables: dict[str, metadata.BlockTable] = {}
+        self.cache = compact.PartCache(self._read)
+
+    def learn(self, to_read: Mapping[str, _ToRead]) -> None:
+        """Keeps the tables of the blocks about to be read."""
+        for tag, (_, info, _) in to_read.items():
+            if not isinstance(info, metadata.TensorInfo):
+                self._tables[tag] = info
+                self.cache.forget(tag)
+
+    def compactor(self, to_read: Mapping[str, _ToRead]) -> _Compactor:
+        """What makes a block's part compact, unless its tensor keeps its
+        records (the gradients the by-depth rule compares: as each block's
+        table orders them)."""
+        pairs: dict[str, tuple[str, ...]] = {}
+        for tag, (_, info, _) in to_read.items():
+            if not isinstance(info, metadata.TensorInfo):
+                grads = sorted(((t, i) for t, i in info if i.role == "gradient"),
+                               key=lambda g: (metadata.PHASE_RANK.get(g[1].phase, 0), g[1].order, g[0]))
+                pairs[tag] = detectors.depth_pair(grads) or ()
+
+        def make(block: str, table: metadata.BlockTable, steps: np.ndarray, arrays: list, problems: list[str],
+                 walls: list[float]) -> list[records.TensorSeries]:
+            def keep(tag: str, info: metadata.TensorInfo) -> bool:
+                return compact.keeps_records(tag, info, pairs.get(block, ()))
+
+            rows = packed.block_rows(block, table, steps, arrays, problems)
+            got = packed.regular_cube(table, rows) if rows is not None else None
+            if got is None:  # an unusual block: decoded as any, then made compact
+                parts = packed.decode_tag(block, table, steps, arrays, problems, walls)
+                return compact.compact_parts(block, parts, keep, self.cache)
+            span = (float(min(walls)), float(max(walls))) if walls else None
+            return compact.compact_cube(block, table, *got, keep, self.cache, span)
+
+        return make
+
+    def _read(self, block: str) -> dict[str, records.TensorSeries]:
+        table = self._tables[block]
+        data, unreadable = self._reader._read_tags(tb_context.RequestContext(), self._experiment, self._run, [block])
+        if block in unreadable:
+            raise ValueError(unreadable[block])
+        points = data.get(block, [])
+        steps = np.fromiter((d.step for d in points), dtype=np.int64, count=len(points))
+        parts = packed.decode_tag(block, table, steps, [d.numpy for d in points], [], [d.wall_time for d in points])
+        return {p.tag: p for p in parts}
+
+
 def _unchanged_and_to_read(
     run: str, listing: Mapping[str, Any], known: list[Mapping[str, TagData]]
 ) -> tuple[dict[str, TagData], dict[str, _ToRead]]:
@@ -307,10 +422,12 @@ def _unchanged_and_to_read(
 
 
 def _decode_tags(
-    run: str, batch: list[str], data: dict, unreadable: Mapping[str, str], to_read: Mapping[str, _ToRead]
+    run: str, batch: list[str], data: dict, unreadable: Mapping[str, str], to_read: Mapping[str, _ToRead],
+    compactor: _Compactor | None = None,
 ) -> dict[str, TagData]:
     """The ``TagData`` of each tag of a read ``batch``: a per-tensor tag's
-    series, or a packed block's parts, with the problems found."""
+    series, or a packed block's parts (made compact by ``compactor``, a
+    long run's), with the problems found."""
     out: dict[str, TagData] = {}
     for tag in batch:
         version, info, prev = to_read[tag]
@@ -322,11 +439,16 @@ def _decode_tags(
         points = data.pop(tag, [])
         steps = np.fromiter((d.step for d in points), dtype=np.int64, count=len(points))
         walls = [d.wall_time for d in points]
-        decoded = packed.decode_tag(tag, info, steps, [d.numpy for d in points], problems, walls)
-        if isinstance(info, metadata.TensorInfo):
-            out[tag] = TagData(version, decoded[0], problems)
+        arrays = [d.numpy for d in points]
+        if compactor is not None and not isinstance(info, metadata.TensorInfo):
+            parts = compactor(tag, info, steps, arrays, problems, walls)
+            out[tag] = TagData(version, None, problems, {p.tag: p for p in parts})
         else:
-            out[tag] = TagData(version, None, problems, {p.tag: p for p in decoded})
+            decoded = packed.decode_tag(tag, info, steps, arrays, problems, walls)
+            if isinstance(info, metadata.TensorInfo):
+                out[tag] = TagData(version, decoded[0], problems)
+            else:
+                out[tag] = TagData(version, None, problems, {p.tag: p for p in decoded})
         _log_new_problems(run, prev, problems)
     return out
 

@@ -20,7 +20,7 @@ import numpy as np
 
 from tb_numerics import metadata, rules
 from tb_numerics.health import SeriesHealth, mark_run, series_health
-from tb_numerics.records import TensorSeries
+from tb_numerics.records import TensorSeries, union_steps
 from tb_numerics.safe_range import SafeRange
 
 __all__ = ["OP_TAG_PREFIX", "RunAnalysis", "analyze_run", "first_cell", "is_op_level", "marked_cell", "skipped_steps"]
@@ -42,6 +42,8 @@ class RunAnalysis:
     # The op that went bad first at a step, in execution order, as an op-level
     # block saw it (``metadata.OP_MARK_TAG``): {"step", "tag", "occurrence", ...}.
     op_marks: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+    # What was derived from the analysis once (``diagnosis.run_summary``), by name.
+    memo: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False, compare=False)
 
     def find(self, tag: str) -> SeriesHealth | None:
         """The row of ``tag``, or None."""
@@ -53,12 +55,7 @@ class RunAnalysis:
     @functools.cached_property
     def steps(self) -> np.ndarray:
         """Every step at which any tensor of the run was recorded (computed once)."""
-        if not self.health:
-            return np.zeros(0, np.int64)
-        first = self.health[0].series.steps
-        if all(np.array_equal(h.series.steps, first) for h in self.health[1:]):
-            return first  # every tensor logged at the same steps: the usual run
-        return np.unique(np.concatenate([h.series.steps for h in self.health]))
+        return union_steps([h.series for h in self.health])
 
 
 def analyze_run(

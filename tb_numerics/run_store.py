@@ -65,6 +65,11 @@ class Limits:
     records_per_read: int = 200_000
     # Analyses kept per run (one per distinct set of safe-range parameters).
     analyses_per_run: int = 8
+    # A run of more records than this is held compact (``compact``): what
+    # the rules read of each record, the rest read back on demand.
+    compact_above_records: int = 500_000
+    # Analyses kept per compact run (each holds 2 bytes a record).
+    analyses_per_compact_run: int = 2
     # A run whose background refresh failed is tried again after this long.
     retry_after_failure_s: float = 30.0
     # The refresher's period while TensorBoard is loading a run that changed.
@@ -242,7 +247,7 @@ class RunStore:
         run_problems: Callable[[str], list[str]] | None = None,
     ):
         self._provider = data_provider
-        self._reader = ProviderReader(data_provider, limits.records_per_read)
+        self._reader = ProviderReader(data_provider, limits.records_per_read, limits.compact_above_records)
         self._sample_limit = sample_limit or None
         self._run_problems = run_problems
         self._limits = limits
@@ -457,7 +462,8 @@ class RunStore:
         try:
             snapshot = self._refresh(ctx, experiment, run, cache, listing, work.done)
             for safe_range in dict.fromkeys([analysis.SafeRange(), *work.recent]):
-                snapshot.analysis(run, safe_range, self._extra_problems(run))
+                # The summary too: the first thing the tab asks for.
+                analysis.run_summary(snapshot.analysis(run, safe_range, self._extra_problems(run)))
         except Exception:  # noqa: BLE001 - one bad run must not stop the others
             logger.exception("numerics: background refresh of run %r failed", run)
 

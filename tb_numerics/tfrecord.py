@@ -25,8 +25,8 @@ from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
 from tb_numerics import _crc32c
 from tb_numerics.event_files import LogdirError, files_for, scheme
 
-__all__ = ["CHUNK_BYTES", "LARGE_RECORD_BYTES", "Record", "RecordReader", "py_record_reader", "read_records",
-           "tf_record_reader"]
+__all__ = ["CHUNK_BYTES", "LARGE_RECORD_BYTES", "Record", "RecordFile", "RecordReader", "py_record_reader",
+           "read_records", "scan_records", "tf_record_reader"]
 
 # TFRecord framing: uint64 length, masked CRC32C of the length, the data,
 # masked CRC32C of the data (all little-endian).
@@ -40,6 +40,9 @@ CHUNK_BYTES = 4 << 20
 # read again only where its checksum holds: a damaged 1 GiB record once
 # took 2.6 GB to check. (A packed event of 10,000 tensors is about 30 MB.)
 LARGE_RECORD_BYTES = 64 << 20
+# An incomplete record claiming more than this is damage, not a record
+# still being written (a packed event of 10,000 tensors is about 30 MB).
+LIVE_RECORD_BYTES = 1 << 30
 # How much of a damaged large record is kept, to name its tags.
 _NAME_BYTES = 64 << 10
 
@@ -56,11 +59,13 @@ class _Window:
     at most a chunk and the record being read are in memory, and each byte
     is read from the file once."""
 
-    def __init__(self, f: IO[bytes], size: int):
+    def __init__(self, f: IO[bytes], size: int, start: int = 0):
         self._f = f
         self.size = size
         self._buf = b""
-        self._lo = 0  # the file offset of _buf[0]
+        self._lo = start  # the file offset of _buf[0]
+        if start:
+            f.seek(start)
 
     def at(self, offset: int, n: int) -> bytes:
         """Bytes [offset, offset + n) of the file; offsets never go back.
@@ -258,14 +263,38 @@ def read_records(
 
     Reads the file as it is when opened (a writer may be appending to it).
     """
+    for _, _, record in scan_records(path, problems, make_reader=make_reader):
+        yield record
+
+
+def scan_records(
+    path: str,
+    problems: list[str],
+    start: int = 0,
+    live: bool = False,
+    make_reader: Callable[[str, _Window], RecordReader] = _default_reader,
+) -> Iterator[tuple[int, int, Record]]:
+    """(offset, end offset, record) of each record of one event file from
+    byte ``start``, damaged ones marked; the file's damage goes to ``problems``.
+
+    Args:
+      path: the event file.
+      problems: where the file's damage is described.
+      start: where a record begins (0, or the end of one read before):
+        reading a growing file again, only what was appended is read.
+      live: an incomplete last record is one still being written: reading
+        stops before it without a problem (read it next time from there),
+        unless its header claims more than ``LIVE_RECORD_BYTES``.
+      make_reader: how a record's checksums are checked.
+    """
     name = os.path.basename(path)
     try:
         f, size = files_for(path).open(path)
     except (OSError, ValueError, LogdirError) as e:
         problems.append("%s: cannot open (%s)" % (name, e))
         return
-    window = _Window(f, size)
-    offset = count = 0
+    window = _Window(f, size, start)
+    offset, count = start, 0
     skipped: list[int] = []
 
     def cut(what: str) -> str:
@@ -277,29 +306,25 @@ def read_records(
         read = make_reader(path, window)
         while offset < size:
             if size - offset < _HEADER:
-                problems.append(cut("truncated"))
+                if not live:
+                    problems.append(cut("truncated"))
                 return
             header = window.at(offset, _HEADER)
             (length,) = struct.unpack_from("<Q", header)
             end = offset + _HEADER + length + _FOOTER
             if end > size:
-                problems.append(cut("truncated" if _header_ok(header) else _bad_header(count)))
+                if not (live and _header_ok(header) and length <= LIVE_RECORD_BYTES):
+                    problems.append(cut("truncated" if _header_ok(header) else _bad_header(count + start)))
                 return
-            if length > LARGE_RECORD_BYTES and _header_ok(header):
-                record = _large_record(window, offset, length)
-            else:
-                try:
-                    record = Record(read(offset), True)
-                except _Damaged:
-                    if not _header_ok(header):
-                        problems.append(cut(_bad_header(count)))
-                        return
-                    record = Record(window.at(offset + _HEADER, length), False)
+            record = _record_at(window, read, offset, length, header)
+            if record is None:
+                problems.append(cut(_bad_header(count + start)))
+                return
             if record.intact:
                 count += 1
             else:
                 skipped.append(offset)
-            yield record
+            yield offset, end, record
             offset = end
     except (_Short, OSError) as e:
         problems.append(cut("truncated" if isinstance(e, _Short) else "unreadable (%s)" % e))
@@ -308,6 +333,77 @@ def read_records(
         if skipped:
             problems.append("%s: %d corrupt record(s) skipped (checksum mismatch) at byte offset %s"
                             % (name, len(skipped), _offsets_text(skipped)))
+
+
+class RecordFile:
+    """A local event file opened to read records again at offsets where
+    ``scan_records`` found them intact; each record's length is checked
+    against the file's size before anything trusts it, its checksums by
+    TensorFlow's reader where TensorFlow is imported already, else in numpy
+    (many records at once).
+
+    Raises (``read_many``):
+      OSError: the file cannot be read there, or a record no longer passes
+        its checksums (the file was replaced or damaged since).
+    """
+
+    def __init__(self, path: str):
+        self.path = path
+        self._f = open(path, "rb")
+        self._size = os.fstat(self._f.fileno()).st_size
+        self._tf: RecordReader | None = None
+        if "tensorflow" in sys.modules:
+            try:
+                self._tf = tf_record_reader(path, _Window(self._f, self._size))
+            except (ImportError, TypeError):
+                pass
+
+    def __enter__(self) -> "RecordFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._f.close()
+
+    def read_many(self, offsets: list[int]) -> list[bytes]:
+        """The data of the records at ``offsets``, in that order."""
+        name = os.path.basename(self.path)
+        frames = []
+        for offset in offsets:
+            self._f.seek(offset)
+            header = self._f.read(_HEADER)
+            if len(header) < _HEADER or not _header_ok(header):
+                raise OSError("%s: no intact record at byte offset %d" % (name, offset))
+            (length,) = struct.unpack_from("<Q", header)
+            if offset + _HEADER + length + _FOOTER > self._size:
+                raise OSError("%s: the record at byte offset %d runs past the file's end" % (name, offset))
+            if self._tf is not None:
+                try:
+                    frames.append((self._tf(offset), None))
+                except _Damaged:
+                    raise OSError("%s: the record at byte offset %d fails its checksum" % (name, offset)) from None
+                continue
+            body = self._f.read(length + _FOOTER)
+            frames.append((body[:length], struct.unpack_from("<I", body, length)[0]))
+        unchecked = [i for i, (_, crc) in enumerate(frames) if crc is not None]
+        if unchecked:
+            got = _crc32c.masked_crc32c_many([frames[i][0] for i in unchecked])
+            bad = [offsets[i] for i, c in zip(unchecked, got.tolist()) if c != frames[i][1]]
+            if bad:
+                raise OSError("%s: the record at byte offset %s fails its checksum" % (name, _offsets_text(bad)))
+        return [data for data, _ in frames]
+
+
+def _record_at(window: _Window, read: RecordReader, offset: int, length: int, header: bytes) -> Record | None:
+    """The record at ``offset`` of ``length`` bytes, checked; None where its
+    header is damaged too (nothing after it can be framed)."""
+    if length > LARGE_RECORD_BYTES and _header_ok(header):
+        return _large_record(window, offset, length)
+    try:
+        return Record(read(offset), True)
+    except _Damaged:
+        if not _header_ok(header):
+            return None
+        return Record(window.at(offset + _HEADER, length), False)
 
 
 def _large_record(window: _Window, offset: int, length: int) -> Record:

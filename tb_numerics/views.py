@@ -11,7 +11,7 @@ from typing import Any, Mapping
 
 import numpy as np
 
-from tb_numerics import rules
+from tb_numerics import compact, rules
 from tb_numerics.health import SeriesHealth
 from tb_numerics.records import F, derived
 from tb_numerics.run_analysis import RunAnalysis
@@ -77,8 +77,13 @@ def timeline(
 
 # ---------------------------------------------------------------- charts
 
-_CHART_COUNTS = ("count", "nan", "posinf", "neginf", "zeros", "overflow", "underflow")
-_CHART_MOMENTS = ("mean", "std", "l2")
+_CHART_COUNTS = compact.CHART_COUNTS
+_CHART_MOMENTS = compact.CHART_MOMENTS
+# A compact series' records are read back for a chart where that decodes at
+# most this many records (its blocks' other tensors' too: 2,000 steps of a
+# 500-tensor run, about 0.3 s); a wider chart is made of its chunks'
+# aggregates (``compact.ChunkStats``).
+READ_BACK_RECORDS = 1_000_000
 
 
 def series_points(
@@ -90,6 +95,10 @@ def series_points(
     counts: the min of mins, max of maxes and max of max |x|, the mean of
     the finite means, stds and L2 norms, the sum of counts, the worst health
     and the first warning kind, each bucket with its first and last step.
+    A long run's (compact) series over more steps than can be read back
+    quickly (``READ_BACK_RECORDS``) makes its buckets of whole chunks of
+    ``compact.CHUNK`` records (the same statistics, exact), so its first and
+    last points may reach past ``start`` and ``end``: their steps say so.
 
     Args:
       h: the tensor's series and health (``RunAnalysis.find``).
@@ -111,9 +120,11 @@ def series_points(
     steps = h.series.steps
     lo = 0 if start is None else int(np.searchsorted(steps, start, side="left"))
     hi = len(steps) if end is None else int(np.searchsorted(steps, end, side="right"))
+    if isinstance(h.series, compact.CompactSeries) and (hi - lo) * h.series.width > READ_BACK_RECORDS:
+        return _chunk_points(h, max_points, lo, hi)
     steps, codes, kinds = steps[lo:hi], h.codes[lo:hi], h.kinds[lo:hi]
     # float64: bucket sums of float32 counts would round.
-    columns, unrecorded = _chart_columns(h.series.values[lo:hi].astype(np.float64, copy=False))
+    columns, unrecorded = _chart_columns(h.series.records(lo, hi))
     if len(steps) <= max_points:
         return {
             "steps": steps.tolist(),
@@ -132,6 +143,39 @@ def series_points(
         "fields": _bucket_fields(columns, unrecorded, bounds),
         "health": np.maximum.reduceat(codes, bounds).astype(int).tolist(),
         "kinds": _bucket_kinds(kinds, bounds, ends),
+        "downsampled": True,
+    }
+
+
+def _chunk_points(h: SeriesHealth, max_points: int, lo: int, hi: int) -> dict[str, Any]:
+    """``series_points`` of records ``[lo, hi)`` of a compact series, in
+    buckets of whole chunks (every chunk that holds one of those records)."""
+    ch = h.series.chunks
+    c0 = int(np.searchsorted(ch.start, lo, side="right")) - 1
+    c1 = int(np.searchsorted(ch.start, hi, side="left"))
+    m = c1 - c0
+    rel = np.unique((np.arange(min(max_points, m), dtype=np.int64) * m) // min(max_points, m))
+    first = ch.start[c0 + rel]
+    ends = np.r_[first[1:], ch.start[c1] if c1 < len(ch.start) else len(h.series.steps)]
+    moments = ch.moments[c0:c1]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        means = np.add.reduceat(moments[:, 0::2], rel) / np.add.reduceat(moments[:, 1::2], rel)
+    gaps = np.logical_and.reduceat(ch.unrecorded[c0:c1], rel)
+    fields = {
+        "min": np.fmin.reduceat(ch.lo[c0:c1], rel).astype(np.float64).tolist(),
+        "max": np.fmax.reduceat(ch.hi[c0:c1], rel).astype(np.float64).tolist(),
+        "max_abs": np.fmax.reduceat(ch.max_abs[c0:c1], rel).astype(np.float64).tolist(),
+    }
+    fields.update({k: _with_gaps(means[:, j].tolist(), gaps) for j, k in enumerate(_CHART_MOMENTS)})
+    counts = np.add.reduceat(ch.counts[c0:c1], rel, axis=0).astype(np.int64)
+    fields.update({k: counts[:, j].tolist() for j, k in enumerate(_CHART_COUNTS)})
+    span = slice(int(first[0]), int(ends[-1]))
+    return {
+        "steps": h.series.steps[first].tolist(),
+        "step_end": h.series.steps[ends - 1].tolist(),
+        "fields": fields,
+        "health": np.maximum.reduceat(h.codes[span], first - first[0]).astype(int).tolist(),
+        "kinds": _bucket_kinds(h.kinds[span], first - first[0], ends - first[0]),
         "downsampled": True,
     }
 

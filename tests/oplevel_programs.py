@@ -88,6 +88,62 @@ def data_map() -> Step:
     return step
 
 
+def data_pipeline() -> Step:
+    """A pipeline around a map (a filter, batch, prefetch), the map reading a
+    variable whose value changes after the dataset is built."""
+    scale = tf.Variable(1.0)
+    ds = tf.data.Dataset.range(8).map(lambda i: tf.cast(i, tf.float32) - 3.0).filter(lambda x: x < 3.5)
+    ds = ds.map(lambda x: tf.math.sqrt(x * scale) + 1.0)  # BAD
+    ds = ds.batch(2).prefetch(2)
+    scale.assign(-1.0)  # sqrt(-x): NaN from x = 1, in the third batch
+
+    def step():
+        return [b * 2.0 for b in ds]
+    step.dataset = ds
+    return step
+
+
+def data_zip() -> Step:
+    """A map over a zip of a map: both functions were traced when the
+    dataset was built, the one below makes the NaN, the one above carries it."""
+    ds = tf.data.Dataset.from_tensor_slices(np.array([[1.0, 2.0], [3.0, -4.0]], np.float32))
+    ds = tf.data.Dataset.zip((ds.map(lambda v: tf.math.log(v)), ds))  # BAD
+    ds = ds.map(lambda a, b: a + b)
+
+    def step():
+        return [v * 2.0 for v in ds]
+    return step
+
+
+def _loop_over_a_map() -> tf.types.experimental.GenericFunction:
+    """A tf.function whose for loop runs over a pipeline built before it (its
+    graph captures the dataset)."""
+    ds = tf.data.Dataset.from_tensor_slices(np.array([[2.0, 1.0], [-1.0, 3.0]], np.float32))
+    ds = ds.map(lambda v: tf.math.log(v) + 1.0)  # BAD
+
+    @tf.function
+    def loop():
+        total = tf.zeros([2])
+        for v in ds:
+            total += v * 2.0
+        return total
+
+    return loop
+
+
+def data_in_function() -> Step:
+    """A tf.function step over a pipeline, traced before the block."""
+    step = _loop_over_a_map()
+    step.get_concrete_function()  # traced here, before any recorder block
+    return step
+
+
+def data_map_replayed() -> Step:
+    """A tf.function step that iterates a pipeline, replayed (run eagerly: the
+    pipeline's functions are still traced, as tf.data always does)."""
+    return _Call(_loop_over_a_map())
+
+
 def nan_constant() -> Step:
     def step():
         x = tf.constant([1.0, 2.0])
@@ -139,6 +195,10 @@ PROGRAMS: dict[str, tuple[Callable[[], Step], str]] = {
     "nested_functions": (nested_functions, "block"),
     "while_loop": (while_loop, "block"),
     "data_map": (data_map, "block"),
+    "data_pipeline": (data_pipeline, "block"),
+    "data_zip": (data_zip, "block"),
+    "data_in_function": (data_in_function, "block"),
+    "data_map_replayed": (data_map_replayed, "replay"),
     "nan_constant": (nan_constant, "block"),
     "custom_layer": (custom_layer, "block"),
     "numpy_arguments": (numpy_arguments, "replay"),

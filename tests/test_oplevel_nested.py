@@ -333,24 +333,21 @@ def test_traced_step_records_the_gradient_ops_of_a_function_it_calls(tmp_path, c
     assert "gradient of" in a["tensor_description"]
 
 
-def test_a_function_traced_before_the_recorder_is_named_in_a_warning(tmp_path, caplog):
+def test_a_function_traced_before_the_recorder_is_traced_anew_in_its_block(tmp_path, capsys, caplog):
+    """A warm-up call traces both helpers outside any block: the block traces
+    them anew, so their ops are recorded as where they were first called in
+    it (the same tags, no warning), and the report names the helper's Log."""
     model = _Model()
     model.train_step(tf.constant(HEALTHY))  # a warm-up call traces both helpers, unrecorded
-    writer = tf.summary.create_file_writer(str(tmp_path))
-    recorder = tbn.op_numerics()
     with caplog.at_level("WARNING", logger="tb_numerics.oplevel"):
-        for i in range(2):
-            with writer.as_default(step=i), recorder:
-                model.train_step(tf.constant(HEALTHY))
-    writer.close()
-    warned = [r.getMessage() for r in caplog.records if "traced before" in r.getMessage()]
-    assert len(warned) == 2, warned  # once per function, not per call
-    assert any("'forward'" in m for m in warned) and any("'loss_of'" in m for m in warned)
-    # Traced inside the block: no warning.
-    caplog.clear()
-    with caplog.at_level("WARNING", logger="tb_numerics.oplevel"):
-        _train(tmp_path / "fresh", [HEALTHY] * 2, "int", tbn.op_numerics())
+        _train(tmp_path / "warm", [HEALTHY, HEALTHY, BAD], "int", tbn.op_numerics(), model)
     assert not [r for r in caplog.records if "traced before" in r.getMessage()]
+    _train(tmp_path / "fresh", [HEALTHY, HEALTHY, BAD], "int", tbn.op_numerics())
+    assert sorted(_series(tmp_path / "warm")) == sorted(_series(tmp_path / "fresh"))
+    code, run = _report(tmp_path / "warm", capsys)
+    a = run["first_anomaly"]
+    assert (code, a["step"], a["op_type"], a["tensor"]) == (cli.EXIT_ANOMALY, 2, "Log", "ops/forward/Log")
+    assert "test_oplevel_nested.py:%d (forward)" % line_of(__file__, "# NESTED_LOG") in a["tensor_description"]
 
 
 def test_eager_blocks_write_to_the_writer_of_each_block_and_any_number_of_iterations(tmp_path):

@@ -1,10 +1,11 @@
 """The run store through its public surface, over TensorBoard's own data provider.
 
 Each test loads a logdir with TensorBoard's Python loader (flags parsed by
-``program.TensorBoard``, so ``NumericsLoader.fix_flags`` keeps every
-record), builds a ``RunStore`` over its data provider with no refresher
-thread, and runs the refresher's rounds itself (``refresh_round``), with a
-clock it moves by hand where time matters.
+``program.TensorBoard``, keeping every record as ``NumericsLoader.fix_flags``
+has it do where the plugin reads through TensorBoard: a local logdir the
+plugin reads itself, ``file_provider``), builds a ``RunStore`` over its data
+provider with no refresher thread, and runs the refresher's rounds itself
+(``refresh_round``), with a clock it moves by hand where time matters.
 """
 
 from __future__ import annotations
@@ -40,7 +41,7 @@ class Logdir:
     def __init__(self, path: str):
         tb = program.TensorBoard(plugins=[core_plugin.CorePluginLoader(), plugin.NumericsLoader()])
         tb.configure(argv=["", "--logdir", path, "--load_fast", "false", "--reload_interval", "0",
-                            "--reload_task", "blocking"])
+                            "--reload_task", "blocking", "--samples_per_plugin", "numerics=0"])
         self.path = path
         self.ingester = data_ingester.LocalDataIngester(tb.flags)
         self.ingester.start()  # loads once, synchronously

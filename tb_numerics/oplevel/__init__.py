@@ -43,12 +43,16 @@ went bad because of a later op at iteration 2), the block also writes, at a
 step with a non-finite op record, a mark naming the first of them in exact
 execution order (``oplevel.record``). ``OpNumerics.first_bad`` is that record of
 the last eager step, and ``replay_step`` runs a step function once this way
-and returns it. A function traced before the recorder was first active has
-no record ops (a warning names it: trace it inside the block); its outputs
-are recorded instead, under its name, with the op type of its call
-(``__inference_<name>_<uid>``), so a value it made is pinned on it and not on
-the op after it. A function a called function calls files its ops under
-both names (``ops/outer/inner/Log``). Gradient
+and returns it. What a block calls that was traced before the recorder was
+active is traced anew in it (``retrace``): a ``tf.function`` through a copy,
+a ``tf.data`` pipeline iterated in an eager block rebuilt with its functions
+traced anew. Where that cannot be (a concrete function, or one whose first
+trace made variables) the function has no record ops (a warning names it);
+its outputs are recorded instead, under its name, with the op type of its
+call (``__inference_<name>_<uid>``), so a value it made is pinned on it and
+not on the op after it; an iterator's output is recorded as the input
+pipeline's (phase "input"), naming its functions. A function a called
+function calls files its ops under both names (``ops/outer/inner/Log``). Gradient
 bodies of ``tf.while_loop`` (a Keras RNN's backward pass) are not recorded:
 they may only capture values of the forward loop.
 
@@ -76,9 +80,10 @@ The package, by job: ``recorder`` (``OpNumerics``: the op callback, and
 ``replay_step``), ``step`` (one step's state, and an op's role, source line
 and name in it), ``source`` (the user's line, a gradient op's forward op),
 ``tags`` (tag names), ``nested`` (records inside called functions, branches
-and loop bodies), ``flight`` (the flight recorders), ``write`` (an eager
-step's records in one call), ``record`` (``OpRecord``, the first non-finite
-op, and its mark).
+and loop bodies), ``retrace`` (what a block calls that was traced before
+it, traced anew in it), ``flight`` (the flight recorders), ``write`` (an
+eager step's records in one call), ``record`` (``OpRecord``, the first
+non-finite op, and its mark).
 """
 
 from tb_numerics.oplevel.record import OpRecord, parse_mark

@@ -137,13 +137,16 @@ def op_record(tag: str, vec: Any, info: metadata.TensorInfo, step: int | None,
 def first_bad(recs: Sequence[tuple[str, Any, metadata.TensorInfo]], step: int | None,
               found: OpRecord | None = None) -> OpRecord | None:
     """The first non-finite record of ``recs`` (one step's, in execution order),
-    with its occurrence; ``found``, where given, is that record already made."""
+    with its occurrence; ``found``, where given, is the first non-finite
+    eager op's record made as ops ran (with its inputs): used where it is
+    that record, not where a nested graph's record ran before it."""
     for i, (tag, vec, info) in enumerate(recs):
         v = np.asarray(vec, np.float64)
         if nonfinite_count(v, info.neginf_ok) > 0:
             same = [t == tag for t, _, _ in recs]
             occurrence = (sum(same[:i]) + 1, sum(same))
-            return dataclasses.replace(found or op_record(tag, v, info, step), occurrence=occurrence)
+            made = found if found is not None and found.tag == tag else op_record(tag, v, info, step)
+            return dataclasses.replace(made, occurrence=occurrence)
     return None
 
 

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import logging
 import threading
 from typing import Any, Callable, Collection, TypeVar
 
@@ -23,6 +22,7 @@ from tb_numerics.oplevel.flight import EagerFlight, GraphFlight, Record  # noqa:
 from tb_numerics.oplevel.nested import NestedRecords  # noqa: E402
 from tb_numerics.oplevel.record import OpRecord, mark_record, op_record  # noqa: E402
 from tb_numerics.oplevel.record import first_bad as first_bad_of  # noqa: E402
+from tb_numerics.oplevel.retrace import RUNS_PIPELINE, Retracer  # noqa: E402
 from tb_numerics.oplevel.source import ForwardOp, SourceLocator  # noqa: E402
 from tb_numerics.oplevel.step import Op, Step, resolve_step  # noqa: E402
 from tb_numerics.oplevel.tags import OpTags, eager_site, graph_site  # noqa: E402
@@ -56,8 +56,6 @@ DEFAULT_SKIP_OP_TYPES = frozenset(
 _FIRST_OUTPUT_ONLY = ("FusedBatchNorm", "FusedBatchNormV2", "FusedBatchNormV3")
 
 FnT = TypeVar("FnT", bound=Callable[..., Any])
-
-_log = logging.getLogger(__name__)
 
 
 class OpNumerics:
@@ -138,10 +136,8 @@ class OpNumerics:
         self._graph_flight = GraphFlight(flight_recorder) if flight_recorder else None
         # Replay: find the first bad op as ops run, with its inputs.
         self._inspect_inputs = False
-        # Names of the functions traced in an eager block, and of those
-        # called there that were not (warned about once).
-        self._traced_here: set[str] = set()
-        self._warned: set[str] = set()
+        # What a block calls that was traced outside one, traced anew in it.
+        self._retracer = Retracer(self._local)
 
     # ------------------------------------------------------------ public
 
@@ -179,6 +175,7 @@ class OpNumerics:
         self._local.step = st
         self._local.busy = False
         _tf_internal.acquire_gradient_hook()
+        _tf_internal.acquire_routes(self._retracer.call, self._retracer.iterate, self._retracer.variant)
         _tf_internal.add_op_callback(self._callback)
         return self
 
@@ -186,6 +183,7 @@ class OpNumerics:
         st = self._local.step
         self._local.step = None
         _tf_internal.remove_op_callback(self._callback)
+        _tf_internal.release_routes()
         _tf_internal.release_gradient_hook()
         if st.graph is None:
             self._nested.close_block()
@@ -206,6 +204,8 @@ class OpNumerics:
             return None
         # Eager ops run through execute() report their type as bytes.
         op_type = op_type.decode() if isinstance(op_type, bytes) else op_type
+        if graph is None and op_type in RUNS_PIPELINE:
+            st.function_ran = True  # the pipeline's functions ran: their records come first
         if self._inspect_inputs and graph is None:  # a replay: name what each op makes
             made_by = _tf_internal.eager_scope_name() + op_type
             st.producers.update((id(t), (made_by, t)) for t in outputs if t is not None)
@@ -214,10 +214,10 @@ class OpNumerics:
             # unless that was outside any block; then its outputs are recorded.
             st.function_ran = True
             st.backward_seen |= op_type.startswith("__backward_")
-            if self._check_traced_here(op_type):
+            if self._retracer.ops_recorded(op_type):
                 return None
         if graph is not None and st.graph is None:
-            self._traced_here.add(_tf_internal.outermost_function_name(graph))
+            self._retracer.traced_here(graph)
         if op_type in self._skip or (self._op_types is not None and op_type not in self._op_types):
             return None
         picked = [
@@ -237,20 +237,6 @@ class OpNumerics:
         finally:
             self._local.busy = False
 
-    def _check_traced_here(self, op_type: str) -> bool:
-        """Whether the ops of a function called in an eager block are recorded
-        (it was traced inside a block); warns once per function that was not."""
-        name = _tf_internal.called_function_name(op_type)
-        if name is None or name in self._traced_here:
-            return True
-        if name not in self._warned:
-            self._warned.add(name)
-            _log.warning(
-                "op_numerics: tf.function %r was traced before the recorder was active, so its ops "
-                "are not recorded, only its outputs (as op %s); call it first inside the recorder's "
-                "block (or trace it anew)", name, op_type)
-        return False
-
     def _record(self, st: Step, op: Op, picked) -> list | None:
         """Records the picked outputs of ``op``; returns the op's new outputs, if any."""
         own_graph = op.graph is None or op.graph is st.graph
@@ -259,6 +245,8 @@ class OpNumerics:
         if not own_graph and _tf_internal.in_loop_gradient(op.graph):
             return None  # not recordable there; the loop's forward ops are
         d = st.describe(op, own_graph, *self._source.locate())
+        if op.type in RUNS_PIPELINE:  # an element of the input pipeline
+            d = d._replace(role="input", where=self._retracer.pipeline_where(d.where))
         outputs, replaced = list(op.outputs), False
         for slot, tensor in picked:
             site = eager_site(d.base, d.where, slot) if op.graph is None else graph_site(

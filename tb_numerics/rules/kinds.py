@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 
 from tb_numerics import detectors, metadata
-from tb_numerics.records import F, TensorSeries, derived, nonfinite_count
+from tb_numerics.records import F, TensorSeries, derived, nonfinite_count, union_steps
 from tb_numerics.rules.codes import HEALTHY, NONFINITE, WARNING
 from tb_numerics.rules.numbers import count, describe_nonfinite, number, percent
 
@@ -127,8 +127,9 @@ def growth_flags(max_abs: np.ndarray, p: Any) -> np.ndarray:
     w = p.growth_window
     n = len(max_abs)
     flags = np.zeros(n, dtype=bool)
-    if n <= w:
-        return flags
+    with np.errstate(invalid="ignore"):
+        if n <= w or not np.any(max_abs >= p.growth_floor):  # nowhere above the floor: nothing to look at
+            return flags
     with np.errstate(invalid="ignore"):
         rising = np.zeros(n, dtype=bool)
         rising[1:] = max_abs[1:] > max_abs[:-1]
@@ -172,6 +173,8 @@ def _jump_mask(s: SeriesView, p: Any) -> np.ndarray:
     max_abs = s.d["max_abs"]
     flags = np.zeros(len(max_abs), dtype=bool)
     with np.errstate(invalid="ignore", divide="ignore"):
+        if not np.any(max_abs >= p.growth_floor):
+            return flags
         flags[1:] = (max_abs[1:] >= p.growth_floor) & (max_abs[:-1] > 0) & (
             max_abs[1:] >= p.jump_factor * max_abs[:-1])
     return flags & ~detectors.transient(flags, max_abs, np.r_[np.nan, max_abs[:-1]], nonfinite_count(s.v) == 0)
@@ -185,6 +188,8 @@ def _not_input(mask: Callable[[SeriesView, Any], np.ndarray]) -> Callable[[Serie
 
 def _underflow_mask(s: SeriesView, p: Any) -> np.ndarray:
     v = s.v
+    if not np.any(v[:, F["underflow"]] > 0):
+        return np.zeros(len(v), dtype=bool)
     nonzero = s.d["finite"] - v[:, F["zeros"]]
     share = np.where(nonzero > 0, v[:, F["underflow"]] / np.maximum(nonzero, 1), 0.0)
     return (v[:, F["underflow"]] > 0) & (share >= p.underflow_share)
@@ -198,7 +203,7 @@ def _depth_marks(which: str) -> Callable[[Rows, Any], list[tuple[int, np.ndarray
         grads = [r for r, h in enumerate(rows) if h.series.info.role == "gradient"]
         if len(grads) < 2:
             return []
-        steps = np.unique(np.concatenate([rows[r].series.steps for r in grads]))
+        steps = union_steps([rows[r].series for r in grads])
         depth = detectors.by_depth([rows[r].series for r in grads], steps, p.depth_vanishing,
                                    p.depth_exploding, p.sustain)
         if depth is None or not depth[which].any():
@@ -282,7 +287,7 @@ def _ratio_unconfirmed(rows: Rows, p: Any) -> Iterable[tuple[int, np.ndarray]]:
 def _record(rows: Rows, row: int, i: int) -> tuple[TensorSeries, np.ndarray, float]:
     """Record ``i`` of a row's series in float64, and its max |x|."""
     s = rows[row].series
-    v = s.values[i].astype(np.float64)
+    v = s.record(i)
     return s, v, float(derived(v)["max_abs"][0])
 
 
@@ -333,7 +338,7 @@ def _growth_detail(back_param: str | None) -> Callable[[Rows, int, int, Any], st
     def detail(rows: Rows, row: int, i: int, p: Any) -> str:
         s, _, max_abs = _record(rows, row, i)
         back = 1 if back_param is None else getattr(p, back_param)
-        prev = float(derived(s.values[i - back])["max_abs"][0])
+        prev = float(derived(s.record(i - back))["max_abs"][0])
         return "max |x| grew %s× in %d record%s (steps %d to %d), to %s" % (
             number(max_abs / prev), back, "" if back == 1 else "s", int(s.steps[i - back]), int(s.steps[i]),
             number(max_abs))
@@ -345,7 +350,9 @@ def _headroom_detail(rows: Rows, row: int, i: int, p: Any) -> str:
     """The forecast of record ``i`` in words that hold at its step: the
     growth it extrapolates (over which steps, how fast) and what of this
     tensor it forecasts, whatever other tensors did at that step."""
-    s, _, d = _whole(rows, row)
+    # max |x| alone, which a compact series holds (``TensorSeries.mask_values``).
+    s = rows[row].series
+    d = derived(s.mask_values())
     window = p.growth_window
     dtype = s.info.compute_dtype or s.info.dtype
     left = float(detectors.headroom_forecast(s, d, window)[i])
@@ -530,7 +537,7 @@ KINDS: tuple[WarningKind, ...] = (
         "The LossScaleOptimizer skipped the step and lowered its scale: normal while it "
         "calibrates; persistent skips mean a NaN that loss scaling cannot fix.",
         (), lambda rows, row, i, p: "%s at a step the LossScaleOptimizer skipped (it lowered the loss scale)"
-        % describe_nonfinite(rows[row].series.values[i]),
+        % describe_nonfinite(rows[row].series.record(i)),
         marks=_skipped_marks, info=True),
 )
 

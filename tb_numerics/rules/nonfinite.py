@@ -33,14 +33,16 @@ def neginf_intended(tag: str, info: metadata.TensorInfo, sr: Any) -> bool:
     return info.neginf_ok or any(fnmatch.fnmatchcase(tag, p) for p in sr.allow_neginf)
 
 
-def nonfinite_mask(series: TensorSeries, sr: Any) -> np.ndarray:
+def nonfinite_mask(series: TensorSeries, sr: Any, values: np.ndarray | None = None) -> np.ndarray:
     """Which records of a series are non-finite under the safe range ``sr``.
 
     Args:
       series: one tensor's records.
       sr: the safe range, for ``allow_neginf``.
+      values: the series' ``mask_values()``, where the caller has them.
     """
-    return nonfinite_count(series.values, neginf_intended(series.tag, series.info, sr)) > 0
+    v = series.mask_values() if values is None else values
+    return nonfinite_count(v, neginf_intended(series.tag, series.info, sr)) > 0
 
 
 def record_is_anomaly(

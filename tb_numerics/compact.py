@@ -1,0 +1,424 @@
+"""Compact series: a long run's records held as what the rules read, the rest read back on demand.
+
+Why: a run of 500 tensors x 100,000 steps holds 50 M records, 2.2 GB as
+float32; the plugin must serve it from well under that. A ``CompactSeries``
+holds, for each record of a tensor logged in packed blocks:
+
+- what every series mask reads of a usual tensor (an activation, a
+  gradient): max |x| (in the records' own dtype), one byte of
+  flags (NaN, +Inf, -Inf, overflow counts above 0) and, where the tensor
+  ever underflowed, the share of its nonzero values below the smallest
+  normal: 5 bytes a record, from which ``mask_values`` rebuilds records on
+  which every mask answers as on the real ones (the rules core's masks read
+  nothing else of such a tensor; ``tests/test_compact.py`` checks each kind);
+- chart aggregates of each ``CHUNK`` records (min of mins, max of maxes,
+  sums of counts, sums of the finite means, stds and L2 norms): 2.5 bytes a
+  record, exact for any chart point made of whole chunks;
+- where each record came from (its packed block): a record's full
+  statistics (``record``), a range of them (``records``) and, where
+  something reads them, all of them (``values``) are read back through the
+  source they came from, TensorBoard's data provider or the event files.
+
+Tensors whose rules read more of each record (losses, the global norm, the
+loss scale, the batch's inputs and targets, which the hints' evidence reads
+whole, update ratios, activations of ReLU-like, sigmoid, tanh or
+softmax functions, the two gradients the by-depth rule compares, op-level
+records) keep every record (``keeps_records``). Numpy only, no TensorFlow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from typing import Callable, Sequence
+
+import numpy as np
+
+from tb_numerics import detectors, metadata, packed
+from tb_numerics.records import F, TensorSeries, derived
+
+__all__ = ["CHART_COUNTS", "CHART_MOMENTS", "CHUNK", "ChunkStats", "CompactSeries", "PartCache", "Piece",
+           "compact_cube", "compact_parts", "keeps_records", "merge"]
+
+logger = logging.getLogger(__name__)
+
+# Records per chart aggregate: 2,000 points over 100,000 steps.
+CHUNK = 50
+_NAN, _POSINF, _NEGINF, _OVERFLOW = 1, 2, 4, 8
+# Bytes of float64 records made compact at once.
+_WORK_BYTES = 4 << 20
+# The chart's statistics, as ``views`` shows them.
+CHART_COUNTS = ("count", "nan", "posinf", "neginf", "zeros", "overflow", "underflow")
+CHART_MOMENTS = ("mean", "std", "l2")
+
+# (block tag, tensor tag) -> that tensor's part of the block, read again.
+PartLoader = Callable[[str, str], TensorSeries]
+
+
+def keeps_records(tag: str, info: metadata.TensorInfo, depth_pair: Sequence[str] = ()) -> bool:
+    """Whether a tensor keeps every record in full: one some rule or the
+    hints' evidence (``evidence``: the batch's inputs) reads beyond max |x|,
+    the non-finite and overflow counts and the underflow share.
+
+    Args:
+      tag, info: the tensor.
+      depth_pair: the gradient tags the by-depth rule compares.
+    """
+    if info.role in ("loss", "global_norm", "loss_scale", "input") or tag in depth_pair:
+        return True
+    if tag.startswith(("update_ratio/", "ops/")) or tag in metadata.VERDICT_TAGS:
+        return True
+    if info.role != "activation":
+        return False
+    fn = (info.activation or info.op_type).lower()
+    return detectors.relu_like(info) or fn in detectors.SATURATING
+
+
+@dataclasses.dataclass
+class ChunkStats:
+    """Chart aggregates of consecutive chunks of records: chunk ``c`` holds
+    records ``[start[c], start[c + 1])`` (the last to the series' end)."""
+
+    start: np.ndarray  # int64 [m], record index of each chunk's first record
+    lo: np.ndarray  # [m] min of the finite mins (NaN where none)
+    hi: np.ndarray  # [m] max of the finite maxes
+    max_abs: np.ndarray  # [m]
+    moments: np.ndarray  # float64 [m, 2 * len(CHART_MOMENTS)]: sum and number of finite values of each
+    counts: np.ndarray  # float64 [m, len(CHART_COUNTS)]: sums
+    unrecorded: np.ndarray  # bool [m]: no record of the chunk holds sums
+
+    @staticmethod
+    def of_each(values: np.ndarray, d: dict[str, np.ndarray]) -> list["ChunkStats"]:
+        """The chunks of each of ``T`` tensors' records ``[T, n, F]`` (their
+        parts of one block), from their first records; ``d``: the records'
+        ``derived`` statistics, ``[T * n]`` each."""
+        t, n = values.shape[:2]
+        flat = values.reshape(t * n, -1)
+        own = np.arange(0, n, CHUNK, dtype=np.int64)
+        starts = (np.arange(t, dtype=np.int64)[:, None] * n + own[None, :]).reshape(-1)
+        with np.errstate(invalid="ignore"):
+            moments = []
+            for k in CHART_MOMENTS:
+                ok = np.isfinite(d[k])
+                moments += [np.add.reduceat(np.where(ok, d[k], 0.0), starts), np.add.reduceat(ok * 1.0, starts)]
+            unrecorded = np.isnan(flat[:, F["sum_sq"]]) & (d["finite"] > 0)
+            counts = np.add.reduceat(flat[:, [F[k] for k in CHART_COUNTS]].astype(np.float64), starts, axis=0)
+            each = [
+                np.fmin.reduceat(flat[:, F["min"]], starts), np.fmax.reduceat(flat[:, F["max"]], starts),
+                np.fmax.reduceat(d["max_abs"].astype(flat.dtype), starts), np.stack(moments, axis=1), counts,
+                np.logical_and.reduceat(unrecorded, starts),
+            ]
+        m = len(own)
+        return [ChunkStats(own, *(a[i * m : (i + 1) * m] for a in each)) for i in range(t)]
+
+    @staticmethod
+    def joined(parts: Sequence["ChunkStats"], offsets: Sequence[int]) -> "ChunkStats":
+        """The chunks of parts laid end to end at ``offsets``."""
+        fields = {f.name: np.concatenate([getattr(p, f.name) for p in parts]) for f in dataclasses.fields(ChunkStats)}
+        fields["start"] = np.concatenate([p.start + at for p, at in zip(parts, offsets)])
+        return ChunkStats(**fields)
+
+
+@dataclasses.dataclass
+class Piece:
+    """One block's records of a tensor, compact: what a ``CompactSeries`` is made of."""
+
+    block: str  # the block's tag, to read the records back with
+    max_abs: np.ndarray  # [n], in the records' dtype
+    flags: np.ndarray  # uint8 [n]: NaN, +Inf, -Inf, overflow counts above 0
+    underflow: np.ndarray | None  # float64 [n]: the underflow share; None where all 0
+    chunks: ChunkStats
+
+    def prefix(self, n: int, tag: str, load: PartLoader) -> "Piece":
+        """Its first ``n`` records (a restarted job wrote the others again):
+        views, but for the chunk the cut falls in, made again from the
+        records read back."""
+        whole = self.chunks.start + CHUNK <= n
+        cut = {f.name: getattr(self.chunks, f.name)[whole] for f in dataclasses.fields(ChunkStats)}
+        chunks = ChunkStats(**cut)
+        at = int(self.chunks.start[~whole][0]) if (~whole).any() else n
+        if at < n:
+            values = load(self.block, tag).values[at:n]
+            last = ChunkStats.of_each(values[None], derived(values.astype(np.float64)))[0]
+            chunks = ChunkStats(**{f.name: np.concatenate([getattr(chunks, f.name), getattr(last, f.name) + (
+                at if f.name == "start" else 0)]) for f in dataclasses.fields(ChunkStats)})
+        return Piece(self.block, self.max_abs[:n], self.flags[:n],
+                     None if self.underflow is None else self.underflow[:n], chunks)
+
+
+class CompactSeries(TensorSeries):
+    """One tensor's records as the rules read them, the rest read back on
+    demand (see the module docstring): its blocks' pieces, laid end to end
+    by step. Stands wherever a ``TensorSeries`` does; ``values`` reads every
+    record back, so the analysis reads ``record``, ``records`` and
+    ``mask_view`` instead.
+
+    Args:
+      tag, info, steps, written: as ``TensorSeries``'s.
+      pieces: the pieces, in step order.
+      load: reads a block's part again: ``load(block, tensor tag)``.
+      width: how many tensors its blocks hold (reading a record back decodes as many).
+    """
+
+    def __init__(self, tag: str, info: metadata.TensorInfo, steps: np.ndarray, pieces: list[Piece],
+                 load: PartLoader, written: tuple[float, float] | None = None, width: int = 1):
+        self.tag, self.info, self.steps, self.written = tag, info, steps, written
+        self.pieces, self.load, self.width = pieces, load, width
+        self.starts = np.cumsum([0] + [len(p.flags) for p in pieces])  # where each piece begins
+
+    def __repr__(self) -> str:
+        return "CompactSeries(%r, %d records)" % (self.tag, len(self.steps))
+
+    __eq__ = object.__eq__
+    __hash__ = object.__hash__
+
+    def _joined(self, name: str) -> np.ndarray:
+        arrays = [getattr(p, name) for p in self.pieces]
+        return arrays[0] if len(arrays) == 1 else np.concatenate(arrays)
+
+    @property
+    def values(self) -> np.ndarray:  # type: ignore[override]
+        """Every record, read back from the source (slow: a fallback)."""
+        logger.info("numerics: reading all %d records of %s back", len(self.steps), self.tag)
+        return self.records(0, len(self.steps))
+
+    @property
+    def max_abs(self) -> np.ndarray:
+        return self._joined("max_abs")
+
+    @property
+    def chunks(self) -> ChunkStats:
+        """Every piece's chunks, by record index in the series."""
+        if len(self.pieces) == 1:
+            return self.pieces[0].chunks
+        fields = {f.name: np.concatenate([getattr(p.chunks, f.name) for p in self.pieces])
+                  for f in dataclasses.fields(ChunkStats)}
+        fields["start"] = np.concatenate([p.chunks.start + at for p, at in zip(self.pieces, self.starts)])
+        return ChunkStats(**fields)
+
+    def record(self, i: int) -> np.ndarray:
+        return self.records(i, i + 1)[0]
+
+    def records(self, lo: int, hi: int) -> np.ndarray:
+        """Records ``[lo, hi)`` in float64, read back from their blocks."""
+        out = np.empty((max(0, hi - lo), metadata.NUM_FIELDS), np.float64)
+        k = max(0, int(np.searchsorted(self.starts, lo, side="right")) - 1)
+        at = lo
+        while at < hi:
+            take = min(hi, int(self.starts[k + 1])) - at
+            j = at - int(self.starts[k])
+            got = self.load(self.pieces[k].block, self.tag).values[j : j + take]
+            if len(got) < take:
+                raise ValueError("%s: block %s no longer holds its records" % (self.tag, self.pieces[k].block))
+            out[at - lo : at - lo + take] = got
+            at += take
+            k += 1
+        return out
+
+    def mask_values(self) -> np.ndarray:
+        """Records on which every series mask answers as on the real ones
+        (float64): max |x| as min and max, the non-finite and overflow
+        counts as 0 or 1, the underflow share as the underflow count of one
+        finite nonzero value; sums NaN (not recorded), zeros 0."""
+        n = len(self.steps)
+        v = np.zeros((n, metadata.NUM_FIELDS), order="F")  # the masks read a field at a time
+        flags = self._joined("flags")
+        for k, bit in (("nan", _NAN), ("posinf", _POSINF), ("neginf", _NEGINF), ("overflow", _OVERFLOW)):
+            v[:, F[k]] = (flags & bit) > 0
+        v[:, F["count"]] = 1 + v[:, F["nan"]] + v[:, F["posinf"]] + v[:, F["neginf"]]
+        v[:, F["min"]] = v[:, F["max"]] = self.max_abs
+        v[:, F["sum"]] = v[:, F["sum_sq"]] = np.nan
+        if any(p.underflow is not None for p in self.pieces):
+            v[:, F["underflow"]] = np.concatenate(
+                [p.underflow if p.underflow is not None else np.zeros(len(p.flags)) for p in self.pieces])
+        return v
+
+    def mask_view(self) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """``mask_values()`` and their ``derived`` statistics, made directly:
+        one finite value a record, max |x|, no sums."""
+        n = len(self.steps)
+        nan = np.full(n, np.nan)
+        v = self.mask_values()
+        return v, {"mean": nan, "std": nan, "max_abs": v[:, F["max"]], "l2": nan, "finite": np.ones(n)}
+
+
+def compact_parts(block: str, parts: Sequence[TensorSeries], keep: Callable[[str, metadata.TensorInfo], bool],
+                  load: PartLoader) -> list[TensorSeries]:
+    """A block's parts (``packed.decode_tag``), each compact unless ``keep``
+    says its tensor keeps its records (then a copy: a view would hold the
+    whole block).
+
+    Args:
+      block: the block's tag, to read the records back with.
+      parts: its parts.
+      keep: whether a tensor (tag, info) keeps its records.
+      load: reads a block's part again: ``load(block, tensor tag)``.
+    """
+    kept = [keep(p.tag, p.info) or not len(p.steps) for p in parts]
+    groups: dict[tuple, list[int]] = {}
+    for i, p in enumerate(parts):
+        if not kept[i]:
+            groups.setdefault((id(p.steps), len(p.steps), p.values.dtype == np.float32), []).append(i)
+    out = [TensorSeries(p.tag, p.info, p.steps, p.values.copy(), p.written) if k else p for p, k in zip(parts, kept)]
+    for idx in groups.values():
+        steps, written = parts[idx[0]].steps, parts[idx[0]].written
+        for lo in range(0, len(idx), _at_once(len(steps))):
+            some = idx[lo : lo + _at_once(len(steps))]
+            values = np.stack([parts[i].values for i in some])
+            made = _compact_values(block, [(parts[i].tag, parts[i].info) for i in some], steps, values, load, written)
+            for i, series in zip(some, made):
+                series.width = len(parts)
+                out[i] = series
+    return out
+
+
+def compact_cube(block: str, table: metadata.BlockTable, steps: np.ndarray, ids: np.ndarray, cube: np.ndarray,
+                 keep: Callable[[str, metadata.TensorInfo], bool], load: PartLoader,
+                 written: tuple[float, float] | None) -> list[TensorSeries]:
+    """``compact_parts`` of a usual block (``packed.regular_cube``), read
+    straight from its rows ``[S, T, COLUMNS]``.
+
+    Args:
+      block, keep, load: as ``compact_parts``'s.
+      table: the block's table.
+      steps, ids, cube: ``packed.regular_cube(table, rows)``.
+      written: the block's events' first and last wall time, where known.
+    """
+    infos = [table[int(i)] for i in ids]
+    kept = [keep(tag, info) for tag, info in infos]
+    out: list[TensorSeries | None] = [
+        TensorSeries(tag, info, steps, cube[:, j, 2:].copy(), written) if k else None
+        for j, ((tag, info), k) in enumerate(zip(infos, kept))]
+    rest = [j for j, k in enumerate(kept) if not k]
+    for lo in range(0, len(rest), _at_once(len(steps))):
+        some = rest[lo : lo + _at_once(len(steps))]
+        # Usually a run of the block's tensors: a slice, not a gather.
+        cols = slice(some[0], some[-1] + 1) if some[-1] - some[0] + 1 == len(some) else some
+        values = np.ascontiguousarray(cube[:, cols, 2:].transpose(1, 0, 2))
+        for j, series in zip(some, _compact_values(block, [infos[j] for j in some], steps, values, load, written)):
+            series.width = len(ids)
+            out[j] = series
+    return out  # type: ignore[return-value]
+
+
+def _at_once(n: int) -> int:
+    """Tensors of ``n`` records made compact at once: a few MB, so that
+    temporaries stay in cache and are reused."""
+    return max(1, _WORK_BYTES // (8 * metadata.NUM_FIELDS * max(1, n)))
+
+
+def _compact_values(block: str, tensors: Sequence[tuple[str, metadata.TensorInfo]], steps: np.ndarray,
+                    values: np.ndarray, load: PartLoader, written) -> list[CompactSeries]:
+    """Tensors' records ``[T, n, F]`` of one block (the same steps) as compact series."""
+    t, n = values.shape[:2]
+    v64 = values.reshape(t * n, -1).astype(np.float64)
+    d = derived(v64)
+    flags = np.zeros(t * n, np.uint8)
+    for k, bit in (("nan", _NAN), ("posinf", _POSINF), ("neginf", _NEGINF), ("overflow", _OVERFLOW)):
+        flags |= np.where(v64[:, F[k]] > 0, bit, 0).astype(np.uint8)
+    under = (v64[:, F["underflow"]] > 0).reshape(t, n).any(axis=1)
+    share = None
+    if under.any():  # the share of nonzero values below the smallest normal, as the underflow rule reads it
+        with np.errstate(invalid="ignore", divide="ignore"):
+            nonzero = d["finite"] - v64[:, F["zeros"]]
+            share = np.where(nonzero > 0, v64[:, F["underflow"]] / np.maximum(nonzero, 1), 0.0).reshape(t, n)
+    max_abs = d["max_abs"].astype(values.dtype).reshape(t, n)
+    chunks = ChunkStats.of_each(values, d)
+    flags = flags.reshape(t, n)
+    return [
+        CompactSeries(tag, info, steps, [Piece(block, max_abs[i], flags[i], share[i].copy() if under[i] else None,
+                                               chunks[i])], load, written)
+        for i, (tag, info) in enumerate(tensors)
+    ]
+
+
+def merge(
+    parts: Sequence[CompactSeries],
+    shared_steps: dict | None = None,
+    restarts: list[tuple[str, int, int]] | None = None,
+) -> CompactSeries | None:
+    """One tensor's compact series from its compact parts of one block each,
+    given in the order written, as ``packed.merge`` would make it: where a
+    later part writes again the steps at the end of an earlier one (a job
+    restarted from a checkpoint), the later records replace them; the parts
+    then lie end to end by step, and their pieces are shared, not copied.
+    None where that cannot be (two writers at once, a later part holding
+    only some of the steps it overlaps): ``packed.merge`` then decides on
+    the full records. Steps a later training wrote again go to ``restarts``
+    as ``packed.merge`` puts them there."""
+    keep = [len(p.steps) for p in parts]
+    first = [int(p.steps[0]) if len(p.steps) else 0 for p in parts]
+    last = [int(p.steps[-1]) if len(p.steps) else -1 for p in parts]
+    by_first = sorted(range(len(parts)), key=first.__getitem__)
+    if all(last[a] < first[b] for a, b in zip(by_first, by_first[1:])):
+        return _laid_end_to_end(parts, keep, shared_steps)  # the usual case: no step written twice
+    replaced: list[tuple[int, int]] = []
+    for j, later in enumerate(parts):
+        for i in range(j):
+            earlier = parts[i]
+            if not keep[i] or not len(later.steps) or int(earlier.steps[keep[i] - 1]) < first[j]:
+                continue
+            if packed.written_at_once(earlier, later) or len(earlier.pieces) > 1:
+                return None
+            cut = int(np.searchsorted(earlier.steps, later.steps[0]))
+            rewritten = earlier.steps[cut : keep[i]]
+            if not (rewritten[-1] <= later.steps[-1] and np.isin(rewritten, later.steps).all()):
+                return None
+            keep[i] = cut
+            if restarts is not None and packed.follows(earlier, later):
+                replaced.append((int(rewritten[0]), int(rewritten[-1])))
+    got = _laid_end_to_end(parts, keep, shared_steps)
+    if got is not None and replaced and restarts is not None:
+        restarts.append((parts[-1].tag, min(lo for lo, _ in replaced), max(hi for _, hi in replaced)))
+    return got
+
+
+def _laid_end_to_end(parts: Sequence[CompactSeries], keep: list[int], shared_steps: dict | None) -> CompactSeries | None:
+    """The series of each part's first ``keep`` records laid end to end by
+    step; None where they overlap."""
+    laid = sorted((i for i in range(len(parts)) if keep[i]), key=lambda i: int(parts[i].steps[0]))
+    if not laid or not all(parts[a].steps[keep[a] - 1] < parts[b].steps[0] for a, b in zip(laid, laid[1:])):
+        return None
+    pieces = [pc if keep[i] == len(parts[i].steps) else pc.prefix(keep[i], parts[i].tag, parts[i].load)
+              for i in laid for pc in parts[i].pieces]
+    key = tuple((id(parts[i].steps), keep[i]) for i in laid)
+    steps = None if shared_steps is None else shared_steps.get(key)
+    if steps is None:
+        steps = np.concatenate([parts[i].steps[: keep[i]] for i in laid])
+        if shared_steps is not None:
+            shared_steps[key] = steps
+    last = parts[-1]
+    return CompactSeries(last.tag, last.info, steps, pieces, last.load, last.written,
+                         max(parts[i].width for i in laid))
+
+
+class PartCache:
+    """The last few blocks read back, decoded: the parts of a run's blocks
+    by tensor, for ``CompactSeries.records`` (a chart, a warning's detail).
+    Two by default: a chart around a step reads at most two blocks; each
+    holds every tensor's records (26 MB for 500 tensors)."""
+
+    def __init__(self, read_block: Callable[[str], dict[str, TensorSeries]], keep: int = 2):
+        self._read_block = read_block
+        self._keep = keep
+        self._lock = threading.Lock()
+        self._blocks: dict[str, dict[str, TensorSeries]] = {}
+
+    def forget(self, block: str) -> None:
+        """Drops a block read before (it grew)."""
+        with self._lock:
+            self._blocks.pop(block, None)
+
+    def __call__(self, block: str, tag: str) -> TensorSeries:
+        with self._lock:
+            parts = self._blocks.pop(block, None)
+        if parts is None:
+            parts = self._read_block(block)
+        with self._lock:
+            self._blocks[block] = parts
+            while len(self._blocks) > self._keep:
+                self._blocks.pop(next(iter(self._blocks)))
+        if tag not in parts:
+            raise ValueError("%s: block %s no longer holds it" % (tag, block))
+        return parts[tag]

@@ -1,0 +1,230 @@
+"""A long run held compact answers as every record read does.
+
+The truth is ``tb-numerics report``'s (``cli.report``: every record read
+from the event files and analysed whole); the plugin's side is a
+``RunStore`` over the logdir's files (``file_provider``), made to hold the
+run compact (``compact``). One run (``long_run``: a warning, a spike, an
+underflow and a NaN late in it) is written once for the module.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import numpy as np
+import pytest
+from tensorboard.context import RequestContext
+
+import long_run
+from tb_numerics import (analysis, cli, compact, compare, detectors, event_reader, file_provider, health, metadata,
+                         plugin, rules, run_store, views)
+from tb_numerics.records import F, TensorSeries, numpy_stats
+
+pytestmark = pytest.mark.unit
+
+STEPS = 3000
+COMPACT = run_store.Limits(compact_above_records=0, inline_read_records=10**9)
+SAFE_RANGES = ({}, {"max_abs": "50", "spike_factor": "3"}, {"off": "headroom,gradient_spike", "underflow_share": "0.05"})
+
+
+@pytest.fixture(scope="module")
+def logdir(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("logs"))
+    long_run.write(path, STEPS, width=8)
+    return path
+
+
+@pytest.fixture(scope="module")
+def store(logdir) -> run_store.RunStore:
+    files = file_provider.FileProvider(logdir, on_listing=False)
+    files.index_round()
+    return run_store.RunStore(files, reload_interval=0, background=False, limits=COMPACT)
+
+
+@pytest.fixture(scope="module")
+def whole(logdir) -> event_reader.RunRecords:
+    return event_reader.read_run(long_run.RUN, event_reader.find_runs(logdir)[long_run.RUN])
+
+
+def _answer(store, params) -> analysis.RunAnalysis:
+    return store.answer(RequestContext(), "", long_run.RUN, analysis.parse_safe_range(params)).analysis
+
+
+@pytest.mark.parametrize("params", SAFE_RANGES)
+def test_the_compact_run_reports_what_the_cli_reports(store, logdir, params, caplog):
+    caplog.set_level(logging.INFO, logger="tb_numerics.compact")
+    truth = cli.report(logdir, analysis.parse_safe_range(params))[0][0]
+    got = analysis.run_summary(_answer(store, params))
+    for key in ("first_anomaly", "first_warning", "warnings", "info", "records", "last_step"):
+        assert rules.dumps(got[key]) == rules.dumps(truth[key]), key
+    assert "reading all" not in caplog.text  # no tensor was read back whole
+
+
+def test_the_faults_are_where_they_were_injected(store):
+    """The oracle itself: the report finds the injected faults at their steps."""
+    s = analysis.run_summary(_answer(store, {}))
+    f = long_run.faults(STEPS)
+    assert (s["first_anomaly"]["step"], s["first_anomaly"]["tensor"]) == (f["nan_at"], "dense03/kernel")
+    assert s["first_warning"]["step"] == f["jump_at"]
+    kinds = {(w["tensor"], w["kind"]): w["first_step"] for w in s["warnings"]}
+    assert kinds[("dense01/kernel", "underflow")] == f["underflow_from"]
+    assert kinds[("dense04/kernel", "square_overflow")] == f["jump_at"]
+    assert kinds[("gradients/global_norm", "gradient_spike")] == f["jump_at"]
+    assert f["growth_at"] < kinds[("dense02/output", "headroom")] < f["growth_at"] + 12
+
+
+def test_usual_tensors_are_held_compact_and_the_rules_special_ones_whole(store):
+    ra = _answer(store, {})
+    held = {h.series.tag: isinstance(h.series, compact.CompactSeries) for h in ra.health}
+    assert held["dense00/output"] and held["dense05/kernel"]
+    for tag in ("input", "loss", "gradients/global_norm", "relu/output", "gate/output", "probs/output"):
+        assert not held[tag], tag
+    assert sum(held.values()) == 8 + 2 * 8 - 2  # linear activations, gradients but the by-depth pair
+    assert sum(not c for c in held.values()) == 8
+
+
+@pytest.mark.parametrize("width", [1, 37, 1000, 5000])
+def test_the_timeline_is_the_one_of_every_record(store, whole, width):
+    full = analysis.analyze_run(long_run.RUN, whole.series, analysis.SafeRange(), whole.problems)
+    got = analysis.timeline(_answer(store, {}), width, 10, STEPS - 3)
+    assert got == analysis.timeline(full, width, 10, STEPS - 3)
+
+
+def test_a_chart_of_few_records_reads_them_back(store, whole):
+    full = analysis.analyze_run(long_run.RUN, whole.series, analysis.SafeRange(), whole.problems)
+    f = long_run.faults(STEPS)
+    for tag in ("dense03/kernel", "dense02/output", "loss"):
+        got = analysis.series_points(_answer(store, {}).find(tag), 2000, f["nan_at"] - 50, f["nan_at"] + 50)
+        assert rules.dumps(got) == rules.dumps(analysis.series_points(full.find(tag), 2000, f["nan_at"] - 50,
+                                                                      f["nan_at"] + 50))
+        assert len(got["steps"]) == 101
+
+
+def test_a_wide_chart_is_made_of_whole_chunks_with_their_exact_statistics(store, whole, monkeypatch):
+    ra = _answer(store, {})
+    h = ra.find("dense03/kernel")
+    monkeypatch.setattr(views, "READ_BACK_RECORDS", 1000)  # what reading back may cost: less than this chart
+    got = analysis.series_points(h, 40, 333, STEPS - 1)
+    values = next(s for s in whole.series if s.tag == "dense03/kernel").values.astype(np.float64)
+    steps = h.series.steps
+    assert got["downsampled"] and len(got["steps"]) == 40
+    assert got["steps"][0] == 300 and got["step_end"][-1] == STEPS - 1  # whole chunks of 50 records
+    for p, (a, b) in enumerate(zip(got["steps"], got["step_end"])):
+        lo, hi = int(np.searchsorted(steps, a)), int(np.searchsorted(steps, b, side="right"))
+        assert (hi - lo) % compact.CHUNK == 0
+        v = values[lo:hi]
+        assert got["fields"]["min"][p] == np.nanmin(v[:, F["min"]])
+        assert got["fields"]["max"][p] == np.nanmax(v[:, F["max"]])
+        assert got["fields"]["nan"][p] == v[:, F["nan"]].sum()
+        assert got["fields"]["count"][p] == v[:, F["count"]].sum()
+        assert got["health"][p] == h.codes[lo:hi].max()
+    assert max(got["health"]) == rules.NONFINITE  # the NaN's chunk shows it
+
+
+def test_a_restarted_job_over_a_compact_run_reads_as_the_cli_does(tmp_path, monkeypatch):
+    """A job restarted from the middle of a block writes its steps again,
+    without the NaN: the later records replace the earlier ones, as
+    ``packed.merge`` has it, and the run stays compact."""
+    logdir = str(tmp_path)
+    long_run.write(logdir, 1200, width=3)
+    # A restarted job starts in a later second: its file's name (which
+    # begins with that second) sorts after the first's, as readers order
+    # files. Within one second the names' random parts decide the order.
+    time.sleep(1.1)
+    long_run.write(logdir, 1200, width=3, start=700, nan=False)
+    files = file_provider.FileProvider(logdir, on_listing=False)
+    files.index_round()
+    store = run_store.RunStore(files, reload_interval=0, background=False, limits=COMPACT)
+    truth = cli.report(logdir, analysis.SafeRange())[0][0]
+    got = analysis.run_summary(_answer(store, {}))
+    assert truth["first_anomaly"]["step"] == long_run.faults(1200)["neginf_at"]  # the NaN was written over
+    for key in ("first_anomaly", "first_warning", "warnings", "records", "problems"):
+        assert rules.dumps(got[key]) == rules.dumps(truth[key]), key
+    answer = store.answer(RequestContext(), "", long_run.RUN, analysis.SafeRange())
+    assert answer.restarts == truth["restarts"] and truth["restarts"][0]["first_step"] == 700  # said, as the CLI says it
+    h = _answer(store, {}).find("dense00/output")
+    assert isinstance(h.series, compact.CompactSeries) and len(h.series.pieces) == 2
+    monkeypatch.setattr(views, "READ_BACK_RECORDS", 100)  # a chart of chunks across the restart
+    got = analysis.series_points(h, 1000)
+    whole = event_reader.read_run(long_run.RUN, event_reader.find_runs(logdir)[long_run.RUN])
+    values = next(s for s in whole.series if s.tag == "dense00/output").values
+    ends = np.searchsorted(h.series.steps, got["step_end"], side="right")
+    starts = np.searchsorted(h.series.steps, got["steps"])
+    assert [int(values[a:b, F["count"]].sum()) for a, b in zip(starts, ends)] == got["fields"]["count"]
+    assert [float(np.min(values[a:b, F["min"]])) for a, b in zip(starts, ends)] == got["fields"]["min"]
+    assert 700 in got["steps"]  # the restart's first step begins a chunk
+
+
+def _fault_series(rng: np.random.Generator, info: metadata.TensorInfo, tag: str, n: int) -> TensorSeries:
+    """Records of ``n`` steps of a 4,096-value float32 tensor with every
+    fault a usual tensor can hold: NaN, +-Inf, overflow, underflow, steady
+    growth, jumps and squares beyond float32."""
+    rows = []
+    scale = 1.0
+    for step in range(n):
+        x = rng.normal(0, scale, 4096).astype(np.float32)
+        r = rng.random()
+        if r < 0.03:
+            x[:3] = rng.choice([np.nan, np.inf, -np.inf], 3)
+        elif r < 0.06:
+            x[: rng.integers(1, 2000)] = 1e-39  # subnormal: underflow
+        elif r < 0.08:
+            x[0] = 3e37  # beyond float32's overflow margin
+        elif r < 0.10:
+            x[0] = 1e20  # its square overflows
+        scale = scale * 10 if 40 <= step % 97 < 52 else (1.0 if step % 97 == 0 else scale)
+        rows.append(numpy_stats(x))
+    return TensorSeries(tag, info, np.arange(n, dtype=np.int64), np.array(rows))
+
+
+@pytest.mark.parametrize("role", ["activation", "gradient"])
+def test_every_series_mask_answers_on_compact_records_as_on_the_records(role):
+    """What ``compact`` claims: the masks read nothing of a usual tensor
+    but what a compact series holds. A new rule that reads more fails here."""
+    rng = np.random.default_rng(7)
+    info = metadata.TensorInfo(role=role, order=0, shape=(64, 64), dtype="float32",
+                               squared_by="adam" if role == "gradient" else "")
+    series = _fault_series(rng, info, "t/x", 600)
+    assert not compact.keeps_records(series.tag, info)
+    small = compact.compact_parts("block", [series], lambda tag, info: False, lambda block, tag: series)[0]
+    for params in SAFE_RANGES + ({"max_abs": "1e3", "underflow_share": "0.001"},):
+        sr = analysis.parse_safe_range(params)
+        want, got = health.series_health(series, sr), health.series_health(small, sr)
+        assert np.array_equal(want.codes, got.codes) and np.array_equal(want.kinds, got.kinds), params
+    assert len(set(health.series_health(series, analysis.SafeRange()).kinds.tolist())) >= 4
+    assert np.array_equal(small.records(100, 110), series.values[100:110].astype(np.float64))
+
+
+def test_dead_units_read_only_the_bias_records_they_confirm(caplog):
+    """The bias gradient that confirms dead units is a usual, compact
+    tensor: its zeros are read back around the marked steps only, and the
+    answer is the one from every record."""
+    caplog.set_level(logging.INFO, logger="tb_numerics.compact")
+    n, steps = 400, np.arange(400, dtype=np.int64)
+    info = metadata.TensorInfo(role="gradient", order=1, shape=(64,), dtype="float32")
+    v = np.zeros((n, metadata.NUM_FIELDS))
+    v[:, F["count"]], v[:, F["min"]], v[:, F["max"]] = 64, -1.0, 1.0
+    v[150:260, F["zeros"]] = 40  # 62 % of the units dead from step 150 to 259
+    v[200:203, F["zeros"]] = 0
+    bias = TensorSeries("gradients/dense/bias", info, steps, v)
+    small = compact.compact_parts("block", [bias], lambda tag, info: False, lambda block, tag: bias)[0]
+    relu = TensorSeries("dense/output", metadata.TensorInfo(role="activation", order=0, shape=(64, 64),
+                                                            activation="relu", dtype="float32"), steps, v)
+    for lo, hi in ((120, 300), (140, 160), (255, 270), (0, n)):
+        dead = np.zeros(n, dtype=bool)
+        dead[lo:hi] = True
+        want = detectors.dead_units_by_gradient(relu, dead, [bias], 0.5, 5)
+        assert want.any() and not want.all()
+        assert np.array_equal(detectors.dead_units_by_gradient(relu, dead, [small], 0.5, 5), want), (lo, hi)
+    assert "reading all" not in caplog.text
+
+
+def test_compare_refuses_a_compact_run_at_once_and_says_why(store):
+    """The band reads every record's L2 norm and zeros: a compact run would
+    read each block back once per tensor, so /compare answers 400 at once."""
+    p = plugin.NumericsPlugin.__new__(plugin.NumericsPlugin)  # its store only: the one over the files, compact
+    p._store = store
+    with pytest.raises(plugin._BadRequest) as refused:
+        p.compare_impl(RequestContext(), "", long_run.RUN, long_run.RUN, compare.Band())
+    assert refused.value.code == 400 and "long run" in str(refused.value) and "--against" in str(refused.value)

@@ -1,0 +1,69 @@
+"""A long run in a real TensorBoard answers as ``tb-numerics report`` does.
+
+The run (``long_run``: a gradient's jump and spike, an underflow, growth
+and a NaN, all in its last 40 %) is big enough to be held compact (more records than
+``run_store.Limits.compact_above_records``), and written once for the
+module. The CLI reads every record from the files and is the oracle: the
+plugin's first anomaly, first warning and warnings must be its own, with
+the Rust data server and with the Python loader, and TensorBoard keeps
+only a sample of the records (the plugin reads them from the files).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import urllib.parse
+
+import pytest
+
+import long_run
+from tb_numerics import run_store
+from tb_process import tensorboard, wait_for
+
+pytestmark = pytest.mark.e2e
+
+STEPS = 4000
+WIDTH = 48  # 150 tensors: 600,000 records
+
+
+@pytest.fixture(scope="module")
+def logdir(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("logs") / "logs")
+    long_run.write(path, STEPS, WIDTH)
+    return path
+
+
+@pytest.fixture(scope="module")
+def report(logdir) -> dict:
+    """``tb-numerics report --json``, run as a user runs it."""
+    out = subprocess.run([sys.executable, "-m", "tb_numerics.cli", "report", "--json", logdir],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1, out.stderr  # a run holds a NaN
+    return json.loads(out.stdout)["runs"][0]
+
+
+def test_the_run_is_long_enough_to_be_held_compact(report):
+    assert report["records"] > run_store.Limits().compact_above_records
+    f = long_run.faults(STEPS)
+    assert (report["first_anomaly"]["step"], report["first_warning"]["step"]) == (f["nan_at"], f["jump_at"])
+
+
+@pytest.mark.parametrize("load_fast", [True, False], ids=["rust", "python"])
+def test_the_plugin_answers_as_the_cli_does(logdir, report, load_fast):
+    q = urllib.parse.quote
+    with tensorboard(logdir, load_fast=load_fast) as tb:
+        summary = wait_for(lambda: (s := tb.get_json("/data/plugin/numerics/summary?run=%s" % q(long_run.RUN),
+                                                     timeout=120))["records"] == report["records"]
+                           and not s["stale"] and s, timeout=240, interval=0.5)
+        for key in ("first_anomaly", "first_warning", "warnings"):
+            assert summary[key] == report[key], key
+        timeline = tb.get_json("/data/plugin/numerics/timeline?run=%s&width=1000" % q(long_run.RUN))
+        row = next(r for r in timeline["rows"] if r["tensor"] == report["first_anomaly"]["tensor"])
+        bucket = next(b for b, (lo, hi) in enumerate(zip(timeline["bucket_start"], timeline["bucket_end"]))
+                      if lo <= report["first_anomaly"]["step"] <= hi)
+        assert row["cells"][bucket] == 2  # the NaN's bucket is non-finite
+        series = tb.get_json("/data/plugin/numerics/series?run=%s&tensor=%s" % (
+            q(long_run.RUN), q(report["first_anomaly"]["tensor"])))
+        assert series["downsampled"] and max(series["fields"]["nan"]) == 3
