@@ -157,7 +157,7 @@ def test_no_record_lost_to_sampling(tb):
 
 def test_a_user_sampling_setting_limits_tensorboard_not_the_plugin_of_a_local_logdir(logdir):
     sampled = TB(logdir, "--samples_per_plugin", "numerics=10")
-    assert sampled.flags.samples_per_plugin == {"numerics": 10}
+    assert sampled.flags.samples_per_plugin == {"numerics": 10, "numerics_actions": 0}
     s = sampled.ok(P + "/summary", run="bad")
     assert s["records"] == 3 * STEPS and s["problems"] == []  # read from the files
 
