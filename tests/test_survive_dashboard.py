@@ -23,8 +23,6 @@ pytestmark = pytest.mark.browser
 
 expect = playwright_api.expect
 expect.set_options(timeout=30_000)
-
-ENTRY = "/data/plugin_entry.html?name=numerics"
 STEPS = 60
 SKIPS = list(range(10, 21))  # 11 skips, then a rewind
 REWIND = 30
@@ -74,7 +72,7 @@ def test_the_banner_and_the_timeline_show_the_actions(tb):
             dialogs, errors = [], []
             page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
             page.on("pageerror", lambda e: errors.append(str(e)))
-            page.goto(tb.url + ENTRY)
+            page.goto(tb.url + chromium.ENTRY)
             acted = page.locator(".banner .training-actions")
             expect(acted).to_contain_text("Training acted: survived 11 non-finite steps (skipped), 1 rewind at step 30")
             items = acted.locator("li")
