@@ -1,6 +1,6 @@
 """What NumericsCallback costs a model.fit step on each Keras backend, side by side.
 
-    python bench/keras_backends.py [--backends tensorflow,jax,torch] [--reps 9] [--steps 5]
+    python bench/keras_backends.py [--backends tensorflow,jax,torch] [--reps 9] [--steps 5] [--baseline TREE]
 
 The model is bench/overhead.py's: 6 Dense layers of 1024 units with ReLU,
 batch 512, SGD, mse. Each backend runs in a process of its own (Keras picks
@@ -15,6 +15,11 @@ waiting for its last step's results (and the callback's writes), so work
 left running is charged to it. Printed per backend: the median step time of
 each, their ratio and the median of the ratios of the blocks run side by
 side (target: <= 1.15), and the machine's load.
+
+``--baseline TREE`` (a checkout of another commit, e.g. ``git worktree add
+/tmp/base main``) measures that tree's callback too, per backend right
+before this tree's, so that a change's before and after are printed side
+by side in one run under the same load.
 """
 
 from __future__ import annotations
@@ -126,19 +131,34 @@ def worker(reps: int, steps: int, callback_args: dict) -> dict:
                 step()
             settle()
             times[m].append((time.perf_counter() - start) / steps)
-    return {"backend": backend, "times": times}
+    import tb_numerics
+
+    return {"backend": backend, "times": times, "tree": os.path.dirname(os.path.dirname(tb_numerics.__file__))}
 
 
-def _report(result: dict, load: str) -> bool:
+def _report(result: dict, load: str, label: str = "") -> bool:
     t = result["times"]
     med = {m: statistics.median(v) for m, v in t.items()}
     ratio = med["fit_callback"] / med["fit"]
     paired = statistics.median(c / p for c, p in zip(t["fit_callback"], t["fit"]))
     met = max(ratio, paired) <= TARGET
     print("%-10s fit %7.1f ms   fit_callback %7.1f ms   ratio %.3f (median of paired ratios %.3f)   target <= %.2f: "
-          "%s   load %s" % (result["backend"], 1e3 * med["fit"], 1e3 * med["fit_callback"], ratio, paired, TARGET,
-                          "MET" if met else "NOT MET", load), flush=True)
+          "%s   load %s%s" % (result["backend"], 1e3 * med["fit"], 1e3 * med["fit_callback"], ratio, paired, TARGET,
+                            "MET" if met else "NOT MET", load, label), flush=True)
     return met
+
+
+def _run_worker(backend: str, tree: str, args: argparse.Namespace) -> dict | None:
+    """Runs ``worker`` in a process of its own on ``backend``, importing tb_numerics from ``tree``."""
+    env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="2",
+               PYTHONPATH=os.pathsep.join(filter(None, [tree, os.environ.get("PYTHONPATH")])))
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", "--reps", str(args.reps),
+                          "--steps", str(args.steps), "--callback-args", args.callback_args],
+                         env=env, capture_output=True, text=True)
+    if out.returncode:
+        print("%s failed:\n%s" % (backend, out.stderr[-3000:]))
+        return None
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -147,25 +167,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reps", type=int, default=9)
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--callback-args", default="{}", help='NumericsCallback arguments as JSON, e.g. \'{"replay": false}\'')
+    p.add_argument("--baseline", help="another source tree whose callback is measured too, side by side")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
         print(json.dumps(worker(args.reps, args.steps, json.loads(args.callback_args))))
         return 0
     here = os.path.dirname(os.path.abspath(__file__))
-    print("bench/keras_backends.py --backends %s --reps %d --steps %d --callback-args '%s' (6x1024 MLP, batch 512, SGD)"
-          % (args.backends, args.reps, args.steps, args.callback_args), flush=True)
+    print("bench/keras_backends.py --backends %s --reps %d --steps %d --callback-args '%s'%s (6x1024 MLP, batch 512, SGD)"
+          % (args.backends, args.reps, args.steps, args.callback_args,
+             " --baseline %s" % args.baseline if args.baseline else ""), flush=True)
+    trees = ([("baseline", os.path.abspath(args.baseline))] if args.baseline else []) + [("", os.path.dirname(here))]
     for backend in args.backends.split(","):
-        env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="2",
-                   PYTHONPATH=os.pathsep.join(filter(None, [os.path.dirname(here), os.environ.get("PYTHONPATH")])))
-        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", "--reps", str(args.reps),
-                              "--steps", str(args.steps), "--callback-args", args.callback_args],
-                             env=env, capture_output=True, text=True)
-        if out.returncode:
-            print("%s failed:\n%s" % (backend, out.stderr[-3000:]))
-            continue
-        load = "%.1f" % os.getloadavg()[0]
-        _report(json.loads(out.stdout.strip().splitlines()[-1]), load)
+        for label, tree in trees:
+            result = _run_worker(backend, tree, args)
+            if result is not None:
+                _report(result, "%.1f" % os.getloadavg()[0],
+                        "   (%s: %s)" % (label or "this tree", result["tree"]) if args.baseline else "")
     return 0
 
 

@@ -462,7 +462,17 @@ def _fit_loop(b: Bench, callbacks: list):
         + [keras.layers.Dense(WIDTH, activation="relu", name="dense%d" % i) for i in range(DEPTH)]
     )
     model.compile(optimizer=keras.optimizers.SGD(learning_rate=1e-4), loss="mse")
-    iterator = iter(tf.data.Dataset.from_tensors((b.x, b.y)).repeat())
+    return fit_per_batch(model, b.x, b.y, callbacks)
+
+
+def fit_per_batch(model, x, y, callbacks: list) -> Callable:
+    """One call of the result runs one batch of fit's loop on compiled
+    ``model``: ``train_function`` on a dataset of the batch (x, y), between
+    the callbacks' batch hooks. ``settle()`` ends a block of steps as an
+    epoch's end (the callback's writes finish there), ``end()`` the training;
+    ``model`` is the model (``fit_snapshot`` copies its state). Also used by
+    ``bench/arch_cost.py``."""
+    iterator = iter(tf.data.Dataset.from_tensors((x, y)).repeat())
     cbs = keras.callbacks.CallbackList(callbacks, model=model)
     model.make_train_function()
     cbs.on_train_begin()
@@ -476,8 +486,8 @@ def _fit_loop(b: Bench, callbacks: list):
 
     run.batch = 0
     run.model = model
-    # The end of a block of steps is an epoch's: the callback's writes finish there.
     run.settle = lambda: cbs.on_epoch_end(0)
+    run.end = cbs.on_train_end
     return run
 
 

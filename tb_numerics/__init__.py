@@ -11,11 +11,6 @@ TensorBoard can load the plugin (``tb_numerics.plugin``) without importing
 TensorFlow.
 """
 
-import importlib.abc
-import importlib.util
-import os
-import sys
-
 __version__ = "0.1.0"
 
 _LAZY = {
@@ -47,29 +42,3 @@ def __getattr__(name):
     if name in _SUBMODULES:
         return importlib.import_module("tb_numerics." + name)
     raise AttributeError("module 'tb_numerics' has no attribute %r" % name)
-
-
-class _KerasModuleFinder(importlib.abc.MetaPathFinder):
-    """Makes ``tb_numerics.keras`` the callback of Keras' running backend.
-
-    The module ``keras.py`` is the TensorFlow backend's callback and imports
-    TensorFlow. Where Keras runs on JAX or PyTorch (``KERAS_BACKEND``), the
-    import ``tb_numerics.keras`` loads ``backends/keras_module.py`` under that
-    name instead, so the same line, ``from tb_numerics.keras import
-    NumericsCallback``, works on every backend and imports no TensorFlow
-    there. Keras is imported only when ``tb_numerics.keras`` is.
-    """
-
-    def find_spec(self, fullname, path, target=None):
-        if fullname != __name__ + ".keras":
-            return None
-        import keras
-
-        if keras.backend.backend() == "tensorflow":
-            return None
-        here = os.path.dirname(os.path.abspath(__file__))
-        return importlib.util.spec_from_file_location(fullname, os.path.join(here, "backends", "keras_module.py"))
-
-
-if not any(type(f).__name__ == "_KerasModuleFinder" for f in sys.meta_path):
-    sys.meta_path.insert(0, _KerasModuleFinder())

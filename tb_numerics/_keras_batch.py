@@ -29,7 +29,7 @@ import numpy as np
 
 from tb_numerics import metadata
 
-__all__ = ["BatchPlan", "bad_features"]
+__all__ = ["BatchPlan", "bad_features", "is_float_tensor"]
 
 # How many of the features holding bad values a record lists (the worst first).
 _MAX_FEATURES = 8
@@ -39,11 +39,15 @@ _MAX_FEATURES = 8
 _TENSOR_TYPES = (("tensorflow", ("Tensor", "Variable")), ("jax", ("Array",)), ("torch", ("Tensor",)))
 
 
-def _is_float(t: Any) -> bool:
-    """Whether ``t`` is a dense float tensor of a Keras backend, or a numpy array.
+def is_float_tensor(t: Any) -> bool:
+    """Whether ``t`` is a dense float tensor of a Keras backend (a traced one
+    too), or a numpy array: a batch's leaf, or a layer's output.
 
     No backend is imported here (TensorFlow is not, on JAX or PyTorch): a
     backend's types are looked up where it was imported already.
+
+    Args:
+      t: anything; a ragged or sparse tensor is no dense tensor.
     """
     types = [np.ndarray] + [getattr(sys.modules[m], n) for m, names in _TENSOR_TYPES if m in sys.modules
                             for n in names if hasattr(sys.modules[m], n)]
@@ -53,7 +57,7 @@ def _is_float(t: Any) -> bool:
 def _float_leaves(structure: Any) -> list[tuple[str, Any]]:
     """(path, tensor) of each float tensor of ``structure``; the path "" for a bare tensor."""
     return [("/".join(str(k) for k in path), t) for path, t in keras.tree.flatten_with_path(structure)
-            if _is_float(t)]
+            if is_float_tensor(t)]
 
 
 def _model_count(model: keras.Model, attr: str, floats_only: bool) -> int:

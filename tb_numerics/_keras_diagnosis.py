@@ -1,4 +1,4 @@
-"""The Keras callback at the first anomaly: diagnosis, the replay hand-off, and the stop.
+"""The TensorFlow Keras callback at the first anomaly: diagnosis and the replay hand-off.
 
 What runs on the host only where a step gives a reason, never on a healthy
 one:
@@ -7,32 +7,31 @@ one:
   squares overflow (an optimizer that squares them), and at the first bad
   step for the step before it, the variables and slots an update left
   non-finite, written as that update's records;
-* at the first bad step: where the batch the replay kept holds the bad
-  values (``metadata.BATCH_TAG``, for the hint), then the replay of the step
-  at op level (``_keras_replay``), checked against the step's own records
-  (a replay that went bad elsewhere is "not reproduced", not a wrong op);
-* the stop: the run's first anomaly read back and printed in the report's
-  words (``report_text``).
+* at the first bad step: the batch the replay kept (each replica's part),
+  whose bad values the host counts (``_keras_host``), then the replay of
+  the step at op level (``_keras_replay``), checked against the step's own
+  records (a replay that went bad elsewhere is "not reproduced", not a
+  wrong op).
+
+The stop, the same on every backend, is ``_keras_host.stop_training``.
 """
 
 from __future__ import annotations
 
 import functools
-import json
-import sys
 from typing import Any
 
 import numpy as np
 import tensorflow as tf
 
-from tb_numerics import _keras_batch, _keras_replay, analysis, detectors, event_reader, metadata, records, report_text, update_check
-from tb_numerics._keras_host import HostRecords, Record
+from tb_numerics import _keras_replay, analysis, detectors, records, update_check
+from tb_numerics._keras_host import HostRecords, StepValues
 from tb_numerics._keras_patch import StepHooks
-from tb_numerics._keras_plan import RowPlan, strategy_of
-from tb_numerics._keras_program import StepProgram, StepValues
+from tb_numerics._keras_plan import RowPlan
+from tb_numerics._keras_program import StepProgram, strategy_of
 from tb_numerics.records import F
 
-__all__ = ["Diagnosis", "stop_training", "why_no_replay"]
+__all__ = ["Diagnosis", "why_no_replay"]
 
 
 def why_no_replay(model: Any) -> str | None:
@@ -69,7 +68,6 @@ class Diagnosis:
         self._square_rows = np.array([r for _, r in rows], np.int64)
         self._square_limits = np.array([detectors.square_limit(str(plan.variables[j].dtype)) for j, _ in rows])
         self.update_found: int | None = None
-        self._batch_noted = False
 
     @property
     def can_replay(self) -> bool:
@@ -122,30 +120,13 @@ class Diagnosis:
 
     # ------------------------------------------------------------ the first bad step
 
-    def note_bad_batch(self, step: int, step_records: list[Record]) -> None:
-        """Once, at the first bad step: where the batch the replay kept holds
-        the bad values of the batch's bad records, per feature and example
-        (``metadata.BATCH_TAG``, for the hint). Every replica's kept part is
-        counted; a replica whose records were finite kept none and holds none."""
-        if self._batch_noted or self._replay is None or self._replay.why_not:
-            return
-        self._batch_noted = True
-        bad = {tag: info.dtype for tag, v, info in step_records
-               if info.role == "input" and (records.nonfinite_count(v, info.neginf_ok) > 0 or v[F["overflow"]] > 0)}
-        if not bad:
-            return
-        tensors: dict[str, list] = {}
-        for r in range(strategy_of(self._model).num_replicas_in_sync):
-            batch = self._replay.batch(step, r)
-            if batch is None:
-                continue
-            for _, tag, ts in self._plan.batch.assign(batch):
-                if tag in bad:
-                    tensors.setdefault(tag, []).extend(ts)
-        found = [f for f in (_keras_batch.bad_features(tag, ts, bad[tag]) for tag, ts in tensors.items()) if f]
-        if found:
-            info = metadata.TensorInfo(role="other", op_type="Batch", description=json.dumps({"step": step, "tensors": found}))
-            self._host.writer.write(metadata.BATCH_TAG, step, records.numpy_stats(np.zeros(0, np.float32)), info)
+    def kept_batches(self, step: int) -> list[Any]:
+        """The batch the replay kept of ``step``: each replica's part that
+        was kept (a replica whose records were finite kept none)."""
+        if self._replay is None or self._replay.why_not:
+            return []
+        kept = (self._replay.batch(step, r) for r in range(strategy_of(self._model).num_replicas_in_sync))
+        return [batch for batch in kept if batch is not None]
 
     def replay(self, step: int, step_stats: np.ndarray) -> dict[str, Any]:
         """The verdict on the first bad step: born in an earlier update, or
@@ -216,18 +197,3 @@ class Diagnosis:
         bad = self._program.replica_nonfinite.numpy() > 0  # [replicas, rows]
         first = np.where(bad.any(axis=1), bad.argmax(axis=1), bad.shape[1])
         return int(np.argmin(first))
-
-
-def stop_training(model: Any, log_dir: str, safe_range: analysis.SafeRange) -> dict[str, Any] | None:
-    """Stops ``fit`` and prints the run's first anomaly, in the report's
-    words; returns it (as ``tb-numerics report --json`` does), or None
-    where none was written."""
-    # The run's event files: the callback's, and the replay's beside it.
-    rr = event_reader.read_run(".", event_reader.find_runs(log_dir).get(".", []))
-    ra = analysis.analyze_run(log_dir, rr.series, safe_range, rr.problems)
-    anomaly = analysis.first_anomaly(ra)
-    model.stop_training = True
-    if anomaly is not None:  # (always: the first bad step is always written)
-        print("\n".join(report_text.anomaly_lines(anomaly, head="tb-numerics: stopping training at ")),
-              file=sys.stderr)
-    return anomaly

@@ -1,8 +1,8 @@
 """How the Keras callback sees inside ``fit``: wrappers on the instances, each put back.
 
 Keras callbacks never see gradients or inner activations. For the duration
-of ``fit`` the callback sets, on the instances only (``Patches``, which
-remembers how to put each one back):
+of ``fit`` the callback sets, on the instances only (``_keras_host.Patches``,
+which remembers how to put each one back):
 
 * each top-level layer's ``call``, to keep its outputs;
 * the model's ``train_step``, to know which layer calls belong to a training
@@ -29,33 +29,11 @@ from typing import Any, Callable
 import keras
 
 from tb_numerics import _keras_replay
+from tb_numerics._keras_host import Patches
 from tb_numerics._keras_plan import float_tensors
 from tb_numerics._keras_program import StepProgram, Trace
 
-__all__ = ["Patches", "StepHooks", "other_optimizers"]
-
-
-class Patches:
-    """Instance attributes set for a while, and how to put each one back."""
-
-    def __init__(self) -> None:
-        self._restore: list[Callable[[], None]] = []
-
-    def set(self, obj: Any, name: str, value: Any) -> None:
-        """Sets ``obj.name`` on the instance and remembers what was there (or that nothing was)."""
-        had = name in vars(obj)
-        old = vars(obj).get(name)
-        setattr(obj, name, value)
-        self._restore.append(lambda: setattr(obj, name, old) if had else delattr(obj, name))
-
-    def on_restore(self, fn: Callable[[], None]) -> None:
-        """Runs ``fn`` when everything is put back, in reverse order with the rest."""
-        self._restore.append(fn)
-
-    def restore(self) -> None:
-        """Puts everything back, the last set first."""
-        while self._restore:
-            self._restore.pop()()
+__all__ = ["StepHooks", "other_optimizers"]
 
 
 class StepHooks:

@@ -1,12 +1,16 @@
-"""The rows the Keras callback's training step computes, planned before training.
+"""The rows the Keras callback's training step computes, planned before training, on every backend.
 
 One row per record the step computes, in execution order: the batch (model
 inputs, targets, sample weights; see ``_keras_batch``), each top-level
 layer's outputs, the loss, each gradient in backward order, then each
 weight. The rows before the weights' are computed on every step; the
 weights' only on the steps that record them. A row's tag, dtype and shape
-are what its metadata will say; those known only when the step is traced (a
+are what its metadata will say; those known only when the step runs (a
 layer's output dtype, the batch's keys) are filled in then.
+
+Keras and numpy only: no backend is imported here, so that the TensorFlow,
+JAX and PyTorch callbacks plan the same rows, and one model trained on each
+gives the same report.
 """
 
 from __future__ import annotations
@@ -16,11 +20,10 @@ from typing import Any
 
 import keras
 import numpy as np
-import tensorflow as tf
 
-from tb_numerics import _keras_batch, analysis, metadata, summary
+from tb_numerics import _keras_batch, analysis, metadata
 
-__all__ = ["Row", "RowPlan", "float_tensors", "strategy_of"]
+__all__ = ["Row", "RowPlan", "float_tensors"]
 
 
 @dataclasses.dataclass
@@ -35,7 +38,7 @@ class Row:
     description: str = ""
     activation: str = ""  # the layer's activation function, or the loss function's name
     compute_dtype: str = ""  # the dtype the layer computes in (float16 under mixed_float16)
-    present: bool = False  # set when the training step is traced
+    present: bool = False  # whether the step computes it: set when the step is traced (or run)
 
 
 class RowPlan:
@@ -84,7 +87,7 @@ class RowPlan:
             self._plan_gradients(layers)
         self.weight_row0 = len(self.rows)
         if weights:
-            self.rows += [Row(v.path, "weight", str(v.dtype), tuple(v.shape), present=True) for v in self.variables]
+            self.rows += [Row(v.path, "weight", _dtype(v), tuple(v.shape), present=True) for v in self.variables]
         self._neginf_ok: tuple[tuple, np.ndarray] | None = None
 
     def _plan_gradients(self, layers: list) -> None:
@@ -96,7 +99,8 @@ class RowPlan:
             self.grad_rows[j] = len(self.rows)
             # A float32 master weight's gradient is computed in its layer's dtype.
             layer = layers[self.var_layer[j]] if self.var_layer[j] >= 0 else None
-            self.rows.append(Row(summary.gradient_tag(v), "gradient", str(v.dtype), tuple(v.shape),
+            # The tag log_gradients gives a Keras variable's gradient.
+            self.rows.append(Row("gradients/" + v.path, "gradient", _dtype(v), tuple(v.shape),
                                  present=True, compute_dtype=_compute_dtype(layer)))
 
     @property
@@ -120,18 +124,9 @@ class RowPlan:
         return self._neginf_ok[1]
 
 
-def float_tensors(structure: Any) -> list[tf.Tensor]:
-    """The float tensors and variables of a nested structure (a layer's outputs)."""
-    return [
-        t
-        for t in tf.nest.flatten(structure)
-        if isinstance(t, (tf.Tensor, tf.Variable)) and t.dtype.base_dtype.name in metadata.DTYPE_LIMITS
-    ]
-
-
-def strategy_of(model: Any) -> tf.distribute.Strategy:
-    """The strategy ``fit`` runs the model's steps under (the default one on one device)."""
-    return getattr(model, "distribute_strategy", None) or tf.distribute.get_strategy()
+def float_tensors(structure: Any) -> list[Any]:
+    """The dense float tensors of a nested structure (a layer's outputs), of whichever backend runs."""
+    return [t for t in keras.tree.flatten(structure) if _keras_batch.is_float_tensor(t)]
 
 
 def _function_name(fn: Any) -> str:
@@ -153,6 +148,11 @@ def _compute_dtype(layer: Any) -> str:
     """The dtype a layer computes in ("" where unknown)."""
     dtype = getattr(layer, "compute_dtype", None)
     return str(dtype) if dtype else ""
+
+
+def _dtype(variable: Any) -> str:
+    """A variable's dtype by name, as every backend spells it."""
+    return keras.backend.standardize_dtype(variable.dtype)
 
 
 def _layer_of_variables(model: keras.Model) -> dict[int, int]:

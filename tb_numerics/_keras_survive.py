@@ -38,10 +38,10 @@ import numpy as np
 
 from tb_numerics import records, report_text, rules, survive
 from tb_numerics._keras_diagnosis import Diagnosis
-from tb_numerics._keras_host import HostRecords
+from tb_numerics._keras_host import HostRecords, StepValues
 from tb_numerics._keras_patch import other_optimizers
-from tb_numerics._keras_plan import RowPlan, strategy_of
-from tb_numerics._keras_program import StepProgram, StepValues
+from tb_numerics._keras_plan import RowPlan
+from tb_numerics._keras_program import StepProgram, strategy_of
 from tb_numerics._survive_tf import TRIGGER_CODES, LearningRate, StateSnapshot, optimizer_state
 
 __all__ = ["SurvivalHost"]

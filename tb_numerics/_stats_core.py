@@ -262,10 +262,10 @@ def all_finite(tensors: Sequence[Any], sums: Sequence[tf.Tensor] | None = None) 
 
     Args:
       tensors: float tensors (or ``tf.IndexedSlices``).
-      sums: their plain sums where already computed: then a finite sum of
-        each decides at no cost (``sums_finite``) and only where one is not
-        (a non-finite element, or finite elements whose sum overflowed)
-        does ``count_nonfinite`` of each decide.
+      sums: their plain sums where already computed (one sum may stand for
+        several tensors): then finite sums decide at no cost
+        (``sums_finite``), and only where one is not (a non-finite element,
+        or finite elements whose sum overflowed) do the elements decide.
     """
     values = [t.values if isinstance(t, tf.IndexedSlices) else t for t in tensors]
     if not values:
@@ -277,16 +277,17 @@ def all_finite(tensors: Sequence[Any], sums: Sequence[tf.Tensor] | None = None) 
 
 @functools.partial(tf.function, autograph=False, experimental_attributes={"_noinline": True})
 def _all_counted_finite(tensors: list[tf.Tensor]) -> tf.Tensor:
-    """Whether ``count_nonfinite`` of every one of ``tensors`` is 0.
+    """Whether every element of every one of ``tensors`` is finite: the rule
+    with no -Inf allowed (``count_nonfinite(t) == 0`` for each), decided
+    without counting, one elementwise test and one reduction per tensor.
 
     One function call in the caller's graph, not inlined: in the branch a
-    healthy step does not take, its dozens of ops per tensor would each
-    still be visited as dead on every step: about 380 nodes for the bench
-    model's 12 gradients and loss, and ``bench/overhead.py --modes
-    fit,fit_callback``'s callback step cost about 135 ms of CPU with them
-    inlined, 130 ms as one call (medians of 4 and 3 runs, load ~13 on 2 cores).
+    healthy step does not take, its ops would each still be visited as dead
+    on every step. Two ops a tensor, not the count's dozen: ResNet-50's 214
+    gradients made 5,594 nodes here with the counts, traced and optimised
+    before the first step (``bench/arch_cost.py --first-epoch``).
     """
-    return tf.reduce_all(tf.stack([tf.equal(count_nonfinite(t), 0.0) for t in tensors]))
+    return tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(t)) for t in tensors]))
 
 
 # ------------------------------------------------------------ one value

@@ -39,13 +39,6 @@ UNSCALED_RMS = 10.0
 # largest float32 below 1, and exp(-17) is below 2**-24): log(1 - sigmoid(x))
 # is then log(0). A softmax's largest probability rounds to 1 the same way.
 SATURATES_AT = 17.0
-# A gradient that grew by more than the input's growth to this power grew
-# faster than any path of products, squares and ReLUs gives (a squared error
-# on a linear model gives the 2nd power): an exponential amplified the batch.
-_POLYNOMIAL_DEGREE = 4.0
-# A batch is an outlier when its max |x| is this many times the median of the
-# batches before it.
-_OUTLIER_FACTOR = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -129,6 +122,15 @@ def _factor_at(x: np.ndarray, i: int) -> float:
         return math.nan
     med = float(np.median(before))
     return float(x[i] / med) if med > 0 else math.nan
+
+
+# A gradient that grew by more than the input's growth to this power grew
+# faster than any path of products, squares and ReLUs gives (a squared error
+# on a linear model gives the 2nd power): an exponential amplified the batch.
+_POLYNOMIAL_DEGREE = 4.0
+# A batch is an outlier when its max |x| is this many times the median of the
+# batches before it.
+_OUTLIER_FACTOR = 10.0
 
 
 def amplified(series: Sequence[TensorSeries], step: int) -> Amplified | None:

@@ -286,13 +286,13 @@ def _by_unbounded(ev: Evidence) -> str:
     u = ev.unbounded
     if u is None:
         return ""
+    which = "The loss" if u.tag == "loss" else "The loss %s" % u.tag
     return (
         "%s fell from %s at step %d to %s at step %d, below 0 and on: it has no lower bound, and the values "
         "grew to lower it until they overflowed; the loss rewards growth. Check its terms "
         "and their signs: a penalty or regulariser subtracted instead of added, targets outside a "
         "cross-entropy's domain, a likelihood without its normaliser. The learning rate only sets how fast."
-        % ("The loss" if u.tag == "loss" else "The loss %s" % u.tag, number(u.first), u.first_step, number(u.last),
-           u.step))
+        % (which, number(u.first), u.first_step, number(u.last), u.step))
 
 
 def _by_unscaled(ev: Evidence) -> str:

@@ -68,7 +68,7 @@ from tb_numerics._stats_replicas import (  # noqa: E402
     merge_stats,
     replica_context,
 )
-from tb_numerics._stats_segments import SMALL_TENSOR, is_small, many_stats  # noqa: E402
+from tb_numerics._stats_segments import SMALL_TENSOR, is_small, many_stats, many_stats_and_sum, sq_norms  # noqa: E402
 
 __all__ = [
     "SMALL_TENSOR",
@@ -83,12 +83,14 @@ __all__ = [
     "global_norm_record",
     "is_small",
     "many_stats",
+    "many_stats_and_sum",
     "merge_stats",
     "nonfinite_count",
     "op_stats",
     "replica_context",
     "scalar_record",
     "sq_norm",
+    "sq_norms",
     "sums_finite",
     "tensor_stats",
     "tensor_stats_and_sum",

@@ -85,8 +85,33 @@ def test_torch_stats_agree_with_numpy(dtype):
 
     for name, values in _cases(dtype):
         x = torch.tensor(values, dtype=torch.float64).to(getattr(torch, dtype))
-        got = torch_stats.records([x], [torch_stats.quick(x, name)])[0]
+        got = torch_stats.records([x], [name])[0]
         _check(got, x.to(torch.float64).numpy(), dtype, name)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_steps_tensors_reduced_together_agree_row_by_row(dtype):
+    """The callbacks reduce a step's tensors in one call: where one of them
+    takes the exact path (NaN, Inf, large values), the others keep their own
+    records."""
+    jax = pytest.importorskip("jax")
+    import jax.numpy as jnp
+    torch = pytest.importorskip("torch")
+    from tb_numerics.backends import jax_stats, torch_stats
+
+    cases = list(_cases(dtype))
+    enable_x64 = jax.enable_x64 if hasattr(jax, "enable_x64") else jax.experimental.enable_x64
+    with enable_x64(dtype == "float64"):
+        xs = [jnp.asarray(values, jnp.dtype(dtype)) for _, values in cases]
+        counts, vals = jax.jit(jax_stats.many_stats)(xs)
+        got = jax_stats.to_records(np.asarray(counts), np.asarray(vals))
+        for (name, _), x, row in zip(cases, xs, got):
+            ref = np.asarray(x, np.float64)
+            _check(row, _flushed(ref, dtype) if jax_stats.flushes(dtype) else ref, dtype, "jax " + name)
+    ts = [torch.tensor(values, dtype=torch.float64).to(getattr(torch, dtype)) for _, values in cases]
+    got = torch_stats.records(ts, [name for name, _ in cases])
+    for (name, _), x, row in zip(cases, ts, got):
+        _check(row, x.to(torch.float64).numpy(), dtype, "torch " + name)
 
 
 def test_non_float_tensors_are_refused_by_name():
@@ -95,6 +120,6 @@ def test_non_float_tensors_are_refused_by_name():
     from tb_numerics.backends import jax_stats, torch_stats
 
     with pytest.raises(TypeError, match="'ids'.*int32"):
-        torch_stats.quick(torch.zeros(3, dtype=torch.int32), "ids")
+        torch_stats.records([torch.zeros(3, dtype=torch.int32)], ["ids"])
     with pytest.raises(TypeError, match="'ids'.*int32"):
         jax_stats.tensor_stats(jnp.zeros(3, jnp.int32), "ids")

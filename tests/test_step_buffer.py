@@ -211,6 +211,32 @@ def test_many_stats_agrees_with_the_reference():
             np.testing.assert_allclose(row, want, rtol=1e-6, atol=1e-30, err_msg=str(a))
 
 
+def test_many_stats_sum_and_sq_norms_agree_with_numpy():
+    # The shared plain sum the callback's gated update decides on, and the
+    # update ratios' squared norms: small tensors by segment, a large one
+    # (over SMALL_TENSOR elements) by its own dot product, in the given order.
+    rng = np.random.default_rng(1)
+    arrays = [
+        rng.standard_normal(5000).astype(np.float32),
+        rng.standard_normal(64).astype(np.float32),
+        np.array([], np.float32),
+        np.array([600.0, -3.5], np.float16),
+        rng.standard_normal((3, 4)),
+    ]
+    tensors = [tf.constant(a) for a in arrays]
+    want = [np.square(a.astype(np.float64)).sum() for a in arrays]
+    for fn in (stats.sq_norms, tf.function(stats.sq_norms)):
+        np.testing.assert_allclose(fn(tensors).numpy(), want, rtol=1e-5)
+    small = tensors[1:]
+    _, total = stats.many_stats_and_sum(small, [stats.check_dtype(t, "x") for t in small])
+    np.testing.assert_allclose(total.numpy(), sum(a.astype(np.float64).sum() for a in arrays[1:]), rtol=1e-5)
+    bad = small + [tf.constant([1.0, np.nan], tf.float32)]
+    _, total = stats.many_stats_and_sum(bad, [stats.check_dtype(t, "x") for t in bad])
+    assert np.isnan(total.numpy())
+    inf, nan = stats.sq_norms([tf.constant([1.0, np.inf]), tf.constant([np.nan])]).numpy()
+    assert inf == np.inf and np.isnan(nan)
+
+
 def test_events_after_a_damaged_first_event_are_still_read(tmp_path):
     writer = tf.summary.create_file_writer(str(tmp_path))
     step, counter = make_step(2), tf.Variable(0, dtype=tf.int64)

@@ -1,51 +1,51 @@
-"""``NumericsCallback`` on Keras' JAX and PyTorch backends, without TensorFlow.
+"""``NumericsCallback`` on each Keras backend: TensorFlow, JAX and PyTorch.
 
 Keras 3 picks its backend once per process (``KERAS_BACKEND``); so does
-this package: ``callback_class()`` is the callback of the running backend
-(``jax_callback.JaxNumericsCallback`` or
-``torch_callback.TorchNumericsCallback``), and under ``KERAS_BACKEND=jax``
-or ``torch`` ``tb_numerics.keras.NumericsCallback`` is that class (see
-``keras_module``). The pieces every backend shares: the rows a step records
-(``_plan``), writing them (``_host``), the user's source line (``_source``).
-Each backend has its statistics (``jax_stats``, ``torch_stats``), its hooks
-into Keras' training step and its replay of a failing step at op level
-(``jax_replay``, ``torch_replay``). Nothing here imports TensorFlow.
+``tb_numerics.keras``: its ``NumericsCallback`` is ``callback_class()``, the
+class of the running backend, and only that backend's module is imported
+(on JAX and PyTorch, nothing imports TensorFlow).
+
+Every backend shares the rows a step records (``_keras_plan``), the batch's
+rows (``_keras_batch``) and the whole host side: options, writing, the
+every-N latch, the stop (``_keras_host``). Each backend has its hooks into
+Keras' training step, its statistics inside the step and its replay of a
+failing step at op level: ``tensorflow_callback`` (composing the
+``_keras_*`` modules, ``stats`` and ``_keras_replay``), ``jax_callback``
+(``jax_stats``, ``jax_replay``), ``torch_callback`` (``torch_stats``,
+``torch_replay``); ``_replay_common`` and ``_source`` serve the JAX and
+PyTorch replays.
 """
 
 from __future__ import annotations
 
-__all__ = ["BACKENDS", "NumericsCallback", "callback_class"]
+import importlib
+
+__all__ = ["BACKENDS", "callback_class"]
 
 # Keras backend -> the module and class of its callback.
 BACKENDS = {
+    "tensorflow": ("tb_numerics.backends.tensorflow_callback", "TensorFlowNumericsCallback"),
     "jax": ("tb_numerics.backends.jax_callback", "JaxNumericsCallback"),
     "torch": ("tb_numerics.backends.torch_callback", "TorchNumericsCallback"),
 }
 
 
 def callback_class(backend: str | None = None) -> type:
-    """The ``NumericsCallback`` class of a Keras backend.
+    """The ``NumericsCallback`` class of a Keras backend; its module is imported now.
 
     Args:
-      backend: "jax" or "torch"; None for the running one (``keras.backend.backend()``).
+      backend: "tensorflow", "jax" or "torch"; None for the running one
+        (``keras.backend.backend()``).
 
     Raises:
-      ValueError: the backend is TensorFlow (``tb_numerics.keras`` serves it) or unknown.
+      ValueError: a backend this package does not serve (naming those it does).
     """
-    import importlib
-
     if backend is None:
         import keras
 
         backend = keras.backend.backend()
     if backend not in BACKENDS:
-        raise ValueError("tb_numerics.backends serves Keras' %s backends, not %r (the TensorFlow backend's "
-                         "callback is tb_numerics.keras.NumericsCallback)" % (" and ".join(BACKENDS), backend))
+        raise ValueError("tb_numerics.keras.NumericsCallback serves Keras' %s backends, not %r"
+                         % (", ".join(BACKENDS), backend))
     module, name = BACKENDS[backend]
     return getattr(importlib.import_module(module), name)
-
-
-def __getattr__(name: str):
-    if name == "NumericsCallback":
-        return callback_class()
-    raise AttributeError("module 'tb_numerics.backends' has no attribute %r" % name)

@@ -21,7 +21,8 @@ the duration of ``fit``:
 
 All of it is traced into the one jitted step: no host round trip per
 tensor, under ``jit_compile=True`` (JAX's default) or not. The host copies
-one small array per step in ``on_train_batch_end``; ``_host`` writes it.
+one small array per step in ``on_train_batch_end``; the host side every
+backend shares (``_keras_host``) writes it.
 A custom ``train_step`` is recorded where it calls these same methods.
 """
 
@@ -37,7 +38,8 @@ import numpy as np
 from jax import lax
 
 from tb_numerics import metadata
-from tb_numerics.backends import _host, jax_replay, jax_stats
+from tb_numerics._keras_host import NumericsCallbackBase, Step, StepValues
+from tb_numerics.backends import jax_replay, jax_stats
 
 __all__ = ["JaxNumericsCallback"]
 
@@ -67,23 +69,31 @@ def _float_leaves(structure: Any) -> list:
             if hasattr(t, "dtype") and jnp.dtype(t.dtype).name in metadata.DTYPE_LIMITS]
 
 
-def _merged(tensors: list) -> tuple:
-    """The record of all of ``tensors`` together (a layer's outputs, or its repeated calls)."""
+def _merged(tensors: list):
+    """All of ``tensors`` as one flat array (a layer's outputs, or its repeated calls)."""
     if len(tensors) == 1:
-        return jax_stats.tensor_stats(tensors[0])
+        return tensors[0]
     dtype = jnp.result_type(*tensors)
-    return jax_stats.tensor_stats(jnp.concatenate([jnp.ravel(t).astype(dtype) for t in tensors]))
+    return jnp.concatenate([jnp.ravel(t).astype(dtype) for t in tensors])
 
 
-class JaxNumericsCallback(_host.BackendCallback):
-    """``NumericsCallback`` for Keras' JAX backend (see ``tb_numerics.keras``)."""
+def _records(tensors: dict[int, tuple[Any, str]]) -> dict[int, tuple]:
+    """row -> (counts, values) of row -> (tensor, name): one ``many_stats`` for them all."""
+    rows = sorted(tensors)
+    counts, values = jax_stats.many_stats([tensors[r][0] for r in rows], [tensors[r][1] for r in rows])
+    return {r: (counts[k], values[k]) for k, r in enumerate(rows)}
+
+
+class JaxNumericsCallback(NumericsCallbackBase):
+    """``NumericsCallback`` for Keras' JAX backend (the options: ``_keras_host.NumericsCallbackBase``)."""
 
     backend = "jax"
 
-    def _install(self, model: keras.Model) -> None:
+    def _begin(self, model: keras.Model) -> None:
         opt = model.optimizer
         self._trace: _Trace | None = None
         self._queue: list[tuple[int, dict, Any]] = []
+        self._kept: dict[int, tuple[Any, list]] = {}
         self._step0 = int(np.asarray(opt.iterations.value))
         self._calls = 0
         self._n_ntv = len(model.non_trainable_variables)
@@ -92,14 +102,15 @@ class JaxNumericsCallback(_host.BackendCallback):
         self._scale_index = next((k for k, v in enumerate(opt.variables) if v is getattr(opt, "dynamic_scale", None)),
                                  None) if self._lso else None
         self._train_step = model.train_step  # the model's own, for the replay
-        self._patch(model, "train_step", self._wrap_train_step(model.train_step))
-        self._patch(model, "compute_loss_and_updates", self._wrap_clu(model.compute_loss_and_updates))
-        self._patch(opt, "stateless_apply", self._wrap_apply(opt.stateless_apply))
+        patches = self._patches
+        patches.set(model, "train_step", self._wrap_train_step(model.train_step))
+        patches.set(model, "compute_loss_and_updates", self._wrap_clu(model.compute_loss_and_updates))
+        patches.set(opt, "stateless_apply", self._wrap_apply(opt.stateless_apply))
         if self.activations:
             for i, layer in enumerate(model.layers):
-                self._patch(layer, "call", self._wrap_call(i, layer.call))
+                patches.set(layer, "call", self._wrap_call(i, layer.call))
         old_function = model.train_function
-        self._restore.append(lambda: setattr(model, "train_function", old_function))
+        patches.on_restore(lambda: setattr(model, "train_function", old_function))
         make_function = model._make_function  # noqa: SLF001 - where fit's loop calls the jitted step
         model._make_function = lambda step_function, **kw: make_function(self._collector(step_function), **kw)
         try:
@@ -170,22 +181,22 @@ class JaxNumericsCallback(_host.BackendCallback):
 
     def _forward_records(self, trace: _Trace, loss) -> dict[int, tuple]:
         """row -> record of the batch, each layer's outputs and the loss."""
-        plan, out = self.plan, {}
+        plan, tensors = self.plan, {}
         if self.inputs:
-            for i, tag, tensors in plan.batch.assign(trace.data):
+            for i, tag, ts in plan.batch.assign(trace.data):
                 row = plan.rows[plan.batch_row0 + i]
-                row.tag, row.dtype = tag, jnp.dtype(tensors[0].dtype).name
-                row.shape = tuple(tensors[0].shape) if len(tensors) == 1 else None
-                out[plan.batch_row0 + i] = _merged([jnp.asarray(t) for t in tensors])
-        for i, tensors in trace.outputs.items():
+                row.tag, row.dtype = tag, jnp.dtype(ts[0].dtype).name
+                row.shape = tuple(ts[0].shape) if len(ts) == 1 else None
+                tensors[plan.batch_row0 + i] = (_merged([jnp.asarray(t) for t in ts]), tag)
+        for i, ts in trace.outputs.items():
             row = plan.rows[plan.act_rows[i]]
-            row.dtype, row.shape = jnp.dtype(tensors[0].dtype).name, tuple(tensors[0].shape)
-            out[plan.act_rows[i]] = _merged(tensors)
+            row.dtype, row.shape = jnp.dtype(ts[0].dtype).name, tuple(ts[0].shape)
+            tensors[plan.act_rows[i]] = (_merged(ts), row.tag)
         if jnp.dtype(loss.dtype).name in metadata.DTYPE_LIMITS:
             row = plan.rows[plan.loss_row]
             row.dtype, row.shape = jnp.dtype(loss.dtype).name, tuple(loss.shape)
-            out[plan.loss_row] = jax_stats.tensor_stats(loss, "loss")
-        return out
+            tensors[plan.loss_row] = (loss, "loss")
+        return _records(tensors)
 
     def _wrap_apply(self, stateless_apply):
         @functools.wraps(stateless_apply)
@@ -205,16 +216,17 @@ class JaxNumericsCallback(_host.BackendCallback):
         plan = self.plan
         if self._scale_index is not None:
             trace.scale = ov[self._scale_index]
-        ok = []
+        tensors = {}
         for j, r in plan.grad_rows.items():
             g = grads[self._tv_index[id(plan.variables[j])]]
             if g is None:
                 continue
             if trace.scale is not None:  # the gradients the update uses
                 g = g / trace.scale.astype(g.dtype)
-            trace.grads[r] = jax_stats.tensor_stats(g, plan.rows[r].tag)
-            ok.append(jnp.all(trace.grads[r][0][1:4] == 0))
-        finite = jnp.all(jnp.stack(ok)) if ok else jnp.asarray(True)
+            tensors[r] = (g, plan.rows[r].tag)
+        trace.grads = _records(tensors)
+        counts = [c[1:4] for c, _ in trace.grads.values()]  # NaN, +Inf, -Inf
+        finite = jnp.all(jnp.stack(counts) == 0) if counts else jnp.asarray(True)
         if self.replay and not self._lso:
             new_tv, new_ov = lax.cond(finite, lambda: tuple(map(list, apply(ov, grads, tv))),
                                       lambda: (list(tv), list(ov)))
@@ -231,15 +243,19 @@ class JaxNumericsCallback(_host.BackendCallback):
         """The weights' records before the update, and each variable's
         ||w_new - w_old||^2 and ||w_old||^2 (in the plan's variable order)."""
         index = [self._tv_index[id(v)] for v in self.plan.variables]
-        weights = [_widened(jax_stats.tensor_stats(old[k])) for k in index] if self.weights else []
+        weights = []
+        if self.weights:
+            found = _records({j: (old[k], v.path) for j, (k, v) in enumerate(zip(index, self.plan.variables))})
+            weights = [found[j] for j in range(len(index))]
         norms = jnp.stack([jnp.stack([jax_stats.sq_norm(new[k] - old[k]), jax_stats.sq_norm(old[k])]).astype(
-            _VALUE_DTYPE()) for k in index])
+            jax_stats.value_dtype()) for k in index])
         return weights, norms
 
     def _no_weights(self, old: list):
-        zero = (jnp.zeros(len(jax_stats.COUNT_FIELDS), jnp.int32), jnp.zeros(len(jax_stats.VALUE_FIELDS), _VALUE_DTYPE()))
+        zero = (jnp.zeros(len(jax_stats.COUNT_FIELDS), jnp.int32),
+                jnp.zeros(len(jax_stats.VALUE_FIELDS), jax_stats.value_dtype()))
         return [zero] * (len(self.plan.variables) if self.weights else 0), jnp.zeros((len(self.plan.variables), 2),
-                                                                                        _VALUE_DTYPE())
+                                                                                        jax_stats.value_dtype())
 
     def _step_outputs(self, trace: _Trace, seeds: list) -> dict[str, Any]:
         """Every record of the step as two stacked arrays, and the numbers beside them."""
@@ -247,51 +263,41 @@ class JaxNumericsCallback(_host.BackendCallback):
         found = {**trace.forward, **trace.grads}
         for j, rec in enumerate(trace.weights):
             found[plan.weight_row0 + j] = rec
-        present = np.zeros(len(plan.rows), bool)
-        present[list(found)] = True
-        for r in found:
-            plan.rows[r].present = True
+        for r, row in enumerate(plan.rows[: plan.weight_row0]):
+            row.present = r in found  # a None gradient has no record
         zero_c = jnp.zeros(len(jax_stats.COUNT_FIELDS), jnp.int32)
-        zero_v = jnp.zeros(len(jax_stats.VALUE_FIELDS), _VALUE_DTYPE())
+        zero_v = jnp.zeros(len(jax_stats.VALUE_FIELDS), jax_stats.value_dtype())
         counts = jnp.stack([found[r][0] if r in found else zero_c for r in range(len(plan.rows))])
-        values = jnp.stack([_widened(found[r])[1] if r in found else zero_v for r in range(len(plan.rows))])
-        return {"counts": counts, "values": values, "present": jnp.asarray(present), "due": trace.due,
-                "norms": trace.norms, "scale": trace.scale, "seeds": seeds}
+        values = jnp.stack([found[r][1] if r in found else zero_v for r in range(len(plan.rows))])
+        return {"counts": counts, "values": values, "due": trace.due, "norms": trace.norms, "scale": trace.scale,
+                "seeds": seeds}
 
     # ------------------------------------------------------------ host side
 
-    def _drain(self) -> list[_host.StepResult]:
+    def _new_steps(self) -> list[Step]:
         out = []
         self._kept = {}
         for step, o, data in self._queue:
             o = jax.device_get(o)
-            out.append(_host.StepResult(
-                step=step, stats=jax_stats.to_records(o["counts"], o["values"]), present=np.asarray(o["present"]),
-                weights_due=bool(o["due"]), norms=None if o["norms"] is None else np.asarray(o["norms"], np.float64),
-                loss_scale=None if o["scale"] is None else float(o["scale"])))
+            norms = np.zeros((0, 2)) if o["norms"] is None else np.asarray(o["norms"], np.float64)
+            values = StepValues(call=step, step=step, loss_scale=1.0 if o["scale"] is None else float(o["scale"]),
+                                weights_due=bool(o["due"]), update_norms=norms)
+            out.append((jax_stats.to_records(o["counts"], o["values"]), values))
             self._kept[step] = (data, o["seeds"])
         self._queue.clear()
         return out
 
-    def _kept_batch(self, step: int) -> Any:
+    def _kept_batches(self, step: int) -> list[Any]:
         kept = self._kept.get(step)
-        return None if kept is None else jax.device_get(kept[0])
+        return [] if kept is None else [jax.device_get(kept[0])]
 
-    def _replay_step(self, result: _host.StepResult) -> dict[str, Any]:
+    def _replay_at(self, step: int) -> dict[str, Any]:
         """Evaluates the model's own ``train_step`` on the step's batch, from the
         state it began with, equation by equation (``jax_replay``)."""
-        data, seeds = self._kept[result.step]
+        data, seeds = self._kept[step]
         st = self.model._jax_state  # noqa: SLF001 - the state fit holds between steps
         ntv = list(st["non_trainable_variables"])
         for i, seed in zip(self._seed_index, seeds):
             ntv[i] = seed  # the step's own random draws (dropout masks)
         state = (list(st["trainable_variables"]), ntv, list(st["optimizer_variables"]), list(st["metrics_variables"]))
-        return jax_replay.replay(self._train_step, state, data, result.step)
-
-
-def _VALUE_DTYPE():  # noqa: N802 - a dtype, decided when traced
-    return jnp.float64 if jax_stats.x64() else jnp.float32
-
-
-def _widened(rec: tuple) -> tuple:
-    return rec[0], rec[1].astype(_VALUE_DTYPE())
+        return jax_replay.replay(self._train_step, state, data, step)

@@ -29,8 +29,8 @@ import numpy as np
 from jax.extend import core
 
 from tb_numerics import metadata, records
+from tb_numerics.backends import _replay_common, _source
 from tb_numerics.oplevel.record import OpRecord
-from tb_numerics.backends import _source
 
 __all__ = ["replay"]
 
@@ -154,22 +154,7 @@ def _is_float(value: Any) -> bool:
 
 
 def _nonfinite(value: Any) -> bool:
-    return _is_float(value) and not bool(np.isfinite(np.asarray(value, np.float64)).all())
-
-
-def _input_ranges(invals: list) -> tuple[dict[str, float], ...]:
-    """Count, min, max, zeros and non-finite counts of each float input."""
-    out = []
-    for value in invals:
-        if not _is_float(value):
-            continue
-        x = np.asarray(value, np.float64).reshape(-1)
-        fin = x[np.isfinite(x)]
-        out.append({"count": int(x.size), "min": float(fin.min()) if fin.size else float("nan"),
-                    "max": float(fin.max()) if fin.size else float("nan"), "zeros": int(np.count_nonzero(x == 0)),
-                    "nan": int(np.count_nonzero(np.isnan(x))), "posinf": int(np.count_nonzero(x == np.inf)),
-                    "neginf": int(np.count_nonzero(x == -np.inf))})
-    return tuple(out)
+    return _is_float(value) and records.nonfinite_count(records.numpy_stats(np.asarray(value, np.float64))) > 0
 
 
 def _op(found: _Found, step: int, fallback: str) -> OpRecord:
@@ -181,9 +166,8 @@ def _op(found: _Found, step: int, fallback: str) -> OpRecord:
     scope = [c for c in (_clean(n) for n in found.names) if c]
     name = "/".join(scope + [eqn.primitive.name])
     bad = next(v for v in found.outvals if _nonfinite(v))
-    return OpRecord(tag="ops/" + name, op_type=eqn.primitive.name, source=source, description=source,
-                    phase=found.phase, step=step, record=tuple(records.numpy_stats(np.asarray(bad, np.float64))),
-                    inputs=_input_ranges(found.invals))
+    return _replay_common.found_op(name, eqn.primitive.name, source, found.phase, step, np.asarray(bad),
+                                   [np.asarray(v) for v in found.invals if _is_float(v)])
 
 
 def replay(train_step: Any, state: Any, data: Any, step: int) -> dict[str, Any]:
@@ -205,9 +189,5 @@ def replay(train_step: Any, state: Any, data: Any, step: int) -> dict[str, Any]:
     try:
         evaluator.run(closed.jaxpr, list(closed.consts), args, [])
     except _Found as found:
-        op = _op(found, step, fallback)
-        if any(i["nan"] or i["posinf"] or i["neginf"] for i in op.inputs):
-            return {"reproduced": False, "why": "the first non-finite op (%s) read values that were already "
-                    "non-finite (a variable an earlier update made so): %s" % (op.name, NOT_REPRODUCED)}
-        return {"reproduced": True, "op": op.to_json()}
-    return {"reproduced": False, "why": NOT_REPRODUCED}
+        return _replay_common.verdict(_op(found, step, fallback), NOT_REPRODUCED)
+    return _replay_common.verdict(None, NOT_REPRODUCED)

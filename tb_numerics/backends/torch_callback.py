@@ -7,8 +7,8 @@ the instances only and for the duration of ``fit``, the same places:
 * each top-level layer's ``call``, to keep its outputs;
 * the optimizer's ``scale_loss``, for the loss, and ``apply``, where the
   gradients are known: there the step's records are computed (``torch_stats``:
-  six reductions per tensor on its device, one copy of a few numbers per
-  tensor to the host for the whole step), the weights are recorded before
+  three to five passes per tensor on its device, a few copies of a few
+  numbers per tensor to the host for the whole step), the weights are recorded before
   the update on their steps, and the update of a step whose loss or
   gradients are not finite is held back (a replay needs the weights the
   step used; a LossScaleOptimizer skips such steps itself);
@@ -30,7 +30,8 @@ import numpy as np
 import torch
 
 from tb_numerics import metadata, records
-from tb_numerics.backends import _host, torch_replay, torch_stats
+from tb_numerics._keras_host import NumericsCallbackBase, Step, StepValues
+from tb_numerics.backends import torch_replay, torch_stats
 
 __all__ = ["TorchNumericsCallback"]
 
@@ -61,26 +62,27 @@ def _merged(tensors: list[torch.Tensor]) -> torch.Tensor:
     return torch.cat([t.reshape(-1).to(dtype) for t in tensors])
 
 
-class TorchNumericsCallback(_host.BackendCallback):
-    """``NumericsCallback`` for Keras' PyTorch backend (see ``tb_numerics.keras``)."""
+class TorchNumericsCallback(NumericsCallbackBase):
+    """``NumericsCallback`` for Keras' PyTorch backend (the options: ``_keras_host.NumericsCallbackBase``)."""
 
     backend = "torch"
 
-    def _install(self, model: keras.Model) -> None:
+    def _begin(self, model: keras.Model) -> None:
         opt = model.optimizer
         self._trace: _Trace | None = None
-        self._results: list[_host.StepResult] = []
+        self._results: list[Step] = []
         self._kept: dict[int, tuple[Any, list[torch.Tensor]]] = {}
         self._step = int(np.asarray(keras.ops.convert_to_numpy(opt.iterations)))
         self._seeds = [v for v in model.non_trainable_variables if v.name == _SEED_STATE]
         self._replayer = torch_replay.StepReplay(model, model.train_step)
-        self._patch(model, "train_step", self._wrap_train_step(model.train_step))
-        self._patch(opt, "scale_loss", self._wrap_scale_loss(opt.scale_loss))
-        self._patch(opt, "apply", self._wrap_apply(opt.apply))
+        patches = self._patches
+        patches.set(model, "train_step", self._wrap_train_step(model.train_step))
+        patches.set(opt, "scale_loss", self._wrap_scale_loss(opt.scale_loss))
+        patches.set(opt, "apply", self._wrap_apply(opt.apply))
         for i, layer in enumerate(model.layers):
-            self._patch(layer, "call", self._wrap_call(i, layer.call))
+            patches.set(layer, "call", self._wrap_call(i, layer.call))
         old_function = model.train_function
-        self._restore.append(lambda: setattr(model, "train_function", old_function))
+        patches.on_restore(lambda: setattr(model, "train_function", old_function))
         model.make_train_function(force=True)
 
     # ------------------------------------------------------------ wrappers
@@ -145,21 +147,24 @@ class TorchNumericsCallback(_host.BackendCallback):
             if g is not None:  # the gradients the update uses
                 tensors[r] = g.detach() / scale if scale is not None else g.detach()
         stats = np.zeros((len(plan.rows), metadata.NUM_FIELDS))
-        present = np.zeros(len(plan.rows), bool)
-        self._fill(stats, present, tensors)
-        loss_bad = present[plan.loss_row] and records.nonfinite_count(stats[plan.loss_row]) > 0
-        grads_bad = any(records.nonfinite_count(stats[r]) > 0 for r in plan.grad_rows.values() if present[r])
+        for r, row in enumerate(plan.rows[: plan.weight_row0]):
+            row.present = r in tensors  # a None gradient has no record
+        self._fill(stats, tensors)
+        loss_bad = plan.rows[plan.loss_row].present and records.nonfinite_count(stats[plan.loss_row]) > 0
+        grads_bad = any(records.nonfinite_count(stats[r]) > 0 for r in plan.grad_rows.values() if r in tensors)
         due = self._step % self.weights_every_n_steps == 0 or bool(loss_bad)
         old = [v.value.detach().clone() for v in plan.variables] if due and self.update_ratios else []
         if due and self.weights:
-            self._fill(stats, present, {plan.weight_row0 + j: v.value.detach() for j, v in enumerate(plan.variables)})
+            self._fill(stats, {plan.weight_row0 + j: v.value.detach() for j, v in enumerate(plan.variables)})
         held = self.replay and not self._lso and (loss_bad or grads_bad)
         result = None if held else apply(grads, variables)
-        norms = None
+        norms = np.zeros((0, 2))
         if old:
             norms = torch.stack([torch.stack([torch_stats.sq_norm(v.value.detach() - w), torch_stats.sq_norm(w)])
                                  for v, w in zip(plan.variables, old)]).to(torch.float64).cpu().numpy()
-        self._results.append(_host.StepResult(self._step, stats, present, due, norms, scale))
+        values = StepValues(call=self._step, step=self._step, loss_scale=1.0 if scale is None else scale,
+                            weights_due=due, update_norms=norms)
+        self._results.append((stats, values))
         return result
 
     def _forward_tensors(self, trace: _Trace) -> dict[int, torch.Tensor]:
@@ -183,26 +188,24 @@ class TorchNumericsCallback(_host.BackendCallback):
             out[plan.loss_row] = trace.loss
         return out
 
-    def _fill(self, stats: np.ndarray, present: np.ndarray, tensors: dict[int, torch.Tensor]) -> None:
+    def _fill(self, stats: np.ndarray, tensors: dict[int, torch.Tensor]) -> None:
         """The records of ``tensors`` (row -> tensor) into ``stats``, in one copy to the host."""
         rows = sorted(tensors)
-        quick = [torch_stats.quick(tensors[r], self.plan.rows[r].tag) for r in rows]
-        stats[rows] = torch_stats.records([tensors[r] for r in rows], quick)
-        present[rows] = True
+        stats[rows] = torch_stats.records([tensors[r] for r in rows], [self.plan.rows[r].tag for r in rows])
 
     # ------------------------------------------------------------ host side
 
-    def _drain(self) -> list[_host.StepResult]:
+    def _new_steps(self) -> list[Step]:
         out, self._results = self._results, []
         return out
 
-    def _kept_batch(self, step: int) -> Any:
+    def _kept_batches(self, step: int) -> list[Any]:
         kept = self._kept.get(step)
-        return None if kept is None else keras.tree.map_structure(
-            lambda t: t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else t, kept[0])
+        return [] if kept is None else [keras.tree.map_structure(
+            lambda t: t.detach().cpu().numpy() if isinstance(t, torch.Tensor) else t, kept[0])]
 
-    def _replay_step(self, result: _host.StepResult) -> dict[str, Any]:
-        kept = self._kept.get(result.step)
+    def _replay_at(self, step: int) -> dict[str, Any]:
+        kept = self._kept.get(step)
         if kept is None:
             return {"reproduced": False, "why": "no batch was kept for this step"}
-        return self._replayer.replay(kept[0], kept[1], result.step)
+        return self._replayer.replay(kept[0], kept[1], step)

@@ -30,9 +30,8 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from tb_numerics import records
+from tb_numerics.backends import _replay_common, _source, torch_stats
 from tb_numerics.oplevel.record import OpRecord
-from tb_numerics.backends import _source, torch_stats
 
 __all__ = ["StepReplay"]
 
@@ -50,6 +49,11 @@ def _tensors(structure: Any) -> list[torch.Tensor]:
             if isinstance(t, torch.Tensor) and t.dtype in torch_stats.FLOAT_DTYPES]
 
 
+def _host(t: torch.Tensor) -> np.ndarray:
+    """A float tensor's values on the host, in float64 (numpy has no bfloat16)."""
+    return t.detach().to(torch.float64).cpu().numpy()
+
+
 def _nonfinite(t: torch.Tensor) -> bool:
     return t.numel() > 0 and not bool(torch.isfinite(t).all())
 
@@ -59,18 +63,6 @@ def _node_frames(node: Any) -> list[tuple[str, int, str]]:
     lines = node.metadata.get("traceback_") or []
     found = [_FRAME.search(line) for line in lines]
     return [(m["file"], int(m["line"]), m["func"]) for m in reversed(found) if m]
-
-
-def _input_ranges(tensors: list[torch.Tensor]) -> tuple[dict[str, float], ...]:
-    out = []
-    for t in tensors:
-        x = t.detach().to(torch.float64).reshape(-1).cpu().numpy()
-        fin = x[np.isfinite(x)]
-        out.append({"count": int(x.size), "min": float(fin.min()) if fin.size else float("nan"),
-                    "max": float(fin.max()) if fin.size else float("nan"), "zeros": int(np.count_nonzero(x == 0)),
-                    "nan": int(np.count_nonzero(np.isnan(x))), "posinf": int(np.count_nonzero(x == np.inf)),
-                    "neginf": int(np.count_nonzero(x == -np.inf))})
-    return tuple(out)
 
 
 class _FirstNonFinite(TorchDispatchMode):
@@ -101,10 +93,8 @@ class _FirstNonFinite(TorchDispatchMode):
             frame = _source.user_frame(_source.python_stack())
             scope = self._replay.layer or (frame[2] if frame else "")
         name = "/".join(filter(None, (scope, op_type)))
-        source = _source.format_where(frame)
-        vec = records.numpy_stats(bad.detach().to(torch.float64).cpu().numpy())
-        return OpRecord(tag="ops/" + name, op_type=op_type, source=source, description=source, phase=phase,
-                        step=self._step, record=tuple(vec), inputs=_input_ranges(inputs))
+        return _replay_common.found_op(name, op_type, _source.format_where(frame), phase, self._step, _host(bad),
+                                       [_host(t) for t in inputs])
 
 
 class StepReplay:
@@ -154,13 +144,7 @@ class StepReplay:
             for v, value in saved:
                 v.assign(value)
             model.zero_grad()
-        op = mode.found
-        if op is None:
-            return {"reproduced": False, "why": NOT_REPRODUCED}
-        if any(i["nan"] or i["posinf"] or i["neginf"] for i in op.inputs):
-            return {"reproduced": False, "why": "the first non-finite op (%s) read values that were already "
-                    "non-finite (a variable an earlier update made so): %s" % (op.name, NOT_REPRODUCED)}
-        return {"reproduced": True, "op": op.to_json()}
+        return _replay_common.verdict(mode.found, NOT_REPRODUCED)
 
 
 def _state_variables(model: keras.Model) -> list[Any]:

@@ -1,0 +1,352 @@
+"""What the Keras callback and the custom-loop path cost on real architectures, side by side.
+
+    python bench/arch_cost.py --model mlp|cnn|transformer|resnet50 [--reps 10] [--steps 5]
+                              [--modes fit,callback,loop,loop_numerics] [--first-epoch]
+
+Models (synthetic data, the sizes of issue 28's table):
+
+* ``mlp``: 6 Dense layers of 1024 units with ReLU, batch 512, mse
+  (``bench/overhead.py``'s model);
+* ``cnn``: 4 x (Conv2D, BatchNormalization, ReLU), 32x32x3, batch 64,
+  pooled, a 10-way softmax head;
+* ``transformer``: token and position embeddings, 2 encoder blocks
+  (MultiHeadAttention, Add, LayerNormalization, a 256-wide ReLU MLP, Add,
+  LayerNormalization), seq 64, d 128, batch 32, pooled, a 10-way head;
+* ``resnet50``: ``keras.applications.ResNet50(weights=None)``, 64x64x3,
+  batch 16, 10 classes.
+
+All are functional Keras models trained with SGD. Modes, each on its own
+model built from the same seed (the same initial weights), run interleaved in
+one process: ``--steps`` steps of each per repetition, in a new order each
+repetition, so that the machine's other load hits them alike:
+
+* ``fit``: ``model.fit``'s per-batch loop (``model.train_function`` on a
+  dataset iterator, then the callbacks' batch hooks), no callback;
+* ``callback``: the same with ``NumericsCallback``'s defaults (each epoch's
+  end, here a repetition's, is charged to it: the callback waits for its
+  writer thread there);
+* ``loop``: a custom ``tf.function`` step (``GradientTape``, the model
+  called for every layer's output, ``optimizer.apply``), no logging;
+* ``loop_numerics``: the same with ``log_numerics`` on every layer's output
+  and the loss, and ``log_gradients``, under a writer with a ``tf.Variable``
+  step;
+* ablations of the callback: ``cb_no_acts`` (``activations=False``),
+  ``cb_no_grads`` (``gradients=False``), ``cb_no_replay``
+  (``replay=False``), ``cb_bare`` (no records at all: the patched step alone).
+
+Printed: each mode's median step time (wall and this process's CPU time),
+each mode against its baseline (``callback`` and its ablations against
+``fit``, ``loop_numerics`` against ``loop``) as the ratio of the medians
+and the median of the paired ratios (the blocks of one repetition run side
+by side), and the machine's load.
+
+``--first-epoch``: first, the first epoch (``--epoch-steps`` batches, tracing
+included) of ``model.fit`` with and without the callback, and the first
+``--epoch-steps`` steps of the custom loop with and without logging, each in
+a fresh process (so that none reuses what another traced), in the order
+``fit, callback, loop, loop_numerics``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any, Callable
+
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+import keras  # noqa: E402
+import numpy as np  # noqa: E402
+import tensorflow as tf  # noqa: E402
+
+import tb_numerics as tbn  # noqa: E402
+from tb_numerics.keras import NumericsCallback  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from overhead import fit_per_batch  # noqa: E402
+
+CLASSES = 10
+
+
+class PositionEmbedding(keras.layers.Layer):
+    """A learned position embedding added to the tokens' embeddings."""
+
+    def build(self, input_shape):
+        self.table = self.add_weight(shape=tuple(input_shape[1:]), initializer="random_normal", name="table")
+
+    def call(self, x):
+        return x + self.table
+
+
+def _mlp() -> keras.Model:
+    x = inp = keras.Input((1024,))
+    for i in range(6):
+        x = keras.layers.Dense(1024, activation="relu", name="dense%d" % i)(x)
+    return keras.Model(inp, x, name="mlp")
+
+
+def _cnn() -> keras.Model:
+    x = inp = keras.Input((32, 32, 3))
+    for i, filters in enumerate((16, 16, 32, 32)):
+        x = keras.layers.Conv2D(filters, 3, padding="same", name="conv%d" % i)(x)
+        x = keras.layers.BatchNormalization(name="bn%d" % i)(x)
+        x = keras.layers.ReLU(name="relu%d" % i)(x)
+    x = keras.layers.GlobalAveragePooling2D(name="pool")(x)
+    return keras.Model(inp, keras.layers.Dense(CLASSES, name="head")(x), name="cnn")
+
+
+def _transformer(seq: int = 64, d: int = 128, vocab: int = 1000) -> keras.Model:
+    inp = keras.Input((seq,), dtype="int32")
+    x = keras.layers.Embedding(vocab, d, name="embed")(inp)
+    x = PositionEmbedding(name="position")(x)
+    for b in range(2):
+        a = keras.layers.MultiHeadAttention(num_heads=4, key_dim=d // 4, name="attn%d" % b)(x, x)
+        x = keras.layers.LayerNormalization(name="norm%da" % b)(keras.layers.Add(name="add%da" % b)([x, a]))
+        f = keras.layers.Dense(2 * d, activation="relu", name="ff%da" % b)(x)
+        f = keras.layers.Dense(d, name="ff%db" % b)(f)
+        x = keras.layers.LayerNormalization(name="norm%db" % b)(keras.layers.Add(name="add%db" % b)([x, f]))
+    x = keras.layers.GlobalAveragePooling1D(name="pool")(x)
+    return keras.Model(inp, keras.layers.Dense(CLASSES, name="head")(x), name="transformer")
+
+
+def _resnet50() -> keras.Model:
+    return keras.applications.ResNet50(weights=None, input_shape=(64, 64, 3), classes=CLASSES,
+                                       classifier_activation=None)
+
+
+# name -> (builder, batch of (x, y), loss)
+def _data(model: str) -> tuple[np.ndarray, np.ndarray]:
+    rng = np.random.default_rng(0)
+    if model == "mlp":
+        return rng.standard_normal((512, 1024), np.float32), rng.standard_normal((512, 1024), np.float32)
+    labels = rng.integers(0, CLASSES, 64).astype(np.int32)
+    if model == "cnn":
+        return rng.standard_normal((64, 32, 32, 3), np.float32), labels
+    if model == "transformer":
+        return rng.integers(0, 1000, (32, 64)).astype(np.int32), labels[:32]
+    return rng.standard_normal((16, 64, 64, 3), np.float32), labels[:16]
+
+
+BUILDERS = {"mlp": _mlp, "cnn": _cnn, "transformer": _transformer, "resnet50": _resnet50}
+
+
+def _loss(model: str) -> keras.losses.Loss:
+    if model == "mlp":
+        return keras.losses.MeanSquaredError()
+    return keras.losses.SparseCategoricalCrossentropy(from_logits=True)
+
+
+def build(model: str) -> keras.Model:
+    """A fresh compiled model, the same initial weights on every call."""
+    keras.utils.set_random_seed(0)
+    m = BUILDERS[model]()
+    m.compile(optimizer=keras.optimizers.SGD(learning_rate=1e-3), loss=_loss(model))
+    return m
+
+
+# ------------------------------------------------------------------ modes
+
+
+def _fit_loop(model_name: str, x, y, callbacks: list) -> Callable[[], Any]:
+    """fit's per-batch loop on a fresh model (``bench/overhead.py``'s ``fit_per_batch``)."""
+    return fit_per_batch(build(model_name), x, y, callbacks)
+
+
+def _loop(model_name: str, x, y, logdir: str | None) -> Callable[[], Any]:
+    """A custom tf.function step over every layer's output; logged where ``logdir``."""
+    model = build(model_name)
+    layers = [layer for layer in model.layers if not isinstance(layer, keras.layers.InputLayer)]
+    probe = keras.Model(model.inputs, [layer.output for layer in layers])
+    loss_fn, opt = _loss(model_name), model.optimizer
+    variables = model.trainable_variables
+    opt.build(variables)
+
+    @tf.function
+    def step(xb, yb):
+        with tf.GradientTape() as tape:
+            outs = probe(xb, training=True) if logdir else [model(xb, training=True)]
+            if logdir:
+                for layer, out in zip(layers, outs):
+                    tbn.log_numerics(layer.name + "/output", out)
+            loss = loss_fn(yb, outs[-1])
+            if logdir:
+                tbn.log_numerics("loss", loss)
+        grads = tape.gradient(loss, variables)
+        if logdir:
+            tbn.log_gradients(grads, variables)
+        opt.apply(grads, variables)
+        return loss
+
+    xt, yt = tf.constant(x), tf.constant(y)
+    if logdir is None:
+        return lambda: step(xt, yt)
+    writer = tf.summary.create_file_writer(logdir, max_queue=1000)
+    counter = tf.Variable(0, dtype=tf.int64)
+
+    def run():
+        with writer.as_default(step=counter):
+            out = step(xt, yt)
+        counter.assign_add(1)
+        return out
+
+    run.settle = writer.flush
+    return run
+
+
+MODES: dict[str, Callable[..., Callable[[], Any]]] = {
+    "fit": lambda m, x, y, d: _fit_loop(m, x, y, []),
+    "callback": lambda m, x, y, d: _fit_loop(m, x, y, [NumericsCallback(d)]),
+    "cb_no_acts": lambda m, x, y, d: _fit_loop(m, x, y, [NumericsCallback(d, activations=False)]),
+    "cb_no_grads": lambda m, x, y, d: _fit_loop(m, x, y, [NumericsCallback(d, gradients=False)]),
+    "cb_no_replay": lambda m, x, y, d: _fit_loop(m, x, y, [NumericsCallback(d, replay=False)]),
+    "cb_bare": lambda m, x, y, d: _fit_loop(m, x, y, [NumericsCallback(
+        d, inputs=False, activations=False, gradients=False, weights=False, update_ratios=False, replay=False)]),
+    "loop": lambda m, x, y, d: _loop(m, x, y, None),
+    "loop_numerics": lambda m, x, y, d: _loop(m, x, y, d),
+}
+BASELINE = {"loop_numerics": "loop", "loop": None, "fit": None}  # every other mode: against "fit"
+
+
+def _sync(out) -> None:
+    if isinstance(out, tf.Tensor):
+        out.numpy()
+
+
+def _timed(fn: Callable[[], Any], steps: int) -> tuple[float, float]:
+    """Seconds of ``steps`` calls of ``fn``, its result awaited and its block
+    settled (``fn.settle``, where it has one), in wall and CPU time."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    for _ in range(steps):
+        out = fn()
+    _sync(out)
+    if hasattr(fn, "settle"):
+        fn.settle()
+    return time.perf_counter() - t0, time.process_time() - c0
+
+
+def _load() -> str:
+    return "load average %.1f %.1f %.1f on %d cores" % (*os.getloadavg(), os.cpu_count() or 0)
+
+
+def interleaved(model: str, names: list[str], reps: int, steps: int, warmup: int, root: str) -> dict:
+    """Runs the modes interleaved; {mode: (wall ms per step, cpu ms per step) per repetition}."""
+    x, y = _data(model)
+    fns = {name: MODES[name](model, x, y, os.path.join(root, name)) for name in names}
+    for fn in fns.values():
+        for _ in range(warmup):
+            _sync(fn())
+        if hasattr(fn, "settle"):
+            fn.settle()
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in names}
+    order = list(fns.items())
+    for rep in range(reps):
+        random.Random(rep).shuffle(order)
+        for name, fn in order:
+            wall, cpu = _timed(fn, steps)
+            times[name].append((wall / steps * 1e3, cpu / steps * 1e3))
+    for fn in fns.values():
+        if hasattr(fn, "end"):
+            fn.end()
+    return times
+
+
+def report(model: str, times: dict, reps: int, steps: int) -> None:
+    """Prints each mode's medians and its ratios against its baseline."""
+    print("%s: median step time over %d interleaved repetitions of %d steps; %s"
+          % (model, reps, steps, _load()))
+    med = {n: statistics.median(w for w, _ in t) for n, t in times.items()}
+    cpu = {n: statistics.median(c for _, c in t) for n, t in times.items()}
+    for name in times:
+        base = BASELINE.get(name, "fit")
+        line = "  %-14s wall %8.1f ms   cpu %8.1f ms" % (name, med[name], cpu[name])
+        if base in times:
+            paired = statistics.median(a[0] / b[0] for a, b in zip(times[name], times[base]))
+            ratio = med[name] / med[base]
+            line += "   %.3fx %s (paired %.3fx, cpu %.3fx)" % (ratio, base, paired, cpu[name] / cpu[base])
+            if name in ("callback", "loop_numerics"):
+                line += " target <= 1.10: wall %s, cpu %s" % (
+                    "met" if max(ratio, paired) <= 1.10 else "NOT MET", "met" if cpu[name] / cpu[base] <= 1.10 else "NOT MET")
+        print(line)
+
+
+# ------------------------------------------------------------------ first epoch
+
+
+def _first_epoch_child(model: str, mode: str, epoch_steps: int) -> tuple[float, float]:
+    """In a fresh process: seconds of the first epoch (tracing included), wall and CPU."""
+    x, y = _data(model)
+    logdir = tempfile.mkdtemp(prefix="tbn_arch_first_")
+    try:
+        if mode in ("fit", "callback"):
+            m = build(model)
+            data = tf.data.Dataset.from_tensors((x, y)).repeat(epoch_steps)
+            cbs = [NumericsCallback(logdir)] if mode == "callback" else []
+            t0, c0 = time.perf_counter(), time.process_time()
+            m.fit(data, epochs=1, verbose=0, callbacks=cbs)
+            return time.perf_counter() - t0, time.process_time() - c0
+        return _timed(_loop(model, x, y, logdir if mode == "loop_numerics" else None), epoch_steps)
+    finally:
+        shutil.rmtree(logdir, ignore_errors=True)
+
+
+def first_epochs(model: str, epoch_steps: int) -> None:
+    """Prints the first epoch of each of fit, callback, loop and loop_numerics, each in a fresh process."""
+    seconds = {}
+    for mode in ("fit", "callback", "loop", "loop_numerics"):
+        out = subprocess.run(
+            [sys.executable, os.path.abspath(__file__), "--model", model, "--epoch-steps", str(epoch_steps),
+             "--child", mode], check=True, capture_output=True, text=True).stdout
+        seconds[mode] = json.loads(out.strip().splitlines()[-1])
+    print("%s: first epoch of %d batches, tracing included, each in a fresh process; %s"
+          % (model, epoch_steps, _load()))
+    for base, name, what in (("fit", "callback", "fit %s, with NumericsCallback %s: %s (target <= +3 s)"),
+                             ("loop", "loop_numerics", "custom loop %s, with log_numerics + log_gradients %s: %s")):
+        (w0, c0), (w1, c1) = seconds[base], seconds[name]
+        print("  " + what % ("%.1f s (cpu %.1f s)" % (w0, c0), "%.1f s (cpu %.1f s)" % (w1, c1),
+                              "%+.1f s (cpu %+.1f s)" % (w1 - w0, c1 - c0)))
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", choices=sorted(BUILDERS), default="cnn")
+    p.add_argument("--modes", default="fit,callback,loop,loop_numerics",
+                   help="comma-separated, from: %s" % ", ".join(MODES))
+    p.add_argument("--reps", type=int, default=10, help="interleaved repetitions")
+    p.add_argument("--steps", type=int, default=5, help="steps per mode per repetition")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per mode first")
+    p.add_argument("--first-epoch", action="store_true", help="also time the first epoch, in fresh processes")
+    p.add_argument("--epoch-steps", type=int, default=8, help="batches of the first epoch")
+    p.add_argument("--child", choices=sorted(MODES), help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        print(json.dumps(_first_epoch_child(args.model, args.child, args.epoch_steps)))
+        return 0
+    names = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in names if m not in MODES]
+    if unknown:
+        p.error("unknown mode(s) %s; known: %s" % (", ".join(unknown), ", ".join(MODES)))
+    if args.first_epoch:
+        first_epochs(args.model, args.epoch_steps)
+    if args.reps > 0 and names:
+        root = tempfile.mkdtemp(prefix="tbn_arch_")
+        try:
+            times = interleaved(args.model, names, args.reps, args.steps, args.warmup, root)
+            report(args.model, times, args.reps, args.steps)
+        finally:
+            shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,61 @@
+"""What the JAX and PyTorch replays share: the op they found, as a record, and their verdict.
+
+A replay runs the failing step again and stops at the first primitive or
+operator whose output holds a NaN or an Inf. ``found_op`` makes the
+``OpRecord`` the report shows (``first_anomaly.op``) from that output and
+its inputs, as host arrays; ``verdict`` turns it into the replay's verdict,
+where an op that read an input already non-finite (a variable an earlier
+update made so) is no op born in the step: "not reproduced", with why.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import numpy as np
+
+from tb_numerics.oplevel.record import OpRecord
+from tb_numerics.records import F, numpy_stats
+
+__all__ = ["found_op", "verdict"]
+
+
+def _input_range(x: np.ndarray, v: np.ndarray) -> dict[str, Any]:
+    """An input's shape, count, min, max (of the finite values), zeros and non-finite counts."""
+    return {"shape": list(x.shape), "count": int(v[F["count"]]), "min": float(v[F["min"]]),
+            "max": float(v[F["max"]]), **{k: int(v[F[k]]) for k in ("zeros", "nan", "posinf", "neginf")}}
+
+
+def found_op(name: str, op_type: str, source: str, phase: str, step: int, output: np.ndarray,
+             inputs: Sequence[np.ndarray]) -> OpRecord:
+    """The record of the op a replay stopped at.
+
+    Args:
+      name: the op's scoped name (``dense_1/log``); its tag is ``ops/<name>``.
+      op_type: the primitive or operator (``log``).
+      source: the user's line, ``file.py:LINE (function)``.
+      phase: forward, backward or update.
+      step: the step replayed.
+      output: its non-finite output, on the host.
+      inputs: its float inputs, on the host.
+    """
+    input_records = [numpy_stats(np.asarray(x, np.float64), "float64") for x in inputs]
+    return OpRecord(tag="ops/" + name, op_type=op_type, source=source, description=source, phase=phase, step=step,
+                    record=tuple(numpy_stats(np.asarray(output, np.float64), "float64")),
+                    inputs=tuple(_input_range(np.asarray(x), v) for x, v in zip(inputs, input_records)),
+                    input_records=tuple(tuple(v) for v in input_records))
+
+
+def verdict(op: OpRecord | None, not_reproduced: str) -> dict[str, Any]:
+    """The replay's verdict on the op it found (None: every output was finite).
+
+    Args:
+      op: the first op whose output was not finite, or None.
+      not_reproduced: why a replay may not reproduce the step, on this backend.
+    """
+    if op is None:
+        return {"reproduced": False, "why": not_reproduced}
+    if op.reads_nonfinite():
+        return {"reproduced": False, "why": "the first non-finite op (%s) read values that were already "
+                "non-finite (a variable an earlier update made so): %s" % (op.name, not_reproduced)}
+    return {"reproduced": True, "op": op.to_json()}
