@@ -20,6 +20,11 @@ left running, such as the callback's writer thread, is charged to it):
 * guarded: numerics under ``tbn.guard(optimizer)`` (the custom-loop
   escalation); numerics_eager and guarded_eager: the same two, eagerly.
   Printed against numerics (target <= 1.03x, in CPU time).
+* fit, fit_callback*: ``model.fit``'s loop, plain and with the callback;
+  fit_callback_skip and fit_callback_rewind: with ``on_anomaly`` policies;
+  fit_snapshot: plain fit plus a rewind snapshot's copy after every step
+  (issue 31: one copy every 100 steps <= 2 % of a fit step; ``--modes
+  fit,fit_snapshot,fit_callback,fit_callback_skip,fit_callback_rewind``).
 
 Printed: median step times, the ratio of each mode to plain, and the targets
 (numerics <= 1.10x plain; histograms' overhead, histogram - plain, at least
@@ -464,8 +469,9 @@ def fit_per_batch(model, x, y, callbacks: list) -> Callable:
     """One call of the result runs one batch of fit's loop on compiled
     ``model``: ``train_function`` on a dataset of the batch (x, y), between
     the callbacks' batch hooks. ``settle()`` ends a block of steps as an
-    epoch's end (the callback's writes finish there), ``end()`` the training.
-    Also used by ``bench/arch_cost.py``."""
+    epoch's end (the callback's writes finish there), ``end()`` the training;
+    ``model`` is the model (``fit_snapshot`` copies its state). Also used by
+    ``bench/arch_cost.py``."""
     iterator = iter(tf.data.Dataset.from_tensors((x, y)).repeat())
     cbs = keras.callbacks.CallbackList(callbacks, model=model)
     model.make_train_function()
@@ -479,6 +485,7 @@ def fit_per_batch(model, x, y, callbacks: list) -> Callable:
         return logs["loss"]
 
     run.batch = 0
+    run.model = model
     run.settle = lambda: cbs.on_epoch_end(0)
     run.end = cbs.on_train_end
     return run
@@ -540,6 +547,71 @@ def fit_callback_no_replay(b: Bench):
     from tb_numerics.keras import NumericsCallback
 
     return _fit_loop(b, [NumericsCallback(b.logdir("fit_callback_no_replay"), replay=False)])
+
+
+@mode("fit_callback_skip")
+def fit_callback_skip(b: Bench):
+    """NumericsCallback(on_anomaly="skip"): the defaults, a bad step's update
+    skipped and said; a healthy step should pay nothing more than fit_callback."""
+    from tb_numerics.keras import NumericsCallback
+
+    return _fit_loop(b, [NumericsCallback(b.logdir("fit_callback_skip"), on_anomaly="skip")])
+
+
+@mode("fit_callback_rewind")
+def fit_callback_rewind(b: Bench):
+    """NumericsCallback(on_anomaly=OnAnomaly("rewind", snapshot_every=100)): the
+    defaults, and a copy of the state on the device every 100 steps."""
+    from tb_numerics.keras import NumericsCallback
+
+    return _fit_loop(b, [NumericsCallback(b.logdir("fit_callback_rewind"),
+                                          on_anomaly=tbn.OnAnomaly("rewind", snapshot_every=100))])
+
+
+@mode("fit_snapshot")
+def fit_snapshot(b: Bench):
+    """Plain fit and, after every step, the copy a rewind policy takes (all
+    variables of the model and the optimizer, checked finite, into a buffer on
+    the device): its difference from fit is one copy's cost, which the rewind
+    policy pays once per ``snapshot_every`` steps."""
+    from tb_numerics._survive_tf import StateSnapshot, optimizer_state
+
+    run = _fit_loop(b, [])
+    model = run.model
+    snapshot = StateSnapshot(list(model.trainable_variables) + list(model.non_trainable_variables)
+                             + optimizer_state([model.optimizer]))
+
+    def step():
+        out = run()
+        snapshot.take(run.batch)
+        return out
+
+    step.settle, step.snapshot = run.settle, snapshot
+    return step
+
+
+def _report_survive(med: dict[str, float], steps: dict[str, Callable], times: dict[str, list[float]]) -> None:
+    """The on_anomaly policies on a healthy run: skip against the callback's
+    defaults (target: nothing more), and one snapshot's copy amortised over
+    100 steps against plain fit (target <= 2 %)."""
+    if "fit_callback_skip" in med and "fit_callback" in med:
+        paired = statistics.median(t / f for t, f in zip(times["fit_callback_skip"], times["fit_callback"]))
+        print("fit_callback_skip / fit_callback = %.3f (median of the paired ratios %.3f)"
+              % (med["fit_callback_skip"] / med["fit_callback"], paired))
+    if "fit_callback_rewind" in med and "fit_callback" in med:
+        paired = statistics.median(t / f for t, f in zip(times["fit_callback_rewind"], times["fit_callback"]))
+        print("fit_callback_rewind / fit_callback = %.3f (median of the paired ratios %.3f)"
+              % (med["fit_callback_rewind"] / med["fit_callback"], paired))
+    if "fit_snapshot" in med and "fit" in med:
+        copy = statistics.median(t - f for t, f in zip(times["fit_snapshot"], times["fit"]))
+        share = copy / 100 / med["fit"]
+        print("one snapshot copy: %+.2f ms (median of the paired differences; %.3fx a fit step); every 100 steps "
+              "that is %.3f %% of a fit step (target <= 2 %%): %s; device memory %.1f MB (two buffers)"
+              % (copy, copy / med["fit"], 100 * share, "MET" if share <= 0.02 else "NOT MET",
+                 steps["fit_snapshot"].snapshot.nbytes / 1e6))
+
+
+REPORTS.append(_report_survive)
 
 
 def _report_fit(med: dict[str, float], steps: dict[str, Callable], times: dict[str, list[float]]) -> None:

@@ -281,6 +281,7 @@ export class Dashboard {
       tl.errorLine.hidden = true;
       const a = s?.first_anomaly;
       tl.setData(data, a ? a.tensor : null, a ? a.step : null);
+      tl.setActions(s?.actions?.events);
     } catch (e) {
       tl.errorLine.hidden = false;
       tl.errorLine.textContent = `Timeline: ${e.message}`;

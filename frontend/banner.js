@@ -242,6 +242,44 @@ function infoList(s) {
   return el("div", { class: "info" }, el("p", { class: "cause-label" }, "Information (handled, not a warning):"), el("ul", {}, ...lines));
 }
 
+/** The first action events a banner lists; the rest are counted. */
+const ACTIONS_SHOWN = 5;
+
+/**
+ * What the training did about its anomalies (summary.actions): the words
+ * ("survived 3 non-finite steps (skipped), 1 rewind at step 4,200 with lr × 0.5"),
+ * then a line per event: step, epoch and batch, action, what triggered it,
+ * and the op the replay named or that the fault was not reproducible.
+ */
+function actionsList(s) {
+  const actions = isObject(s.actions) ? s.actions : null;
+  const events = actions && Array.isArray(actions.events) ? actions.events.filter((e) => isObject(e) && countOf(e.step) !== null) : [];
+  if (!events.length) return null;
+  const lines = events.slice(0, ACTIONS_SHOWN).map((e) => {
+    const where = ["epoch", "batch"].filter((k) => countOf(e[k]) !== null).map((k) => `${k} ${fmt.count(e[k])}`);
+    const replay = isObject(e.replay) ? e.replay : {};
+    const op = isObject(e.op) && text(e.op.type) ? ` · op ${e.op.type}${text(e.op.source) ? ` at ${e.op.source}` : ""}` : "";
+    const transient = replay.reproducible === false ? " · not reproducible on replay (non-determinism or hardware)" : "";
+    return el(
+      "li",
+      { class: `action ${text(e.action) ?? ""}` },
+      `Step ${fmt.count(e.step)}${where.length ? ` (${where.join(", ")})` : ""}: `,
+      el("strong", {}, text(e.action) ?? "?"),
+      text(e.detail) ? ` (${e.detail})` : "",
+      op,
+      transient,
+      text(e.reason) ? ` · ${e.reason}` : ""
+    );
+  });
+  if (events.length > ACTIONS_SHOWN) lines.push(el("li", {}, `and ${fmt.count(events.length - ACTIONS_SHOWN)} more`));
+  return el(
+    "div",
+    { class: "training-actions" },
+    el("p", {}, el("span", { class: "cause-label" }, "Training acted: "), text(actions.words) ?? ""),
+    el("ul", {}, ...lines)
+  );
+}
+
 function healthyBanner(s) {
   const range = s.first_step === null ? "" : ` in steps ${fmt.steps(s.first_step, s.last_step)}`;
   const warn = s.first_warning ? "" : " and nothing outside the safe range";
@@ -268,6 +306,8 @@ export function renderBanners(container, items, onShow) {
     if (Array.isArray(summary.problems) && summary.problems.length) {
       main.append(el("div", { class: "problems" }, ...summary.problems.map((p) => el("p", {}, "Reading the run: ", text(p) ?? ""))));
     }
+    const acted = actionsList(summary);
+    if (acted) main.append(acted);
     const restart = restartWords(summary);
     if (restart) main.append(restart);
     const info = infoList(summary);

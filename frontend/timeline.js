@@ -14,6 +14,8 @@ import { color } from "./theme.js";
 const AXIS_H = 22;
 const ROW_H = 14;
 const GROUP_H = 18;
+// The mark over a column where training acted (summary.actions).
+const ACTION_GLYPHS = { skip: "S", rewind: "R", stop: "X" };
 /** The legend of the cell colours (a health's name is its colour), once the rules are loaded. */
 export function legend() {
   const box = el("div", { class: "legend", "aria-label": "Timeline colours" });
@@ -47,7 +49,9 @@ export class Timeline {
     });
     this.live = el("div", { class: "sr-only", "aria-live": "polite" });
     this.tooltip = el("div", { class: "tooltip", hidden: true, role: "tooltip" });
-    this.element = el("div", { class: "timeline" }, this.labels, el("div", {}, this.canvas), this.live, this.tooltip);
+    this.actions = []; // [{step, action, detail}]: where training acted on an anomaly
+    this.actionMarks = el("div", { class: "action-marks" });
+    this.element = el("div", { class: "timeline" }, this.labels, el("div", { class: "cells" }, this.canvas, this.actionMarks), this.live, this.tooltip);
 
     this.canvas.addEventListener("mousemove", (e) => this.hover(e));
     this.canvas.addEventListener("mouseleave", () => this.hideTooltip());
@@ -74,6 +78,27 @@ export class Timeline {
     this.anomaly = anomalyTensor === null ? null : this.cellOf(this.rowOf(anomalyTensor), anomalyStep);
     this.layout();
     this.draw();
+  }
+
+  /** The steps where training skipped, rewound or stopped (summary.actions.events), marked over their columns. */
+  setActions(events) {
+    this.actions = Array.isArray(events) ? events.filter((e) => e && Number.isInteger(e.step) && typeof e.action === "string") : [];
+    this.drawActions();
+  }
+
+  /** One mark per action over its step's column, its words as the title (text, never HTML). */
+  drawActions() {
+    if (!this.data || !this.cellWidth) return replace(this.actionMarks);
+    const marks = [];
+    for (const e of this.actions) {
+      const col = this.colOf(e.step);
+      if (col === null) continue;
+      const words = `Step ${fmt.count(e.step)}: ${e.action}${typeof e.detail === "string" ? ` (${e.detail})` : ""}`;
+      marks.push(
+        el("span", { class: `action-mark ${e.action}`, title: words, "aria-label": words, style: `left:${(col + 0.5) * this.cellWidth}px`, dataset: { step: e.step } }, ACTION_GLYPHS[e.action] ?? "?")
+      );
+    }
+    replace(this.actionMarks, marks);
   }
 
   /** The bucket column holding a step, or null when out of range. */
@@ -169,6 +194,7 @@ export class Timeline {
     if (this.anomaly && this.anomaly.col !== null) this.mark(ctx, this.anomaly, color("anomaly-mark"), 2, []);
     if (this.selected && this.selected.col !== null) this.mark(ctx, this.selected, color("accent"), 3, []);
     if (this.cursor && document.activeElement === this.canvas) this.mark(ctx, this.cursor, color("fg"), 1.5, [3, 2]);
+    this.drawActions();
   }
 
   drawAxis(ctx, width, cw) {

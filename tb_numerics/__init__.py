@@ -4,6 +4,7 @@
     tbn.log_numerics("dense1/output", h)
     tbn.log_gradients(grads, model.trainable_variables)
     train_step = tbn.guard(optimizer)(train_step)  # a custom loop's first bad step, at op level
+    NumericsCallback(logdir, on_anomaly=tbn.OnAnomaly("rewind", lr_factor=0.5))  # survive it, and say so
 
 The summary API needs TensorFlow and is imported on first use, so that
 TensorBoard can load the plugin (``tb_numerics.plugin``) without importing
@@ -17,6 +18,8 @@ _LAZY = {
     "log_gradients": "tb_numerics.summary",
     "op_numerics": "tb_numerics.oplevel",
     "guard": "tb_numerics.step_guard",
+    "OnAnomaly": "tb_numerics.survive",
+    "Spike": "tb_numerics.survive",
 }
 
 # Submodules the README and http_api.md spell as ``tb_numerics.<name>`` (tests/
@@ -25,7 +28,7 @@ _LAZY = {
 # plain ``import tb_numerics``.
 _SUBMODULES = (
     "keras", "xla", "oplevel", "summary", "analysis", "records", "record_writer", "event_reader", "cli", "metadata",
-    "frontend", "rules", "safe_range",
+    "frontend", "rules", "safe_range", "survive",
 )
 
 __all__ = sorted(_LAZY) + sorted(_SUBMODULES)

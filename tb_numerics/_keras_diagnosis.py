@@ -69,6 +69,11 @@ class Diagnosis:
         self._square_limits = np.array([detectors.square_limit(str(plan.variables[j].dtype)) for j, _ in rows])
         self.update_found: int | None = None
 
+    @property
+    def can_replay(self) -> bool:
+        """Whether a bad step can be replayed at op level."""
+        return self._replay is not None and not self._replay.why_not
+
     # ------------------------------------------------------------ the update
 
     def check_squares(self, steps: list[tuple[np.ndarray, StepValues]]) -> bool:
@@ -110,7 +115,7 @@ class Diagnosis:
         # Only what this step's held-back update would have written is still
         # as the previous step left it: whatever else the step wrote (a second
         # optimizer's update, a layer's own assign) may have gone bad in it.
-        held = self._program.held_vars
+        held = self._program.gate.held_vars
         return not self._program.lso and bool(held) and self._write_nonfinite_state(step - 1, held)
 
     # ------------------------------------------------------------ the first bad step

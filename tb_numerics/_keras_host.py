@@ -48,7 +48,10 @@ Step = tuple[np.ndarray, "StepValues"]  # a step's records [rows, NUM_FIELDS], a
 # A step's values besides its records, by name, as a step program stores
 # them: their slots at the head of the step's aux row. With update ratios
 # the row goes on with ||w_new - w_old||^2 and ||w_old||^2 of each variable.
-AUX_FIELDS = ("call", "step", "loss_scale", "weights_due")
+# The survival values (``held`` ...) are the TensorFlow program's (its
+# ``on_anomaly`` gate); the other backends leave them at their defaults.
+AUX_FIELDS = ("call", "step", "loss_scale", "weights_due", "held", "trigger", "loss_value", "grad_norm",
+              "spike_mean", "spike_std")
 AUX_INDEX = {name: i for i, name in enumerate(AUX_FIELDS)}
 
 
@@ -60,6 +63,12 @@ class StepValues(NamedTuple):
     loss_scale: float  # a LossScaleOptimizer's scale (1 without one)
     weights_due: bool  # whether the weights and update ratios were computed
     update_norms: np.ndarray  # [variables, 2]: ||w_new - w_old||^2, ||w_old||^2 (empty without update ratios)
+    held: bool = False  # the update was not applied (the gate held it back, or a LossScaleOptimizer skipped it)
+    trigger: int = 0  # why the step is an anomaly (``_survive_tf.TRIGGER_CODES``; 0: it is not)
+    loss_value: float = float("nan")  # the loss (the mean over replicas)
+    grad_norm: float = float("nan")  # the global gradient norm
+    spike_mean: float = 0.0  # where a spike fired: the window's mean and standard deviation
+    spike_std: float = 0.0
 
     @classmethod
     def of(cls, aux: np.ndarray) -> "StepValues":
@@ -71,7 +80,10 @@ class StepValues(NamedTuple):
         head = {name: aux[i] for name, i in AUX_INDEX.items()}
         return cls(call=int(head["call"]), step=int(head["step"]), loss_scale=float(head["loss_scale"]),
                    weights_due=bool(head["weights_due"] > 0), update_norms=np.asarray(aux[len(AUX_FIELDS):],
-                                                                                      np.float64).reshape(-1, 2))
+                                                                                      np.float64).reshape(-1, 2),
+                   held=bool(head["held"] > 0), trigger=int(head["trigger"]), loss_value=float(head["loss_value"]),
+                   grad_norm=float(head["grad_norm"]), spike_mean=float(head["spike_mean"]),
+                   spike_std=float(head["spike_std"]))
 
 
 class Patches:
@@ -203,6 +215,7 @@ class NumericsCallbackBase(keras.callbacks.Callback):
         self.plan: RowPlan | None = None  # set while fit runs
         self._host: HostRecords | None = None
         self._patches = Patches()
+        self._batch = 0  # the index of the batch last ended in its epoch
 
     # ------------------------------------------------------------ for a backend
 
@@ -237,6 +250,20 @@ class NumericsCallbackBase(keras.callbacks.Callback):
     def _replay_verdict(self, step: int, step_stats: np.ndarray) -> dict[str, Any]:
         """The replay's verdict on the first bad step, written into the run."""
         return self._host.replay_verdict(step, lambda: self._replay_at(step))
+
+    def _policy_acts_on(self, steps: list[Step]) -> bool:
+        """Whether an ``on_anomaly`` policy acts on one of the steps (their
+        records are then written inline, before it acts)."""
+        return False
+
+    def _policy_after(self, steps: list[Step], batch: int) -> bool:
+        """An ``on_anomaly`` policy's actions on the batch's steps, once
+        written (main thread, before the next step); True to stop training."""
+        return False
+
+    def _stops_at(self, values: StepValues) -> bool:
+        """Whether training stops at a step whose records went bad."""
+        return self.stop_on_anomaly
 
     # ------------------------------------------------------------ fit
 
@@ -275,16 +302,20 @@ class NumericsCallbackBase(keras.callbacks.Callback):
         steps = self._new_steps()
         if not steps:
             return
+        self._batch = batch
         self._host.collect()
         if self._check_update(steps) and self.stop_on_anomaly:
-            self._stop()
+            self._stop(*steps[-1], why="an update left the weights or the optimizer's slots non-finite")
         replay_due = self.replay and self.replay_verdict is None
-        if (self.stop_on_anomaly or replay_due) and any(self._host.may_be_anomaly(*s) for s in steps):
+        if self._policy_acts_on(steps) or (
+                (self.stop_on_anomaly or replay_due) and any(self._host.may_be_anomaly(*s) for s in steps)):
             # Inline, before the next step changes the weights the replay needs.
             self._host.wait()
             self._write_steps(steps)
         else:
             self._host.submit(self._write_steps, steps)
+        if not self.model.stop_training and self._policy_after(steps, batch):
+            self._stop()
 
     def _write_steps(self, steps: list[Step]) -> None:
         for step_stats, values in steps:
@@ -300,15 +331,19 @@ class NumericsCallbackBase(keras.callbacks.Callback):
         self._host.note_bad_batch(values.step, step_records, self._kept_batches)
         if self.replay and self.replay_verdict is None:
             self.replay_verdict = self._replay_verdict(values.step, step_stats)
-        if not self.stop_on_anomaly:
+        if not self._stops_at(values):
             return False
-        self._stop()
+        self._stop(step_stats, values, why="a record of the step holds a NaN or an Inf")
         return True
 
-    def _stop(self) -> None:
-        """Stops training and prints the diagnosis, in the analysis' words."""
+    def _stop(self, step_stats: np.ndarray | None = None, values: StepValues | None = None, why: str = "") -> None:
+        """Stops training and prints the diagnosis, in the analysis' words
+        (once). ``step_stats``, ``values``, ``why``: the step that stops it
+        and why, where one does (a backend's policy writes its stop event)."""
         self._host.writer.flush()
-        self.anomaly = stop_training(self.model, self.log_dir, self.safe_range)
+        self.model.stop_training = True
+        if self.anomaly is None:
+            self.anomaly = stop_training(self.model, self.log_dir, self.safe_range)
 
 
 class HostRecords:

@@ -10,6 +10,10 @@ which remembers how to put each one back):
 * the optimizer's ``scale_loss`` (for the loss) and ``apply`` (for the
   gradients, the weights before the update and the update itself, which
   ``StepProgram.recorded_apply`` records);
+* the ``apply`` of every other optimizer the model holds as an attribute
+  (a GAN's second one), whose gradients are recorded with the model
+  optimizer's where it runs before it, and whose update is held back with
+  the step's (``UpdateGate.gated_other_apply``);
 * ``model.train_function``, rebuilt so that the wrappers are traced into it.
 
 While a replay runs a step again (``_keras_replay``), the wrappers record
@@ -22,12 +26,14 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
+import keras
+
 from tb_numerics import _keras_replay
 from tb_numerics._keras_host import Patches
 from tb_numerics._keras_plan import float_tensors
 from tb_numerics._keras_program import StepProgram, Trace
 
-__all__ = ["StepHooks"]
+__all__ = ["StepHooks", "other_optimizers"]
 
 
 class StepHooks:
@@ -42,6 +48,7 @@ class StepHooks:
     def __init__(self, model: Any, program: StepProgram, replay: _keras_replay.StepReplay | None):
         self._model, self._program, self._replay = model, program, replay
         self._trace: Trace | None = None
+        self._step_trace: Trace | None = None  # the training step's, for the whole step
         self.replay_trace = Trace()  # what the last replay's layers made
 
     def install(self, patches: Patches, activations: bool) -> None:
@@ -51,6 +58,8 @@ class StepHooks:
         patches.set(model, "train_step", self._wrap_train_step(model.train_step))
         patches.set(opt, "scale_loss", self._wrap_scale_loss(opt.scale_loss))
         patches.set(opt, "apply", self._wrap_apply(opt.apply))
+        for other in other_optimizers(model):
+            patches.set(other, "apply", self._wrap_other_apply(other.apply))
         if activations:
             for i, layer in enumerate(model.layers):
                 patches.set(layer, "call", self._wrap_call(i, layer.call))
@@ -78,11 +87,11 @@ class StepHooks:
                     self._trace = None
             if self._replay is not None and not self._replay.why_not:
                 self._replay.step_begins()
-            self._trace = Trace(data=data)
+            self._trace = self._step_trace = Trace(data=data)
             try:
                 return train_step(data)
             finally:
-                self._trace = None
+                self._trace = self._step_trace = None
 
         return wrapped
 
@@ -110,7 +119,7 @@ class StepHooks:
         def wrapped(grads, trainable_variables=None):
             if self._replaying():
                 if self._trace is not None:
-                    self._trace.grads = list(zip(grads, trainable_variables or self._model.trainable_variables))
+                    self._trace.grads += list(zip(grads, trainable_variables or self._model.trainable_variables))
                 return None  # a replay never updates the weights
             trace = self._trace
             if trace is None:
@@ -120,3 +129,36 @@ class StepHooks:
             return self._program.recorded_apply(apply, trace, list(grads), list(variables))
 
         return wrapped
+
+    def _wrap_other_apply(self, apply: Callable[..., Any]) -> Callable[..., Any]:
+        opt = apply.__self__
+
+        @functools.wraps(apply)
+        def wrapped(grads, trainable_variables=None):
+            grads = list(grads)
+            variables = list(trainable_variables if trainable_variables is not None
+                             else opt._trainable_variables)  # noqa: SLF001 - Keras' own default
+            trace = self._trace if self._replaying() else self._step_trace
+            if trace is not None:  # its gradients are the step's records too (before the model's update)
+                trace.grads += list(zip(grads, variables))
+            if self._replaying():
+                return None  # a replay never updates the weights
+            return self._program.gate.gated_other_apply(apply, grads, variables, self._step_trace)
+
+        return wrapped
+
+
+def other_optimizers(model: Any) -> list[Any]:
+    """The optimizers a model holds as attributes (directly, or in a list,
+    tuple or dict), besides ``model.optimizer`` and the optimizer a
+    LossScaleOptimizer wraps: those a custom ``train_step`` may apply."""
+    main = model.optimizer
+    skip = {id(main), id(getattr(main, "inner_optimizer", None))}
+    out: list[Any] = []
+    for value in vars(model).values():
+        items = value.values() if isinstance(value, dict) else value if isinstance(value, (list, tuple)) else [value]
+        for item in items:
+            if isinstance(item, keras.optimizers.Optimizer) and id(item) not in skip:
+                skip.add(id(item))
+                out.append(item)
+    return out

@@ -18,7 +18,6 @@ record across them and keeps each replica's own non-finite counts.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Callable
 
 import keras
@@ -26,9 +25,11 @@ import numpy as np
 import tensorflow as tf
 
 from tb_numerics import _keras_replay, _tf_internal, analysis, metadata, stats
+from tb_numerics._keras_gate import UpdateGate
 from tb_numerics._keras_host import AUX_FIELDS, AUX_INDEX, StepValues
 from tb_numerics._keras_plan import RowPlan
 from tb_numerics.records import F
+from tb_numerics.survive import Spike
 
 __all__ = ["AUX_FIELDS", "StepProgram", "StepValues", "Trace", "strategy_of"]
 
@@ -52,7 +53,14 @@ class Trace:
     # Each gradient's plain sum, as its statistics computed it (by variable index).
     grad_sums: dict[int, tf.Tensor] = dataclasses.field(default_factory=dict)
     data: Any = None  # the step's batch, kept for a replay if the step goes bad
-    grads: list[tuple[Any, Any]] = dataclasses.field(default_factory=list)  # a replay's (gradient, variable) pairs
+    # (gradient, variable) pairs of the other optimizers the step applied
+    # before the model's (a GAN's), recorded as its gradients; in a replay,
+    # every optimizer's.
+    grads: list[tuple[Any, Any]] = dataclasses.field(default_factory=list)
+    # Whether every update of the step so far was applied (a bool tensor), so
+    # that a second optimizer's update is held back with the first's; None
+    # before the step's first gated update.
+    applied_so_far: Any = None
 
 
 def _merged_stats(tensors: list[tf.Tensor], name: str) -> tf.Tensor:
@@ -116,21 +124,20 @@ class StepProgram:
 
     Attributes:
       lso: whether the optimizer is a LossScaleOptimizer.
-      held_vars: the variables the gated update holds back at a bad step
-        (a second optimizer's are not among them).
+      gate: the gated update (``_keras_gate``).
       replica_nonfinite: under several replicas with a replay, each
         replica's own non-finite count of each row before the weights' at
         the last step (``[replicas, rows]``); else None.
     """
 
     def __init__(self, model: Any, plan: RowPlan, replay: _keras_replay.StepReplay | None, *,
-                 update_ratios: bool, weights_every_n_steps: int, safe_range: analysis.SafeRange):
+                 update_ratios: bool, weights_every_n_steps: int, safe_range: analysis.SafeRange,
+                 policy: bool = False, spike: Spike | None = None, listed: bool = False):
         self._model, self._plan, self._replay = model, plan, replay
         self._update_ratios = update_ratios and bool(plan.variables)
         self._weights_every_n_steps = weights_every_n_steps
         self._safe_range = safe_range
         self.lso = isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
-        self.held_vars: list = []
         self._slots = max(1, int(getattr(model, "steps_per_execution", 1) or 1))
         nv = len(plan.variables)
         self._stats_var = _state_variable(tf.zeros([self._slots, len(plan.rows), NUM_FIELDS], tf.float64))
@@ -140,11 +147,18 @@ class StepProgram:
         self._calls = _state_variable(tf.constant(0, tf.int64))
         self._skipped = _state_variable(tf.constant(0, tf.int64))
         self._snapshots = [_state_variable(tf.zeros(v.shape, v.dtype)) for v in plan.variables] if update_ratios else []
-        replicas = strategy_of(model).num_replicas_in_sync
+        strategy = strategy_of(model)
+        replicas = strategy.num_replicas_in_sync
         self.replica_nonfinite = (
             _state_variable(tf.zeros([replicas, plan.weight_row0], tf.float64))
             if replay is not None and replicas > 1 and replay.why_not is None else None
         )
+        # The update is gated (held back at a bad step) for a replay or an
+        # on_anomaly policy; under several replicas where the gate can be
+        # taken across them (MirroredStrategy).
+        replicas_ok = replicas == 1 or isinstance(strategy, tf.distribute.MirroredStrategy)
+        self.gate = UpdateGate(plan, safe_range, lso=self.lso, spike=spike, listed=listed,
+                               gates=replicas_ok and (replay is not None or policy or spike is not None))
 
     # ------------------------------------------------------------ host
 
@@ -181,14 +195,15 @@ class StepProgram:
         # run the weights' reads (and the copy) before the update writes them,
         # and an explicit one made the update wait for the whole tf.cond
         # (measured: 1.11-1.12x plain fit with it, 1.08x without).
-        result = self._gated_apply(apply, grads, variables, trace, ctx)
-        if isinstance(result, tf.Tensor) and result.dtype == tf.bool:  # the gate says whether it applied
-            skipped = tf.cast(tf.logical_not(result), tf.int64)
-        else:  # a LossScaleOptimizer's own skip leaves the iterations where they were
+        trigger = self.gate.trigger(head)
+        result = self.gate.gated_apply(apply, grads, variables, trace, ctx, trigger["trigger"])
+        applied = result if isinstance(result, tf.Tensor) and result.dtype == tf.bool else tf.constant(True)
+        if self.lso:  # a LossScaleOptimizer's own skip leaves the iterations where they were
             its_after = tf.cast(tf.convert_to_tensor(opt.iterations), tf.int64)
-            skipped = tf.cast(tf.equal(its_after, its_before), tf.int64)
+            applied = tf.logical_and(applied, tf.not_equal(its_after, its_before))
+        skipped = tf.cast(tf.logical_not(applied), tf.int64)
         aux = _aux_row(self._update_norms(due, weight_rows), call=self._calls.read_value(), step=step,
-                       loss_scale=scale, weights_due=due)
+                       loss_scale=scale, weights_due=due, held=skipped, **trigger)
         stacked = tf.concat([head, weight_rows], 0)
         if ctx is None:
             self._store(stacked, aux, skipped)
@@ -198,6 +213,11 @@ class StepProgram:
                 args=(stacked, aux, skipped) + per_replica,
             )
         return result
+
+    def shift_steps(self, n: int) -> None:
+        """Moves the steps the records are written at on by ``n`` (a rewind
+        set the optimizer's step counter back: the records' steps go on)."""
+        self._skipped.assign_add(n)
 
     def _combined(self, head: tf.Tensor, ctx: Any, neginf_ok: np.ndarray) -> tuple[tf.Tensor, tuple]:
         """Under several replicas, each record of all replicas' values together
@@ -234,17 +254,21 @@ class StepProgram:
         records, _ = _batched_records([(tensors, plan.rows[r].tag) for r, tensors in forward])
         for (r, _), record in zip(forward, records):
             rows[r] = record
-        backward = self._gradients(grads, variables, scale)
+        backward = self._gradients(trace.grads + list(zip(grads, variables)), scale)
         records, sums = _batched_records([([g], plan.rows[plan.grad_rows[j]].tag) for j, g in backward])
         for (j, _), record, total in zip(backward, records, sums):
             rows[plan.grad_rows[j]], trace.grad_sums[j] = record, total
         return rows
 
-    def _gradients(self, grads: list, variables: list, scale: tf.Tensor) -> list[tuple[int, tf.Tensor]]:
+    def _gradients(self, pairs: list, scale: tf.Tensor) -> list[tuple[int, tf.Tensor]]:
         """(variable index, gradient) of each gradient row that has one, in
-        row order, as the update uses them; marks each row present or not."""
+        row order, as the updates use them; marks each row present or not.
+
+        ``pairs``: the step's (gradient, variable) pairs, the other
+        optimizers' (``Trace.grads``) before the model optimizer's, whose
+        gradient wins where both update one variable."""
         plan = self._plan
-        grad_of = {id(v): g for g, v in zip(grads, variables)}
+        grad_of = {id(v): g for g, v in pairs if g is not None}
         out = []
         for j in sorted(plan.grad_rows, key=plan.grad_rows.get):
             g = grad_of.get(id(plan.variables[j]))
@@ -310,46 +334,6 @@ class StepProgram:
 
         return tf.cond(due, norms, lambda: tf.zeros([2 * len(variables)], tf.float64))
 
-    def _gated_apply(self, apply: Callable[..., Any], grads: list, variables: list, trace: Trace, ctx: Any) -> Any:
-        """The optimizer's update, not applied where the loss or a gradient
-        holds a NaN or an Inf when a replay may need the weights that step used.
-
-        The decision rests on each gradient's plain sum, which its statistics
-        compute first anyway, so a healthy update waits for no other
-        statistic; only where a sum is not finite (a NaN or an Inf, or finite
-        values whose sum overflowed) are the gradients' elements counted
-        (``stats.all_finite``). A LossScaleOptimizer skips such steps itself.
-        Under several replicas the update merges across them, which cannot
-        sit in a branch taken in a replica: the branch is taken in the
-        cross-replica context (``_apply_if_all_finite``), under the
-        strategies a replay supports (MirroredStrategy).
-        """
-        if self._replay is None or self.lso or (ctx is not None and self.replica_nonfinite is None):
-            return apply(grads, variables)
-        self.held_vars = [v for g, v in zip(grads, variables) if g is not None]
-        index = {id(v): j for j, v in enumerate(self._plan.variables)}
-        tensors, sums = [], []
-        for g, v in zip(grads, variables):
-            if g is None:
-                continue
-            values = g.values if isinstance(g, tf.IndexedSlices) else g
-            total = trace.grad_sums.get(index.get(id(v), -1))
-            tensors.append(values)
-            sums.append(tf.reduce_sum(values) if total is None else total)
-        if trace.loss is not None:
-            tensors.append(trace.loss)
-            sums.append(tf.reduce_sum(tf.cast(trace.loss, tf.float32)))
-        finite = stats.all_finite(tensors, sums)
-        if ctx is not None:
-            return ctx.merge_call(functools.partial(_apply_if_all_finite, apply=apply, variables=variables),
-                                  args=(finite, grads))
-
-        def update() -> tf.Tensor:
-            apply(grads, variables)
-            return tf.constant(True)
-
-        return tf.cond(finite, update, lambda: tf.constant(False))
-
     def _store(self, stacked: tf.Tensor, aux: tf.Tensor, skipped: tf.Tensor, per_replica: Any = None) -> None:
         """Keeps a step's records for the host (``new_steps``)."""
         if self._slots == 1:
@@ -363,23 +347,7 @@ class StepProgram:
             self._aux_var.scatter_nd_update(slot, aux[None])
         if per_replica is not None:
             self.replica_nonfinite.assign(per_replica)
+        if self.gate.spike is not None:
+            self.gate.spike.push(aux[AUX_INDEX["loss_value"]], aux[AUX_INDEX["grad_norm"]])
         self._skipped.assign_add(skipped)
         self._calls.assign_add(1)
-
-
-def _apply_if_all_finite(strategy: Any, finite: Any, grads: Any, *, apply: Callable[..., Any], variables: list) -> tf.Tensor:
-    """Under several replicas, in the cross-replica context: runs the
-    optimizer's update on every replica where every replica's loss and
-    gradients are finite (``finite``: each replica's verdict); whether it ran.
-
-    Keras' own LossScaleOptimizer holds back an update under a strategy the
-    same way: a cond around an update that merges across replicas must be
-    taken outside them, and its branch enters the replicas again.
-    """
-    every = tf.reduce_all(tf.stack(strategy.experimental_local_results(finite)))
-
-    def update() -> tf.Tensor:
-        strategy.extended.call_for_each_replica(apply, args=(grads, variables))
-        return tf.constant(True)
-
-    return tf.cond(every, update, lambda: tf.constant(False))

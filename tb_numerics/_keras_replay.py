@@ -76,9 +76,10 @@ _MAX_WHY = 600  # characters of an error's message in a verdict
 _log = logging.getLogger(__name__)
 
 _NOT_REPRODUCED = (
-    "every op output was finite when the step ran again eagerly without XLA: a TensorFlow random op "
-    "(tf.nn.dropout, tf.random.*; Keras' seeded layers draw the step's own values) or a random data pipeline "
-    "drew other values, or XLA computed the step differently; the layer-level answer stands"
+    "every op output was finite when the step ran again eagerly without XLA, on the same weights and batch: the "
+    "fault is not reproducible, so not in the data or the model: non-determinism (a TensorFlow random op, "
+    "tf.nn.dropout or tf.random.*, where Keras' seeded layers draw the step's own values; a random data "
+    "pipeline; XLA computing the step differently) or a hardware fault; the layer-level answer stands"
 )
 
 _XLA_DRAWS = (
@@ -213,7 +214,9 @@ class StepReplay:
     def _verdict(self, found: Any, check: Callable[[], str | None] | None) -> dict[str, Any]:
         """``reproduced`` and ``op``, or ``why`` not, of a replay that found ``found``."""
         if found is None:
-            return {"reproduced": False, "why": _XLA_DRAWS if self._xla_draws else _NOT_REPRODUCED}
+            # Ran, and finite: not reproducible (unless XLA's draws could not be redrawn).
+            return {"reproduced": False, "reproducible": None if self._xla_draws else False,
+                    "why": _XLA_DRAWS if self._xla_draws else _NOT_REPRODUCED}
         if found.reads_nonfinite():
             # Not born in the step: it read a variable the failing step had already made non-finite.
             return {"reproduced": False, "why": "the first non-finite op (%s) read values that were already "

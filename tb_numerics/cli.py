@@ -26,7 +26,7 @@ import os
 import sys
 from typing import Sequence
 
-from tb_numerics import analysis, compare, event_reader, report_text, rules, scalars
+from tb_numerics import analysis, compare, event_reader, report_text, rules, scalars, survive
 
 EXIT_OK = 0
 EXIT_ANOMALY = 1
@@ -104,6 +104,7 @@ def report(logdir: str, sr: analysis.SafeRange, against: str | None = None) -> t
         s["restarts"] = rr.restarts
         if s["first_anomaly"] is None:
             s["first_anomaly"] = scalars.first_anomaly(rr.scalars)
+        s["actions"] = survive.summarize(rr.actions, s["first_anomaly"])
         if rr.scalars:
             s["scalars"] = len(rr.scalars)
         summaries.append(s)

@@ -84,7 +84,9 @@ def _op_of(ra: RunAnalysis, step: int, row: int) -> tuple[dict[str, Any] | None,
             replica = verdict.get("replica")
             where = {"replica": replica} if type(replica) is int else {}
             if not verdict["reproduced"]:
-                return None, {"reproduced": False, "why": str(verdict.get("why", "")), **where}
+                # Ran on the same weights and batch and stayed finite: a transient fault.
+                transient = {"reproducible": False} if verdict.get("reproducible") is False else {}
+                return None, {"reproduced": False, "why": str(verdict.get("why", "")), **transient, **where}
             op = verdict.get("op")
             if isinstance(op, dict):
                 return {k: op.get(k) for k in ("name", "type", "source", "phase", "inputs")}, {

@@ -31,7 +31,7 @@ from google.protobuf.message import DecodeError
 from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, types_pb2
 from tensorboard.util import tensor_util
 
-from tb_numerics import metadata, packed, records
+from tb_numerics import metadata, packed, records, survive
 from tb_numerics.event_files import LogdirError, check_logdir, find_runs
 from tb_numerics.tfrecord import Record, py_record_reader, read_records, tf_record_reader
 
@@ -81,6 +81,8 @@ class RunRecords:
     problems: list[str]
     # Standard scalar summaries: tag -> (steps, values), in file order.
     scalars: dict[str, tuple[np.ndarray, np.ndarray]] = dataclasses.field(default_factory=dict)
+    # What the training did about its anomalies (``survive.parse_event``), in file order.
+    actions: list[dict] = dataclasses.field(default_factory=list)
     # Steps a later training wrote again (packed.restart_summary).
     restarts: list[dict[str, int]] = dataclasses.field(default_factory=list)
 
@@ -112,6 +114,7 @@ class _RunReader:
         # tf.summary.scalar values (what Keras' TensorBoard callback writes):
         # tag -> (steps, values).
         self.scalars: dict[str, tuple[list[int], list[float]]] = {}
+        self.actions: list[dict] = []  # action events (``survive``)
 
     def add_file(self, path: str) -> None:
         undecodable = 0
@@ -134,7 +137,7 @@ class _RunReader:
 
     def _add_value(self, step: int, value: summary_pb2.Summary.Value, wall_time: float) -> None:
         tag = value.tag
-        if self._add_scalar(step, value):
+        if self._add_scalar(step, value) or self._add_action(step, value):
             return
         if not self._claim(value):
             if tag not in self.rejected and value.HasField("tensor"):
@@ -167,6 +170,15 @@ class _RunReader:
         steps, values = self.scalars.setdefault(tag, ([], []))
         steps.append(step)
         values.append(x)
+        return True
+
+    def _add_action(self, step: int, value: summary_pb2.Summary.Value) -> bool:
+        """Keeps an action event (each carries its metadata); False for any other value."""
+        if value.metadata.plugin_data.plugin_name != metadata.ACTIONS_PLUGIN:
+            return False
+        event = action_of(value.metadata.plugin_data.content, value.tensor, step, self.problems)
+        if event is not None:
+            self.actions.append(event)
         return True
 
     def _claim(self, value: summary_pb2.Summary.Value) -> bool:
@@ -259,6 +271,24 @@ class _RunReader:
 _SCALARS_PLUGIN = "scalars"
 
 
+def action_of(content: bytes, tensor: tensor_pb2.TensorProto | np.ndarray, step: int,
+              problems: list[str]) -> dict | None:
+    """An action event from its metadata's content and its string tensor (a
+    proto, or an array as TensorBoard's data provider returns it); None,
+    with a problem said, where it cannot be read."""
+    try:
+        metadata.check_action_content(content)
+        array = tensor_util.make_ndarray(tensor) if isinstance(tensor, tensor_pb2.TensorProto) else tensor
+        data = np.asarray(array).reshape(-1)[0]
+    except (metadata.FormatError, ValueError, TypeError, KeyError, IndexError) as e:
+        problems.append("%s: an action at step %d cannot be read (%s)" % (metadata.ACTIONS_TAG, step, e))
+        return None
+    event = survive.parse_event(data if isinstance(data, bytes) else str(data).encode("utf-8"), step)
+    if event is None:
+        problems.append("%s: the action at step %d is not a valid event" % (metadata.ACTIONS_TAG, step))
+    return event
+
+
 def _dtype_of(values: np.ndarray) -> str:
     """float32 unless a record's min or max is not a float32 value (the
     statistics of a float32 tensor hold its own values there)."""
@@ -276,7 +306,7 @@ def read_run(run: str, files: list[str]) -> RunRecords:
     series = reader.series()
     scalars = {t: (np.asarray(st, np.int64), np.asarray(v, np.float64)) for t, (st, v) in reader.scalars.items()}
     return RunRecords(run, series, reader.problems + reader.damage_problems(), scalars,
-                      packed.restart_summary(reader.restarts))
+                      actions=reader.actions, restarts=packed.restart_summary(reader.restarts))
 
 
 def read_logdir(logdir: str) -> list[RunRecords]:
@@ -289,6 +319,6 @@ def read_logdir(logdir: str) -> list[RunRecords]:
     out = []
     for run, files in sorted(find_runs(logdir).items()):
         rr = read_run(run, files)
-        if rr.series or rr.problems or rr.scalars:
+        if rr.series or rr.problems or rr.scalars or rr.actions:
             out.append(rr)
     return out

@@ -49,6 +49,11 @@ class _Tag:
     content: bytes
     description: str
     points: dict[int, tuple[float, np.ndarray]]  # step -> (wall time, tensor)
+    plugin: str = metadata.PLUGIN_NAME  # or the action events' (``metadata.ACTIONS_PLUGIN``)
+
+
+# The plugins whose records the failover serves.
+_PLUGINS = (metadata.PLUGIN_NAME, metadata.ACTIONS_PLUGIN)
 
 
 @dataclasses.dataclass
@@ -94,10 +99,10 @@ def _add_value(tags: dict[str, _Tag], other: set[str], event, value, problems: l
     entry = tags.get(tag)
     if entry is None:
         pd = value.metadata.plugin_data
-        if pd.plugin_name != metadata.PLUGIN_NAME:
+        if pd.plugin_name not in _PLUGINS:
             other.add(tag)
             return
-        entry = tags[tag] = _Tag(pd.content, value.metadata.summary_description, {})
+        entry = tags[tag] = _Tag(pd.content, value.metadata.summary_description, {}, pd.plugin_name)
     try:
         array = tensor_util.make_ndarray(value.tensor)
     except (ValueError, TypeError, KeyError) as e:
@@ -144,7 +149,7 @@ class LogdirProvider:
         return [metadata.PLUGIN_NAME] if any(r.tags for r in self._current(None).values()) else []
 
     def list_tensors(self, ctx=None, *, experiment_id, plugin_name, run_tag_filter=None):
-        if plugin_name != metadata.PLUGIN_NAME:
+        if plugin_name not in _PLUGINS:
             return {}
         out = {}
         for run, held in self._current(_runs_of(run_tag_filter)).items():
@@ -157,19 +162,19 @@ class LogdirProvider:
                     display_name="",
                 )
                 for tag, t in held.tags.items()
-                if t.points and _tag_wanted(tag, run_tag_filter)
+                if t.points and t.plugin == plugin_name and _tag_wanted(tag, run_tag_filter)
             }
         return out
 
     def read_tensors(self, ctx=None, *, experiment_id, plugin_name, downsample=None, run_tag_filter=None):
-        if plugin_name != metadata.PLUGIN_NAME:
+        if plugin_name not in _PLUGINS:
             return {}
         out = {}
         for run, held in self._current(_runs_of(run_tag_filter)).items():
             out[run] = {
                 tag: [provider.TensorDatum(step=s, wall_time=w, numpy=a) for s, (w, a) in sorted(t.points.items())]
                 for tag, t in held.tags.items()
-                if _tag_wanted(tag, run_tag_filter)
+                if t.plugin == plugin_name and _tag_wanted(tag, run_tag_filter)
             }
         return out
 

@@ -302,6 +302,16 @@ OP_MARK_TAG = "oplevel/first_anomaly"
 # Records that carry a verdict in their description, not a tensor's statistics.
 VERDICT_TAGS = frozenset({REPLAY_TAG, BATCH_TAG, OP_MARK_TAG})
 
+# What a training did about an anomaly (a skipped update, a rewind to a
+# snapshot, a stop; see ``survive``): one event per step that acted, its JSON
+# in a string tensor, under a plugin of its own so that readers that do not
+# know it (every tb-numerics before it, TensorBoard's other plugins) never
+# see it, rather than misread it as a tensor's record. Its content carries
+# its own format version; a reader refuses a newer major one and says so.
+ACTIONS_PLUGIN = "numerics_actions"
+ACTIONS_TAG = "numerics/actions"
+ACTIONS_FORMAT_VERSION = 1
+
 # A packed block's table: (tag, info) of each row index, in index order.
 BlockTable = tuple[tuple[str, TensorInfo], ...]
 
@@ -443,3 +453,31 @@ def _parse_info(raw: dict[str, Any], description: str, version: int) -> TensorIn
         compute_dtype=compute_dtype,
         squared_by=squared_by,
     )
+
+
+def create_action_metadata() -> summary_pb2.SummaryMetadata:
+    """The summary metadata of an action event (``ACTIONS_TAG``): on every
+    event, so that each one is read on its own."""
+    content = json.dumps({"version": ACTIONS_FORMAT_VERSION}, separators=(",", ":")).encode("utf-8")
+    return summary_pb2.SummaryMetadata(
+        plugin_data=summary_pb2.SummaryMetadata.PluginData(plugin_name=ACTIONS_PLUGIN, content=content),
+        data_class=summary_pb2.DATA_CLASS_TENSOR,
+    )
+
+
+def check_action_content(content: bytes) -> None:
+    """Checks an action event's plugin content (its format version).
+
+    Raises:
+      FormatError: not valid, or of a newer major version than this reader.
+    """
+    try:
+        raw = json.loads(bytes(content).decode("utf-8")) if content else {}
+    except (UnicodeDecodeError, ValueError) as e:
+        raise FormatError("action metadata is not valid JSON: %s" % e) from None
+    version = raw.get("version") if isinstance(raw, dict) else None
+    if not isinstance(version, int) or isinstance(version, bool) or version < 1:
+        raise FormatError("action metadata has no valid format version: %r" % (version,))
+    if version > ACTIONS_FORMAT_VERSION:
+        raise FormatError("action format version %d is newer than this tb-numerics understands (%d); upgrade "
+                          "tb-numerics to read it" % (version, ACTIONS_FORMAT_VERSION))

@@ -29,10 +29,11 @@ from werkzeug import wrappers
 from tensorboard import context as tb_context
 from tensorboard import errors, plugin_util
 from tensorboard.backend import http_util
+from tensorboard.data import provider
 from tensorboard.plugins import base_plugin
 
-from tb_numerics import (analysis, compact, compare, file_provider, loader_guard, logdir_provider, metadata, rules,
-                         run_store)
+from tb_numerics import (analysis, compact, compare, event_reader, file_provider, loader_guard, logdir_provider,
+                         metadata, rules, run_store, survive)
 
 __all__ = ["NumericsLoader", "NumericsPlugin", "frontend_dir"]
 
@@ -263,10 +264,42 @@ class NumericsPlugin(base_plugin.TBPlugin):
         """The run's first anomaly and first warning (as ``report --json``)."""
         answer = self._store.answer(ctx, experiment, run, safe_range)
         summary = analysis.run_summary(answer.analysis)
+        events = self._actions(ctx, experiment, run, summary["problems"])
+        summary["actions"] = survive.summarize(events, summary["first_anomaly"])
         summary["safe_range"] = analysis.safe_range_to_json(safe_range)
         summary["restarts"] = answer.restarts
         summary.update(answer.freshness())
         return summary
+
+    def _actions(self, ctx, experiment: str, run: str, problems: list[str]) -> list[dict]:
+        """The run's action events (``survive``): a few records of a plugin of
+        their own, read whole at each request; what cannot be read is said
+        in ``problems``."""
+        # TensorBoard's own provider where the plugin reads a local logdir's
+        # files itself (``file_provider`` serves the numerics records only).
+        source = self._tensorboard if isinstance(self._data_provider, file_provider.FileProvider) else (
+            self._data_provider)
+        if source is None:
+            return []
+        rtf = provider.RunTagFilter(runs=[run], tags=[metadata.ACTIONS_TAG])
+        try:
+            listed = source.list_tensors(
+                ctx, experiment_id=experiment, plugin_name=metadata.ACTIONS_PLUGIN, run_tag_filter=rtf,
+            ).get(run, {}).get(metadata.ACTIONS_TAG)
+            if listed is None:
+                return []
+            data = source.read_tensors(
+                ctx, experiment_id=experiment, plugin_name=metadata.ACTIONS_PLUGIN, downsample=_ALL_ACTIONS,
+                run_tag_filter=rtf,
+            ).get(run, {}).get(metadata.ACTIONS_TAG, [])
+        except Exception as e:  # noqa: BLE001 - any provider's error (a data server that died raises gRPC's)
+            # The numerics records stay readable from the files: the summary
+            # answers without the actions, and says why.
+            problems.append("%s: the run's actions could not be read (%s: %s)" % (
+                metadata.ACTIONS_TAG, type(e).__name__, e))
+            return []
+        events = (event_reader.action_of(listed.plugin_content, d.numpy, d.step, problems) for d in data)
+        return [e for e in events if e is not None]
 
     def timeline_impl(
         self, ctx, experiment: str, run: str, safe_range: analysis.SafeRange,
@@ -396,6 +429,10 @@ class NumericsPlugin(base_plugin.TBPlugin):
             return f.read(), _STATIC_TYPES[ext]
 
 
+# Read whole: a run holds one action per step that acted, a handful.
+_ALL_ACTIONS = 1 << 20
+
+
 def _ids(request: wrappers.Request) -> tuple:
     """The request's TensorBoard context and experiment id."""
     return plugin_util.context(request.environ), plugin_util.experiment_id(request.environ)
@@ -454,8 +491,10 @@ class NumericsLoader(base_plugin.TBLoader):
     can (``numerics=1``, the latest record of each series: a long run's
     records are then held once, by the plugin, compactly); otherwise it
     keeps every one (``numerics=0``). A value the user set explicitly is
-    respected. It also installs ``loader_guard``, without which one damaged
-    record header crashes TensorBoard's Python loader.
+    respected. The training's action events (``survive``, a plugin of their
+    own, a handful a run) are always kept whole (``numerics_actions=0``) and
+    read through TensorBoard. It also installs ``loader_guard``, without
+    which one damaged record header crashes TensorBoard's Python loader.
     """
 
     def fix_flags(self, flags: Any) -> None:
@@ -473,6 +512,7 @@ class NumericsLoader(base_plugin.TBLoader):
             except ValueError:
                 raise base_plugin.FlagsError("malformed --samples_per_plugin: %r" % spp) from None
         spp.setdefault(metadata.PLUGIN_NAME, 1 if local_logdir(flags) is not None else 0)
+        spp.setdefault(metadata.ACTIONS_PLUGIN, 0)  # the action events: a handful, each kept
         flags.samples_per_plugin = spp
 
     def load(self, context: base_plugin.TBContext) -> NumericsPlugin:

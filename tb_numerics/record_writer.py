@@ -19,7 +19,7 @@ from typing import Sequence
 import numpy as np
 from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
 
-from tb_numerics import metadata, packed
+from tb_numerics import metadata, packed, survive
 
 _FILE_VERSION = "brain.Event:2"
 _LATER_METADATA = metadata.create_later_metadata()
@@ -118,6 +118,12 @@ def stats_tensor_proto(stats: np.ndarray) -> tensor_pb2.TensorProto:
             "a numerics record has %d fields, got %d" % (metadata.NUM_FIELDS, vec.size)
         )
     return _tensor_proto(vec)
+
+
+def action_tensor_proto(event: dict) -> tensor_pb2.TensorProto:
+    """The TensorProto of one action event: its JSON as a string scalar."""
+    return tensor_pb2.TensorProto(dtype=types_pb2.DT_STRING, tensor_shape=tensor_shape_pb2.TensorShapeProto(),
+                                  string_val=[survive.encode_event(event)])
 
 
 def _tensor_proto(a: np.ndarray, exact_float32: bool = False) -> tensor_pb2.TensorProto:
@@ -224,6 +230,19 @@ class NumericsRecordWriter:
         if not records:
             return
         self._write_packed(self._packer.add(step, records, time.time() if wall_time is None else wall_time))
+
+    def write_action(self, step: int, event: dict) -> None:
+        """Writes one action event (a skip, a rewind, a stop: see
+        ``survive``) at ``step``, on disk at once.
+
+        Args:
+          step: the step that acted (one event per step).
+          event: the event's fields (JSON-serialisable).
+        """
+        value = summary_pb2.Summary.Value(tag=metadata.ACTIONS_TAG, tensor=action_tensor_proto(event))
+        value.metadata.CopyFrom(metadata.create_action_metadata())
+        self._write_value(step, value, None)
+        self._records.flush()
 
     def _write_packed(self, events: list[packed.PackedEvent]) -> None:
         for e in events:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from tb_numerics import hints
 
-__all__ = ["anomaly_lines", "nothing_found", "safe_text", "table"]
+__all__ = ["action_lines", "anomaly_lines", "nothing_found", "safe_text", "table"]
 
 
 def safe_text(s: str) -> str:
@@ -84,6 +84,35 @@ def _op_lines(a: dict) -> list[str]:
     return []
 
 
+def action_lines(actions: dict | None) -> list[str]:
+    """What the training did about its anomalies (the report's ``actions``):
+    the words, then one line per event (the first few).
+
+    Args:
+      actions: ``survive.summarize``'s result, or None.
+    """
+    if not actions:
+        return []
+    lines = ["actions: %s" % safe_text(actions["words"])]
+    for e in actions["events"][:_EVENTS_SHOWN]:
+        where = ", ".join("%s %d" % (k, e[k]) for k in ("epoch", "batch") if e.get(k) is not None)
+        line = "  step %d%s: %s (%s)" % (e["step"], " (%s)" % where if where else "", e["action"],
+                                          safe_text(str(e.get("detail") or e["trigger"])))
+        replay = e.get("replay") if isinstance(e.get("replay"), dict) else {}
+        if replay.get("reproducible") is False:
+            line += "; not reproducible on replay (non-determinism or hardware)"
+        elif isinstance(e.get("op"), dict) and e["op"].get("type"):
+            line += "; op %s" % safe_text(str(e["op"]["type"]))
+        lines.append(line)
+    if len(actions["events"]) > _EVENTS_SHOWN:
+        lines.append("  and %d more (tb-numerics report --json lists them all)" % (len(actions["events"]) - _EVENTS_SHOWN))
+    return lines
+
+
+# How many action events the text report lists.
+_EVENTS_SHOWN = 5
+
+
 def _input_name(i: dict) -> str:
     """" (mlp/dense_2/Relu, 64x64)": the op that made an input and its shape, where known."""
     shape = i.get("shape")
@@ -104,6 +133,7 @@ def table(summaries: list[dict]) -> str:
             lines.append("  first anomaly: " + _none_text(s))
         else:
             lines.extend("  " + line for line in anomaly_lines(a))
+        lines.extend("  " + line for line in action_lines(s.get("actions")))
         w = s["first_warning"]
         if w is None:
             lines.append("  first warning: none")

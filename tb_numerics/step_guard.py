@@ -30,35 +30,62 @@ as it would. Where it is not, the rare branch looks closer:
 Under the guard, gradient tags say whether the optimizer squares them
 (``TensorInfo.squared_by``), for the square-overflow warning. Under a
 ``LossScaleOptimizer`` the update is not gated (it skips non-finite steps
-and lowers its scale itself). The guard acts on the first non-finite step
-once; later steps are gated only.
+and lowers its scale itself). The guard replays the first non-finite step;
+later ones are gated, and replayed where an ``on_anomaly`` policy acts on
+them (three replays in all).
+
+A step that applies several optimizers (a GAN's discriminator and
+generator) names them all, ``tbn.guard(d_optimizer, g_optimizer)``: an
+update held back holds back the updates after it in the step too, so that
+the replay runs on the weights the step used.
+
+``on_anomaly`` (``tb_numerics.survive``): ``"skip"`` goes on after a held
+step (up to ``max_skips`` in a row), ``"rewind"`` puts back a snapshot of
+the variables the optimizers write, their slots and step counters and
+``variables=`` (e.g. ``model.non_trainable_variables`` for BatchNorm's
+statistics), taken every ``snapshot_every`` applied steps, and ``"stop"``
+raises ``survive.TrainingStopped``, whose message says why. Each action is
+an event written to the default writer at the step's ``tf.summary`` step.
+The spike trigger watches each optimizer's global gradient norm (the guard
+does not see the loss).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import tensorflow as tf
 
-from tb_numerics import _tf_internal, metadata, oplevel, records, stats, summary, update_check
+from tb_numerics import (
+    _survive_tf, _tf_internal, metadata, oplevel, records, rules, stats, summary, survive, update_check,
+)
 
 __all__ = ["StepGuard", "guard"]
 
-_HELD, _OVERFLOWED = 0, 1  # slots of the guard's counters
+_HELD, _OVERFLOWED, _SPIKED = 0, 1, 2  # slots of the guard's counters
+_MAX_REPLAYS = 3  # replays at op level a guard runs in all (the first held step's, then its policy's events')
 
 
-def guard(optimizer: Any, *, replay: bool = True) -> Callable[[Callable[..., Any]], "StepGuard"]:
-    """Decorates a training step that applies ``optimizer``'s update (see the module).
+def guard(*optimizers: Any, replay: bool = True, on_anomaly: "str | survive.OnAnomaly | None" = None,
+          variables: Sequence[Any] = ()) -> Callable[[Callable[..., Any]], "StepGuard"]:
+    """Decorates a training step that applies the optimizers' updates (see the module).
 
     Args:
-      optimizer: the Keras optimizer the step calls ``apply_gradients`` or ``apply`` of.
+      optimizers: the Keras optimizers the step calls ``apply_gradients`` or ``apply`` of.
       replay: replay the first step whose update was held back at op level.
+      on_anomaly: ``"skip"``, ``"rewind"``, ``"stop"`` or a ``tb_numerics.OnAnomaly``;
+        None: hold a bad step's update back and go on.
+      variables: more variables a rewind puts back (the optimizers' own and
+        the ones they update always are), e.g. ``model.non_trainable_variables``.
     """
-    return lambda fn: StepGuard(fn, optimizer, replay=replay)
+    if not optimizers:
+        raise ValueError("tbn.guard needs the optimizer(s) the step applies")
+    return lambda fn: StepGuard(fn, optimizers, replay=replay, on_anomaly=on_anomaly, variables=variables)
 
 
 def _sq_sum(g: Any) -> tf.Tensor:
@@ -73,61 +100,61 @@ def _current_step() -> int | None:
 
 
 class StepGuard:
-    """A training step with its update gated and its first bad step escalated."""
+    """A training step with its updates gated and its first bad step escalated."""
 
-    def __init__(self, fn: Callable[..., Any], optimizer: Any, *, replay: bool = True):
+    def __init__(self, fn: Callable[..., Any], optimizers: Sequence[Any], *, replay: bool = True,
+                 on_anomaly: "str | survive.OnAnomaly | None" = None, variables: Sequence[Any] = ()):
         functools.update_wrapper(self, fn)
         self._fn = fn
-        self._opt = optimizer
+        self._opts = list(optimizers)
         self._replay = replay
-        self._squared_by = update_check.squares_gradients(optimizer)
-        self._gates = not hasattr(optimizer, "inner_optimizer")  # a LossScaleOptimizer gates itself
-        # Steps held back, steps applied with an overflowing square (see _HELD).
-        self._counts = _tf_internal.untracked_variable(np.zeros(2, np.int64), "tb_numerics_guard")
-        self._seen = np.zeros(2, np.int64)
-        self._variables: list[Any] = []  # what the step's update writes
+        self._squared_by = next(filter(None, map(update_check.squares_gradients, self._opts)), "")
+        # Steps held back, steps applied with an overflowing square, steps a spike held back (see _HELD).
+        self._counts = _tf_internal.untracked_variable(np.zeros(3, np.int64), "tb_numerics_guard")
+        self._seen = np.zeros(3, np.int64)
+        self._written: list[list[Any]] = [[] for _ in self._opts]  # what each optimizer's update writes
+        self._applied: Any = None  # within a step: whether every update so far ran (a bool tensor)
         self._prev_step: int | None = None
+        self._replays = 0
+        policy = survive.OnAnomaly.of(on_anomaly)
+        self._policy = _GuardPolicy(policy, self._opts, variables) if policy is not None else None
+        self._windows = ([_survive_tf.SpikeWindow(dataclasses.replace(policy.spike, loss=False, grad_norm=True))
+                          for _ in self._opts] if policy is not None and policy.spike is not None else [])
+        self._spike = _tf_internal.untracked_variable(np.zeros(3), "tb_numerics_guard_spike")  # norm, mean, std
         # What the guard found at the first bad step (``first_anomaly.replay``'s JSON, or
         # the update that made the state non-finite); None until then.
         self.verdict: dict[str, Any] | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         step = _current_step()
-        with self._apply_as(self._gated), summary.gradients_squared_by(self._squared_by):
+        self._applied = None
+        with contextlib.ExitStack() as stack:
+            for i, opt in enumerate(self._opts):
+                stack.enter_context(_apply_as(opt, functools.partial(self._gated, i)))
+            stack.enter_context(summary.gradients_squared_by(self._squared_by))
             out = self._fn(*args, **kwargs)
         counts = self._counts.numpy()
         new, self._seen = counts - self._seen, counts
-        if self.verdict is None and step is not None and new.any():
+        if self.verdict is None and step is not None and (new[_HELD] or new[_OVERFLOWED]):
             self._escalate(step, bool(new[_HELD]), args, kwargs)
+        if self._policy is not None:
+            self._survive(step, new, args, kwargs)
         self._prev_step = step
         return out
 
-    @contextlib.contextmanager
-    def _apply_as(self, make: Callable[[Any], Any]):
-        """The optimizer's ``apply`` replaced by ``make(apply)`` on the instance, inside."""
-        opt = self._opt
-        had, old = "apply" in vars(opt), vars(opt).get("apply")
-        opt.apply = make(type(opt).apply.__get__(opt) if not had else old)
-        try:
-            yield
-        finally:
-            if had:
-                opt.apply = old
-            else:
-                del opt.apply
-
-    def _gated(self, apply: Callable[..., Any]) -> Callable[..., Any]:
-        if not self._gates:
+    def _gated(self, i: int, apply: Callable[..., Any]) -> Callable[..., Any]:
+        opt = self._opts[i]
+        if hasattr(opt, "inner_optimizer"):  # a LossScaleOptimizer gates itself
             return apply
 
         @tf.autograph.experimental.do_not_convert  # explicit conds: nothing for autograph to convert
         def gated(grads, trainable_variables=None):
             grads = list(grads)
             variables = list(trainable_variables if trainable_variables is not None
-                             else self._opt._trainable_variables)  # noqa: SLF001 - Keras' own default
-            self._variables = [v for g, v in zip(grads, variables) if g is not None]
-            if not getattr(self._opt, "built", True):  # its slots, not inside the branch below
-                self._opt.build(variables)
+                             else opt._trainable_variables)  # noqa: SLF001 - Keras' own default
+            self._written[i] = [v for g, v in zip(grads, variables) if g is not None]
+            if not getattr(opt, "built", True):  # its slots, not inside the branch below
+                opt.build(variables)
             present = [g for g in grads if g is not None]
             total = tf.add_n([_sq_sum(g) for g in present]) if present else tf.constant(0.0, tf.float64)
 
@@ -136,18 +163,32 @@ class StepGuard:
                 return tf.where(finite, tf.constant(1 + _OVERFLOWED, tf.int64), tf.constant(1 + _HELD, tf.int64))
 
             code = tf.cond(stats.sums_finite([total]), lambda: tf.constant(0, tf.int64), closer)
+            if self._windows:
+                code = self._spiked(self._windows[i], code, total)
+            run = tf.not_equal(code, 1 + _HELD) & tf.not_equal(code, 1 + _SPIKED)
+            if _reachable(self._applied):  # an update before it in the step was held back
+                run = run & self._applied
 
             def update() -> tf.Tensor:
                 apply(grads, trainable_variables)
                 return tf.constant(True)
 
-            tf.cond(tf.not_equal(code, 1 + _HELD), update, lambda: tf.constant(False))
+            self._applied = tf.cond(run, update, lambda: tf.constant(False))
             tf.cond(code > 0, lambda: self._count(code - 1), lambda: tf.constant(False))
 
         return gated
 
+    def _spiked(self, window: _survive_tf.SpikeWindow, code: tf.Tensor, total: tf.Tensor) -> tf.Tensor:
+        """``code``, or the spike's where the gradient norm is a spike."""
+        norm = tf.sqrt(tf.cast(total, tf.float64))
+        fired, mean, std = window.check(tf.constant(np.nan, tf.float64), norm)
+        spiked = tf.equal(code, 0) & (fired > 0)
+        self._spike.assign(tf.where(spiked, tf.stack([norm, mean, std]), self._spike.read_value()))
+        window.push(tf.constant(np.nan, tf.float64), norm)
+        return tf.where(spiked, tf.constant(1 + _SPIKED, tf.int64), code)
+
     def _count(self, slot: tf.Tensor) -> tf.Tensor:
-        self._counts.assign_add(tf.one_hot(slot, 2, dtype=tf.int64))
+        self._counts.assign_add(tf.one_hot(slot, 3, dtype=tf.int64))
         return tf.constant(True)
 
     def _escalate(self, step: int, held: bool, args: tuple, kwargs: dict) -> None:
@@ -155,7 +196,10 @@ class StepGuard:
         update made non-finite, written at the step that made it; else the
         op-level replay of a held-back step."""
         at = step if not held else self._prev_step
-        found = update_check.nonfinite_state(self._opt, self._variables, at) if at is not None else []
+        found = []
+        if at is not None:
+            for opt, written in zip(self._opts, self._written):
+                found += update_check.nonfinite_state(opt, written, at)
         if found:
             _write(found, at)
             self.verdict = {"step": step, "update_of_step": at, "tensors": [tag for tag, _, _ in found]}
@@ -164,20 +208,133 @@ class StepGuard:
 
     def _replayed(self, step: int, args: tuple, kwargs: dict) -> dict[str, Any]:
         """Runs the step again at op level (see the module) and writes the verdict."""
+        self._replays += 1
         verdict: dict[str, Any] = {"step": step}
         try:
-            with self._apply_as(lambda apply: lambda *a, **k: None), _tf_internal.variable_writes_undone():
+            with contextlib.ExitStack() as stack:
+                for opt in self._opts:
+                    stack.enter_context(_apply_as(opt, lambda apply: lambda *a, **k: None))
+                stack.enter_context(_tf_internal.variable_writes_undone())
                 found = oplevel.replay_step(_unrecorded(self._fn), *args, step=step, **kwargs)
         except Exception as e:  # noqa: BLE001 - a replay must never stop training
             found, verdict["why"] = None, "the replay raised %s: %s" % (type(e).__name__, e)
         if found is None:
-            verdict.update(reproduced=False, why=verdict.get("why", "every op output was finite when the step "
-                                                             "ran again eagerly: a random op drew other values"))
+            transient = "why" not in verdict
+            verdict.update(reproduced=False, why=verdict.get("why", "every op output was finite when the step ran "
+                           "again eagerly on the same weights and batch: the fault is not reproducible "
+                           "(non-determinism: a random op drew other values; or a hardware fault)"))
+            if transient:
+                verdict["reproducible"] = False
         else:
-            verdict.update(reproduced=True, op=found.to_json())
+            verdict.update(reproduced=True, reproducible=True, op=found.to_json())
         info = metadata.TensorInfo(role="other", op_type="Replay", description=json.dumps(verdict, default=str))
         _write([(metadata.REPLAY_TAG, records.numpy_stats(np.zeros(0, np.float32)), info)], step)
         return verdict
+
+    def _survive(self, step: int | None, new: np.ndarray, args: tuple, kwargs: dict) -> None:
+        """The policy's part after a call: nothing on a healthy step (but a
+        snapshot every ``snapshot_every``), else an action and its event."""
+        if not (new[_HELD] or new[_SPIKED]):
+            self._policy.applied(self._written)
+            return
+        event: dict[str, Any] = {"trigger": "grad_norm_spike" if not new[_HELD] else "nonfinite"}
+        if new[_HELD]:
+            event.update(tensor="gradients", detail="the gradients held a NaN or an Inf (the update was held back)")
+            verdict = self.verdict if self.verdict is not None and self.verdict.get("step") == step else None
+            if verdict is None and self._replay and self._replays < _MAX_REPLAYS and step is not None:
+                verdict = self._replayed(step, args, kwargs)
+            if verdict is not None and "reproduced" in verdict:
+                event["replay"] = {k: verdict[k] for k in ("reproduced", "reproducible", "why") if k in verdict}
+                if isinstance(verdict.get("op"), dict):
+                    event["op"] = {k: verdict["op"].get(k) for k in ("name", "type", "source", "phase")}
+        else:
+            norm, mean, std = self._spike.numpy()
+            event.update(tensor="gradients/global_norm", value=float(norm), detail=(
+                "global gradient norm %s is more than %s σ above the mean %s (σ %s) of the recent steps" % (
+                    rules.number(norm), rules.number(self._policy.policy.spike.z), rules.number(mean),
+                    rules.number(std))))
+        self._policy.act(step, event)
+
+
+class _GuardPolicy:
+    """The guard's ``on_anomaly`` policy on the host: decisions, snapshots, events."""
+
+    def __init__(self, policy: survive.OnAnomaly, optimizers: list, variables: Sequence[Any]):
+        if policy.checkpoint is not None:
+            raise ValueError("tbn.guard rewinds to a snapshot on the device; OnAnomaly.checkpoint is for the callback")
+        self.policy = policy
+        self._survival = survive.Survival(policy)
+        self._opts, self._extra = optimizers, list(variables)
+        self._snapshot: _survive_tf.StateSnapshot | None = None
+        self._applied = 0
+        self._lrs = ([_survive_tf.LearningRate(o, setattr) for o in optimizers]
+                     if policy.lr_factor is not None and policy.may_rewind else [])
+
+    def applied(self, written: list[list[Any]]) -> None:
+        """After a step whose updates ran: the run of anomalies ends; the
+        first snapshot, and one every ``snapshot_every`` such steps."""
+        self._survival.healthy()
+        if not self.policy.may_rewind:
+            return
+        if self._snapshot is None:
+            state = [v for vs in written for v in vs] + _survive_tf.optimizer_state(self._opts) + self._extra
+            self._snapshot = _survive_tf.StateSnapshot(state)
+        if self._applied % self.policy.snapshot_every == 0:
+            self._snapshot.take(self._applied)
+        self._applied += 1
+
+    def act(self, step: int | None, event: dict[str, Any]) -> None:
+        """Decides and acts on a held step, and writes its event; raises
+        ``survive.TrainingStopped`` where training stops."""
+        action, why = self._survival.decide()
+        if action == "rewind":
+            to = self._snapshot.restore() if self._snapshot is not None else None
+            if to is None:
+                action, why = "stop", "no state to rewind to (no finite snapshot yet)"
+            else:
+                event["to_applied_step"] = to
+                if self._lrs:
+                    lr = [r.scale(self.policy.lr_factor) for r in self._lrs][0]
+                    event.update(lr_factor=self.policy.lr_factor, lr=lr)
+        event.update(action=action, epoch=None, batch=None)
+        if why or action == "stop":
+            event["reason"] = why or "on_anomaly is stop"
+        if step is not None:
+            _write_action(step, event)
+        if action == "stop":
+            words = survive.summarize([dict(event, step=step if step is not None else -1)])["words"]
+            raise survive.TrainingStopped("tb-numerics: %s (%s)" % (words, event.get("detail", "")), event)
+
+
+def _reachable(t: Any) -> bool:
+    """Whether ``t`` (an earlier update's verdict in this step) can be used
+    here: eagerly an eager tensor; in a trace, a tensor of this graph or of
+    one it is nested in (not of an earlier trace: ``tf.function`` traces a
+    step again after its first trace created the optimizers' variables)."""
+    if t is None:
+        return False
+    if tf.executing_eagerly():
+        return not tf.is_symbolic_tensor(t)
+    graph = tf.compat.v1.get_default_graph()
+    while graph is not None:
+        if getattr(t, "graph", None) is graph:
+            return True
+        graph = getattr(graph, "outer_graph", None)
+    return False
+
+
+@contextlib.contextmanager
+def _apply_as(opt: Any, make: Callable[[Any], Any]):
+    """The optimizer's ``apply`` replaced by ``make(apply)`` on the instance, inside."""
+    had, old = "apply" in vars(opt), vars(opt).get("apply")
+    opt.apply = make(type(opt).apply.__get__(opt) if not had else old)
+    try:
+        yield
+    finally:
+        if had:
+            opt.apply = old
+        else:
+            del opt.apply
 
 
 def _unrecorded(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -199,3 +356,14 @@ def _write(recs: list[update_check.Record], step: int) -> None:
     writer = _tf_internal.default_summary_writer()  # the writer the step's records went to
     if writer is not None:
         writer.flush()
+
+
+def _write_action(step: int, event: dict[str, Any]) -> None:
+    """Writes an action event (``survive``) to the default writer at ``step``, on disk at once."""
+    writer = _tf_internal.default_summary_writer()
+    if writer is None:
+        return
+    with tf.init_scope():
+        tf.summary.write(metadata.ACTIONS_TAG, tf.constant(survive.encode_event(event)), step=step,
+                         metadata=metadata.create_action_metadata().SerializeToString())
+    writer.flush()

@@ -19,6 +19,9 @@ CHROMIUM_ARGS = [
     "--disable-sync",
 ]
 
+# The Numerics tab's page, as TensorBoard serves a plugin's iframe.
+ENTRY = "/data/plugin_entry.html?name=numerics"
+
 
 def launch(playwright):
     """A headless Chromium browser from Debian's package."""

@@ -59,6 +59,9 @@ ALLOWED = {
     "backends/torch_stats.py:_settle_first": "whether the quick path's sums, min and max are exact (finite); "
                                              "a tensor whose are not is counted exactly, by _exact",
     "_keras_batch.py:bad_features": "per feature and per example of the kept batch, which a record (whole-tensor counts) cannot say",
+    "_survive_tf.py:SpikeWindow": "the spike trigger's per-step losses and norms: a non-finite one is left out of the "
+                                  "window's mean (OLMo-core's rule) and is another trigger's, not a record's counts",
+    "_survive_tf.py:_mean_std": "the spike window's mean over its finite entries, not a record's counts",
 }
 
 

@@ -135,14 +135,15 @@ def tb(logdir) -> TB:
 def test_fix_flags_keeps_every_numerics_record_where_the_plugin_reads_through_tensorboard():
     loader = plugin.NumericsLoader()
     tb = program.TensorBoard(plugins=[core_plugin.CorePluginLoader(), loader])
+    # The action events (a plugin of their own) are kept whole in every case.
     tb.configure(argv=["", "--logdir", "x"])  # a local logdir: the plugin reads its files
-    assert tb.flags.samples_per_plugin == {"numerics": 1}
+    assert tb.flags.samples_per_plugin == {"numerics": 1, "numerics_actions": 0}
     tb.configure(argv=["", "--logdir", "gs://bucket/x"])
-    assert tb.flags.samples_per_plugin == {"numerics": 0}
+    assert tb.flags.samples_per_plugin == {"numerics": 0, "numerics_actions": 0}
     tb.configure(argv=["", "--logdir_spec", "a:x,b:y"])
-    assert tb.flags.samples_per_plugin == {"numerics": 0}
+    assert tb.flags.samples_per_plugin == {"numerics": 0, "numerics_actions": 0}
     tb.configure(argv=["", "--logdir", "x", "--samples_per_plugin", "numerics=5,images=3"])
-    assert tb.flags.samples_per_plugin == {"numerics": 5, "images": 3}
+    assert tb.flags.samples_per_plugin == {"numerics": 5, "images": 3, "numerics_actions": 0}
 
 
 def test_no_record_lost_to_sampling(tb):
@@ -156,7 +157,7 @@ def test_no_record_lost_to_sampling(tb):
 
 def test_a_user_sampling_setting_limits_tensorboard_not_the_plugin_of_a_local_logdir(logdir):
     sampled = TB(logdir, "--samples_per_plugin", "numerics=10")
-    assert sampled.flags.samples_per_plugin == {"numerics": 10}
+    assert sampled.flags.samples_per_plugin == {"numerics": 10, "numerics_actions": 0}
     s = sampled.ok(P + "/summary", run="bad")
     assert s["records"] == 3 * STEPS and s["problems"] == []  # read from the files
 

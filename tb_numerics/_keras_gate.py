@@ -1,0 +1,173 @@
+"""The Keras callback's gated update: the optimizer's update held back at a step that went bad.
+
+Inside the training step, around each optimizer update the step applies
+(``StepProgram.recorded_apply`` for the model's optimizer, and every other
+optimizer the model holds, as a GAN's second one), ``UpdateGate`` decides
+whether the update runs: not where the step's loss or a gradient holds a
+NaN or an Inf when a replay or an ``on_anomaly`` policy may need the
+weights that step used, not where the spike trigger fired, and not after
+an update of the same step that was held back, so that a step is held back
+whole. It also computes, from the step's records, the values an
+``on_anomaly`` policy acts on: the loss, the global gradient norm and the
+trigger (``_survive_tf.TRIGGER_CODES``).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import numpy as np
+import tensorflow as tf
+
+from tb_numerics import _survive_tf, _tf_internal, analysis, stats
+from tb_numerics._keras_plan import RowPlan
+from tb_numerics.records import F
+from tb_numerics.survive import Spike
+
+__all__ = ["UpdateGate"]
+
+
+class UpdateGate:
+    """The gated updates of a training step.
+
+    Args:
+      plan: the step's rows.
+      safe_range: the user's allowlist of -Inf.
+      lso: whether the model's optimizer is a LossScaleOptimizer (which
+        skips a non-finite step itself).
+      spike: the spike trigger, or None.
+      gates: whether updates are gated at all (a replay or a policy).
+      listed: whether the host may hold a batch's update back (``listed``).
+
+    Attributes:
+      held_vars: the variables the gated updates hold back at a bad step.
+      spike: the spike trigger's window (``_survive_tf.SpikeWindow``), or None.
+    """
+
+    def __init__(self, plan: RowPlan, safe_range: analysis.SafeRange, *, lso: bool, spike: Spike | None, gates: bool,
+                 listed: bool = False):
+        self._plan, self._safe_range, self.lso, self.gates = plan, safe_range, lso, gates
+        self.spike = _survive_tf.SpikeWindow(spike) if spike is not None and gates else None
+        # Set by the host before a batch the user listed to skip (``skip_batches``).
+        self.listed = _tf_internal.untracked_variable(np.bool_(False), "tb_numerics_listed") if listed else None
+        self.held_vars: list = []
+
+    def trigger(self, head: tf.Tensor) -> dict[str, tf.Tensor]:
+        """The step's loss, global gradient norm and trigger (``_survive_tf.
+        TRIGGER_CODES``) from its records (all replicas' together): a
+        non-finite loss, else non-finite gradients, else a spike."""
+        plan, codes = self._plan, _survive_tf.TRIGGER_CODES
+        loss_row = head[plan.loss_row]
+        loss = tf.where(loss_row[F["count"]] > 0, loss_row[F["sum"]] / tf.maximum(loss_row[F["count"]], 1.0),
+                        tf.constant(np.nan, tf.float64))
+        grad_rows = sorted(plan.grad_rows.values())
+        grad_norm = (tf.sqrt(tf.reduce_sum(tf.gather(head[:, F["sum_sq"]], grad_rows))) if grad_rows
+                     else tf.constant(np.nan, tf.float64))
+        bad = stats.nonfinite_count(head, plan.neginf_ok(self._safe_range)[: plan.weight_row0]) > 0
+        code, mean, std = (self.spike.check(loss, grad_norm) if self.spike is not None else
+                           (tf.constant(0, tf.int64), tf.constant(0.0, tf.float64), tf.constant(0.0, tf.float64)))
+        grads_bad = tf.reduce_any(tf.gather(bad, grad_rows)) if grad_rows else tf.constant(False)
+        code = tf.where(grads_bad, tf.constant(codes["nonfinite_gradients"], tf.int64), code)
+        code = tf.where(bad[plan.loss_row], tf.constant(codes["nonfinite"], tf.int64), code)
+        return {"trigger": code, "loss_value": loss, "grad_norm": grad_norm, "spike_mean": mean, "spike_std": std}
+
+    def gated_apply(self, apply: Callable[..., Any], grads: list, variables: list, trace: Any, ctx: Any,
+                    trigger: tf.Tensor) -> Any:
+        """The optimizer's update, not applied where the loss or a gradient
+        holds a NaN or an Inf when a replay or a policy may need the weights
+        that step used, where a spike trigger fired (``trigger``), or where
+        an update before it in the step was held back.
+
+        The decision rests on each gradient's plain sum, which its statistics
+        compute first anyway, so a healthy update waits for no other
+        statistic; only where a sum is not finite (a NaN or an Inf, or finite
+        values whose sum overflowed) are the gradients' elements counted
+        (``stats.all_finite``). A LossScaleOptimizer skips such steps itself.
+        Under several replicas the update merges across them, which cannot
+        sit in a branch taken in a replica: the branch is taken in the
+        cross-replica context (``_apply_if_all_finite``), under the
+        strategies a replay supports (MirroredStrategy).
+        """
+        if not self.gates or (self.lso and self.spike is None and self.listed is None and trace.applied_so_far is None):
+            return apply(grads, variables)
+        self._hold(variables, grads)
+        ok = tf.constant(True) if self.lso else self._finite(grads, variables, trace)
+        if self.listed is not None:
+            ok = tf.logical_and(ok, tf.logical_not(self.listed.read_value()))
+        if self.spike is not None:
+            codes = _survive_tf.TRIGGER_CODES
+            spiked = (trigger == codes["loss_spike"]) | (trigger == codes["grad_norm_spike"])
+            ok = tf.logical_and(ok, tf.logical_not(spiked))
+        return self._apply_if(ok, apply, grads, variables, trace, ctx)
+
+    def gated_other_apply(self, apply: Callable[..., Any], grads: list, variables: list, trace: Any) -> Any:
+        """The update of another optimizer the step applies (a GAN's second
+        one), held back with the step: where its gradients are not finite, or
+        an update before it in the step was held back; and where it is held
+        back, the model's optimizer's update after it too."""
+        if not self.gates or trace is None:
+            return apply(grads, variables)
+        self._hold(variables, grads)
+        present = [g for g in grads if g is not None]
+        ok = stats.all_finite(present) if present else tf.constant(True)
+        self._apply_if(ok, apply, grads, variables, trace, stats.replica_context())
+        return None
+
+    def _hold(self, variables: list, grads: list) -> None:
+        known = {id(v) for v in self.held_vars}
+        self.held_vars += [v for g, v in zip(grads, variables) if g is not None and id(v) not in known]
+
+    def _finite(self, grads: list, variables: list, trace: Any) -> tf.Tensor:
+        """Whether the step's loss and gradients are all finite."""
+        index = {id(v): j for j, v in enumerate(self._plan.variables)}
+        tensors, sums = [], []
+        for g, v in zip(grads, variables):
+            if g is None:
+                continue
+            values = g.values if isinstance(g, tf.IndexedSlices) else g
+            total = trace.grad_sums.get(index.get(id(v), -1))
+            tensors.append(values)
+            sums.append(tf.reduce_sum(values) if total is None else total)
+        if trace.loss is not None:
+            tensors.append(trace.loss)
+            sums.append(tf.reduce_sum(tf.cast(trace.loss, tf.float32)))
+        return stats.all_finite(tensors, sums)
+
+    def _apply_if(self, ok: tf.Tensor, apply: Callable[..., Any], grads: list, variables: list, trace: Any,
+                  ctx: Any) -> tf.Tensor:
+        """Runs the update where ``ok`` and every update of the step before it
+        ran; whether it ran (also kept in ``trace.applied_so_far``)."""
+        if trace.applied_so_far is not None:
+            ok = tf.logical_and(ok, trace.applied_so_far)
+        if ctx is not None:
+            applied = ctx.merge_call(functools.partial(_apply_if_all_finite, apply=apply, variables=variables),
+                                     args=(ok, grads))
+        else:
+
+            def update() -> tf.Tensor:
+                apply(grads, variables)
+                return tf.constant(True)
+
+            applied = tf.cond(ok, update, lambda: tf.constant(False))
+        trace.applied_so_far = applied
+        return applied
+
+
+def _apply_if_all_finite(strategy: Any, finite: Any, grads: Any, *, apply: Callable[..., Any],
+                         variables: list) -> tf.Tensor:
+    """Under several replicas, in the cross-replica context: runs the
+    optimizer's update on every replica where every replica's loss and
+    gradients are finite (``finite``: each replica's verdict); whether it ran.
+
+    Keras' own LossScaleOptimizer holds back an update under a strategy the
+    same way: a cond around an update that merges across replicas must be
+    taken outside them, and its branch enters the replicas again.
+    """
+    every = tf.reduce_all(tf.stack(strategy.experimental_local_results(finite)))
+
+    def update() -> tf.Tensor:
+        strategy.extended.call_for_each_replica(apply, args=(grads, variables))
+        return tf.constant(True)
+
+    return tf.cond(every, update, lambda: tf.constant(False))
