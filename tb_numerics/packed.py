@@ -477,7 +477,32 @@ def decode_tag(
             for p in parts:
                 p.written = span
         return parts
-    return [records.make_series(tag, info, steps, _record_rows(arrays), problems)]
+    return _trainings(tag, info, steps, arrays, problems, wall_times)
+
+
+def _trainings(
+    tag: str,
+    info: metadata.TensorInfo,
+    steps: np.ndarray,
+    arrays: Sequence[np.ndarray],
+    problems: list[str],
+    wall_times: Sequence[float] | np.ndarray | None,
+) -> list[records.TensorSeries]:
+    """A per-tensor tag's series: one per run of rising (or equal) steps
+    where its steps go back and each event's wall time is known (a later
+    training, or a second writer, wrote the tag again), each with its span
+    (``written``), so that ``merge`` tells a restart from two writers at
+    once as it does for blocks; else one series."""
+    walls = None if wall_times is None else np.asarray(wall_times, dtype=np.float64).reshape(-1)
+    cuts = np.flatnonzero(np.diff(steps) < 0) + 1
+    if walls is None or len(walls) != len(steps) or not cuts.size:
+        return [records.make_series(tag, info, steps, _record_rows(arrays), problems)]
+    out = []
+    for idx in np.split(np.arange(len(steps)), cuts):
+        part = records.make_series(tag, info, steps[idx], _record_rows([arrays[i] for i in idx]), problems)
+        part.written = (float(walls[idx].min()), float(walls[idx].max()))
+        out.append(part)
+    return out
 
 
 def _record_rows(arrays: Sequence[np.ndarray]) -> np.ndarray | list[np.ndarray]:

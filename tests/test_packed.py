@@ -231,6 +231,37 @@ def test_steps_a_later_writer_wrote_again_are_named_as_a_restart():
         assert restarts == []
 
 
+def _per_tensor_trainings(run_dir: str, spans: list[tuple[range, float]]) -> None:
+    """Each (steps, start wall time) a training writing "loss" one record an event, into its own file."""
+    for k, (steps, start) in enumerate(spans):
+        with NumericsRecordWriter(run_dir) as w:
+            for i, step in enumerate(steps):
+                w.write("loss", step, numpy_stats(np.float32([1.0 + k])), ACT, wall_time=start + i)
+        # Named for its start, as a writer starting later names its file (two
+        # files made in one second by one process sort in any order).
+        rest = os.path.basename(w.path).split(".", 4)[4]
+        os.rename(w.path, os.path.join(run_dir, "events.out.tfevents.%010d.%s" % (1_700_000_000 + k, rest)))
+
+
+@pytest.mark.parametrize("second_start, restarted", [(1000.0, True), (5.0, False)])
+def test_per_tensor_records_a_later_training_wrote_again_are_a_restart(tmp_path, second_start, restarted):
+    """Issue 30 item 8, for records written one an event (``NumericsRecordWriter.write``):
+    a second training that starts after the first ended replaces the steps it
+    wrote again, and the run says so; two writers at once keep both and are named."""
+    run = str(tmp_path / "run")
+    _per_tensor_trainings(run, [(range(0, 20), 0.0), (range(10, 30), second_start)])
+    rr = event_reader.read_run("run", event_reader.find_runs(str(tmp_path))["run"])
+    (s,) = [s for s in rr.series if s.tag == "loss"]
+    mx = s.values[:, metadata.FIELD_INDEX["max"]]
+    if restarted:
+        assert s.steps.tolist() == list(range(30))
+        assert mx[:10].tolist() == [1.0] * 10 and mx[10:].tolist() == [2.0] * 20
+        assert rr.restarts == [{"first_step": 10, "last_step": 19, "tensors": 1}]
+    else:
+        assert len(s.steps) == 40 and rr.restarts == []
+        assert any("loss" in p and "at once" in p for p in rr.problems), rr.problems
+
+
 def test_a_tag_logged_twice_in_one_step_keeps_both_occurrences():
     packer = packed.StepPacker()
     packer.add(3, [("a", numpy_stats(np.float32([1.0])), ACT), ("a", numpy_stats(np.float32([9.0])), ACT)], 0.0)
