@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from typing import Iterator
 
 import pytest
 
@@ -26,6 +28,17 @@ ENTRY = "/data/plugin_entry.html?name=numerics"
 def launch(playwright):
     """A headless Chromium browser from Debian's package."""
     return playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+
+
+@contextlib.contextmanager
+def browser() -> Iterator:
+    """A headless Chromium browser (``launch``) for a module's tests, closed after them."""
+    from playwright import sync_api
+
+    with sync_api.sync_playwright() as p:
+        b = launch(p)
+        yield b
+        b.close()
 
 
 def require() -> None:

@@ -64,3 +64,12 @@ def served_logdir(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempP
     root.mkdir()
     with tb_process.tensorboard(str(root), load_fast=request.param) as tb:
         yield tb, root
+
+
+@pytest.fixture(scope="module")
+def browser():
+    """One headless Chromium (Debian's, ``chromium.browser``) for all of a module's browser tests."""
+    import chromium
+
+    with chromium.browser() as b:
+        yield b

@@ -42,6 +42,10 @@ class TensorBoardProcess:
             raise AssertionError("GET %s -> %d %s" % (path, status, body[:500]))
         return json.loads(body)
 
+    def wait_for_runs(self, n: int, timeout: float = 60) -> None:
+        """Waits until the Numerics plugin lists ``n`` runs (TensorBoard loads a logdir in the background)."""
+        wait_for(lambda: len(self.get_json("/data/plugin/numerics/runs")["runs"]) == n, timeout=timeout)
+
     @property
     def log(self) -> str:
         with open(self.log_path, encoding="utf-8", errors="replace") as f:

@@ -23,6 +23,8 @@ from tb_numerics import metadata
 from tb_numerics.record_writer import NumericsRecordWriter
 from tb_numerics.records import F, numpy_stats
 
+import tiny_disk
+
 pytestmark = pytest.mark.e2e
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -247,18 +249,11 @@ _TF_WRITERS = textwrap.dedent("""
 def tf_writers(tmp_path_factory):
     """(Keras logdir, full logdir or None, the process' stdout and stderr)."""
     root = tmp_path_factory.mktemp("tf_writers")
-    tiny = root / "tiny"
-    tiny.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(tiny)],
-                             capture_output=True).returncode == 0
-    args = [str(root / "keras")] + ([str(tiny / "run")] if mounted else [])
-    try:
+    with tiny_disk.tiny_tmpfs(root) as (tiny, mounted):
+        args = [str(root / "keras")] + ([str(tiny / "run")] if mounted else [])
         p = subprocess.run([sys.executable, "-c", _TF_WRITERS, *args], capture_output=True, text=True, env=ENV,
                            timeout=180)
         yield root / "keras", (tiny / "run") if mounted else None, p
-    finally:
-        if mounted:
-            subprocess.run(["umount", str(tiny)], check=True)
 
 
 def test_keras_scalar_summaries_going_nan_fail_the_gate(tf_writers):

@@ -41,7 +41,7 @@ def tb(tmp_path_factory):
     logdir = data.write(str(tmp_path_factory.mktemp("dash") / "logs"))
     with tb_process.tensorboard(logdir) as proc:
         # TensorBoard reads the logdir in the background: wait until the plugin sees both runs.
-        tb_process.wait_for(lambda: len(proc.get_json("/data/plugin/numerics/runs")["runs"]) == 2, timeout=60)
+        proc.wait_for_runs(2)
         yield proc
 
 
@@ -50,16 +50,8 @@ def tb_more(tmp_path_factory):
     """TensorBoard on dashboard_logdir.write_more's runs (masked, ops, repeated)."""
     logdir = data.write_more(str(tmp_path_factory.mktemp("dash_more") / "logs"))
     with tb_process.tensorboard(logdir) as proc:
-        tb_process.wait_for(lambda: len(proc.get_json("/data/plugin/numerics/runs")["runs"]) == 3, timeout=60)
+        proc.wait_for_runs(3)
         yield proc
-
-
-@pytest.fixture(scope="module")
-def browser():
-    with playwright_api.sync_playwright() as p:
-        b = chromium.launch(p)
-        yield b
-        b.close()
 
 
 class Page:

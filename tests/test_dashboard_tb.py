@@ -41,16 +41,8 @@ def logdir(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tb(logdir):
     with tb_process.tensorboard(logdir, reload_interval=1) as proc:
-        tb_process.wait_for(lambda: len(proc.get_json("/data/plugin/numerics/runs")["runs"]) == 4, timeout=60)
+        proc.wait_for_runs(4)
         yield proc
-
-
-@pytest.fixture(scope="module")
-def browser():
-    with playwright_api.sync_playwright() as p:
-        b = chromium.launch(p)
-        yield b
-        b.close()
 
 
 @pytest.fixture
@@ -256,7 +248,7 @@ def test_tensorboards_reload_button_reloads_the_tab(page, tb, logdir):
     expect(options).to_have_count(4)
     expect(frame.get_by_role("button", name="Reload")).to_have_count(0)  # TensorBoard's own, not a second one
     data.write_late(logdir)
-    tb_process.wait_for(lambda: len(tb.get_json("/data/plugin/numerics/runs")["runs"]) == 5, timeout=60)
+    tb.wait_for_runs(5)
     page.locator("app-header-reload button").click()
     expect(options).to_have_count(5)
     expect(frame.get_by_label("Run", exact=True).locator('option[value="late"]')).to_have_count(1)

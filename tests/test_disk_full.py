@@ -21,6 +21,8 @@ import textwrap
 
 import pytest
 
+import tiny_disk
+
 pytestmark = pytest.mark.e2e
 
 NAN_STEP = 150
@@ -77,20 +79,12 @@ _TRAIN = textwrap.dedent("""
 def trained(tmp_path_factory):
     """(healthy logdir, full logdir, how it was filled, the process)."""
     root = tmp_path_factory.mktemp("disk_full")
-    tiny = root / "tiny"
-    tiny.mkdir()
-    how = os.environ.get("TBN_FULL_DISK", "tmpfs")
-    if how == "tmpfs" and subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(tiny)],
-                                         capture_output=True).returncode != 0:
-        how = "rlimit"
     env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    try:
+    with tiny_disk.tiny_tmpfs(root, mount=os.environ.get("TBN_FULL_DISK", "tmpfs") == "tmpfs") as (tiny, mounted):
+        how = "tmpfs" if mounted else "rlimit"
         p = subprocess.run([sys.executable, "-c", _TRAIN, str(root / "healthy"), str(tiny / "run"), how],
                            capture_output=True, text=True, env=env, timeout=300)
         yield root / "healthy", tiny / "run", how, p
-    finally:
-        if how == "tmpfs":
-            subprocess.run(["umount", str(tiny)], check=True)
 
 
 def report(logdir) -> tuple[int, dict]:

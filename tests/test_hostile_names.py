@@ -24,7 +24,7 @@ from tb_numerics.record_writer import NumericsRecordWriter
 from tb_numerics.records import numpy_stats
 
 import chromium
-from tb_process import tensorboard, wait_for
+from tb_process import tensorboard
 
 # The module's TensorBoard processes serve the e2e tests and the browser test:
 # each test carries its own tier.
@@ -125,7 +125,7 @@ def served(request, logdir: str, tmp_path_factory):
     root = logdir if request.param else write_logdir(str(tmp_path_factory.mktemp("hostile_py") / "logs"), UTF8_RUNS)
     n = len(RUNS) if request.param else len(UTF8_RUNS)
     with tensorboard(root, load_fast=request.param) as tb:
-        wait_for(lambda: len(tb.get_json("/data/plugin/numerics/runs")["runs"]) == n)
+        tb.wait_for_runs(n)
         yield tb, request.param
 
 
