@@ -251,21 +251,23 @@ class _RunReader:
         parts: list[records.TensorSeries] = []
         for tag, (steps, rows, walls) in self.points.items():
             info = self.infos[tag]
+            decoded = packed.decode_tag(tag, info, steps, rows, self.problems, walls)
             if tag in self.inferred:
-                parts.append(self._inferred_series(tag, info, steps, rows))
-            else:
-                parts.extend(packed.decode_tag(tag, info, steps, rows, self.problems, walls))
+                self._infer_dtype(tag, info, decoded)
+            parts.extend(decoded)
         return packed.merge_all(parts, self.problems, self.restarts)
 
-    def _inferred_series(self, tag: str, info: metadata.TensorInfo, steps, rows) -> records.TensorSeries:
-        s = records.make_series(tag, info, steps, rows, self.problems)
-        s.info = info = dataclasses.replace(info, dtype=_dtype_of(s.values))
+    def _infer_dtype(self, tag: str, info: metadata.TensorInfo, parts: list[records.TensorSeries]) -> None:
+        """Gives a tag whose metadata was lost the dtype its records show, and says so."""
+        values = np.concatenate([p.values for p in parts])
+        info = dataclasses.replace(info, dtype=_dtype_of(values))
+        for p in parts:
+            p.info = info
         self.problems.append(
             "%s: its metadata was lost with its first record; %d record(s) read as a %s %s "
             "(inferred from the tag name), its order in the step unknown"
-            % (tag, len(s.steps), info.dtype, info.role)
+            % (tag, len(values), info.dtype, info.role)
         )
-        return s
 
 
 _SCALARS_PLUGIN = "scalars"
