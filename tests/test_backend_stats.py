@@ -33,6 +33,10 @@ def _cases(dtype):
     near_zero = np.abs(base)
     near_zero[:5] = [0.0, 0.0, SUBNORMAL[dtype], SUBNORMAL[dtype] * 2, 0.0]
     yield "relu_like", near_zero
+    yield "negative_relu_like", -near_zero
+    signed_small = base.copy()
+    signed_small[:4] = [0.0, -0.0, SUBNORMAL[dtype], -SUBNORMAL[dtype] * 2]
+    yield "signed_near_zero", signed_small  # finite, both signs: zeros and subnormals counted
     yield "overflow", np.full(9, HUGE[dtype])
     yield "empty", np.zeros(0)
     yield "all_nan", np.full(4, np.nan)

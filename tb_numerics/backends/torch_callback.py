@@ -153,15 +153,17 @@ class TorchNumericsCallback(NumericsCallbackBase):
         loss_bad = plan.rows[plan.loss_row].present and records.nonfinite_count(stats[plan.loss_row]) > 0
         grads_bad = any(records.nonfinite_count(stats[r]) > 0 for r in plan.grad_rows.values() if r in tensors)
         due = self._step % self.weights_every_n_steps == 0 or bool(loss_bad)
-        old = [v.value.detach().clone() for v in plan.variables] if due and self.update_ratios else []
+        with torch_stats.one_thread():
+            old = [v.value.detach().clone() for v in plan.variables] if due and self.update_ratios else []
         if due and self.weights:
             self._fill(stats, {plan.weight_row0 + j: v.value.detach() for j, v in enumerate(plan.variables)})
         held = self.replay and not self._lso and (loss_bad or grads_bad)
         result = None if held else apply(grads, variables)
         norms = np.zeros((0, 2))
         if old:
-            norms = torch.stack([torch.stack([torch_stats.sq_norm(v.value.detach() - w), torch_stats.sq_norm(w)])
-                                 for v, w in zip(plan.variables, old)]).to(torch.float64).cpu().numpy()
+            with torch_stats.one_thread():
+                norms = torch.stack([torch.stack([torch_stats.sq_norm(v.value.detach() - w), torch_stats.sq_norm(w)])
+                                     for v, w in zip(plan.variables, old)]).to(torch.float64).cpu().numpy()
         values = StepValues(call=self._step, step=self._step, loss_scale=1.0 if scale is None else scale,
                             weights_due=due, update_norms=norms)
         self._results.append((stats, values))

@@ -17,14 +17,20 @@ copy of a few numbers per tensor to the host, for all the tensors at once:
    normal (a ReLU's output, with its zeros), its zeros and subnormals
    counted; one of both signs, its smallest magnitude (one more pass);
 3. a tensor of both signs whose smallest magnitude is below the smallest
-   normal: its zeros and subnormals counted.
+   normal (a gradient with zeros): its zeros and subnormals counted.
 
-So a ReLU's output costs five passes and a gradient four. The small
-counts and the smallest magnitude are a compare or an ``abs`` and a
-reduction: on a CPU these beat the one-pass ``histc``, ``count_nonzero``
-and ``vector_norm(ord=-inf)`` they replaced by 5x to 10x (one thread,
-512x1024 and 1024x1024 float32, medians of 60 alternated runs; a ReLU
-output's two counts 12.3 ms before, 1.5 ms after). No round trip per
+The zeros and subnormals are counted as float arithmetic, not compares:
+min(|x| / tiny, 1), whose ceil and floor summed count the nonzero and the
+normal values (``_small``). On a CPU a compare's bool result summed costs
+a conversion to int64 of the whole tensor: for a ReLU output's two counts
+the compares and sums took 0.75 ms, the arithmetic 0.25 ms (one thread,
+512x1024 float32, medians of 30; ``histc``, ``count_nonzero`` and
+``vector_norm(ord=-inf)``, tried before, were slower still).
+
+All of it runs on one intra-op thread (``one_thread``): on this 2-core
+machine, under the load of other processes, a step's records took 7 to 10
+ms on one thread and 15 to 135 ms on two, whose every op waits at a
+barrier for a thread the scheduler may have taken away. No round trip per
 tensor. Accumulation is in float32 for float16, bfloat16 and
 float32 tensors and in float64 for float64 ones. ``records.numpy_stats`` is
 the reference: counts and extrema exactly, sums to the accumulation
@@ -33,8 +39,9 @@ precision.
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Callable, Sequence
+from typing import Callable, Iterator, Sequence
 
 import numpy as np
 import torch
@@ -42,10 +49,12 @@ import torch
 from tb_numerics import metadata
 from tb_numerics.records import F
 
-__all__ = ["FLOAT_DTYPES", "check_dtype", "records", "sq_norm"]
+__all__ = ["FLOAT_DTYPES", "check_dtype", "one_thread", "records", "sq_norm"]
 
 _DTYPES = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32", torch.float64: "float64"}
 FLOAT_DTYPES = frozenset(_DTYPES)
+# A float32 sum of 0 and 1 is exact up to 2**24 elements.
+_EXACT_FLOAT_COUNT = 2**24
 
 
 def check_dtype(x: torch.Tensor, name: str) -> str:
@@ -64,6 +73,23 @@ def check_dtype(x: torch.Tensor, name: str) -> str:
         raise TypeError("tb_numerics: cannot record numerics of %r: its dtype is %s; only float16, bfloat16, "
                         "float32 and float64 tensors are supported" % (name, str(x.dtype).replace("torch.", "")))
     return dtype
+
+
+@contextlib.contextmanager
+def one_thread() -> Iterator[None]:
+    """Runs the block's CPU ops on one intra-op thread, then restores the caller's setting.
+
+    The records' reductions read each tensor once and write a few numbers:
+    memory-bound, they gain little from a second thread, while every op
+    split over threads waits at a barrier for all of them, and on a loaded
+    machine a descheduled thread stalls that op for a scheduler slice.
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _acc(x: torch.Tensor) -> torch.dtype:
@@ -92,18 +118,19 @@ class _Round:
         return bool(self._parts)
 
     def add(self, row: int, what: str, values: list[torch.Tensor]) -> None:
+        """Asks for ``values`` (0-d float tensors; a count one whose float sum is exact) of ``row``."""
         self._parts.append((row, what, values))
 
     def results(self) -> list[tuple[int, str, np.ndarray]]:
         """(row, what, its values in float64) of each part, in one copy to the host."""
         if not self._parts:
             return []
-        host = torch.cat([v.reshape(-1).to(torch.float64) for _, _, values in self._parts for v in values]).cpu().numpy()
+        # Every value is 0-d: one stack (promoting to the widest float, exactly), one cast, one copy.
+        host = torch.stack([v for _, _, values in self._parts for v in values]).to(torch.float64).cpu().numpy()
         out, at = [], 0
         for row, what, values in self._parts:
-            n = sum(v.numel() for v in values)
-            out.append((row, what, host[at:at + n]))
-            at += n
+            out.append((row, what, host[at:at + len(values)]))
+            at += len(values)
         return out
 
 
@@ -119,7 +146,11 @@ def records(tensors: Sequence[torch.Tensor], names: Sequence[str]) -> np.ndarray
       TypeError: naming the tensor, for a tensor of another dtype.
     """
     dtypes = [check_dtype(x, name) for x, name in zip(tensors, names)]
-    flats = [x.detach().reshape(-1) for x in tensors]
+    with one_thread():
+        return _records([x.detach().reshape(-1) for x in tensors], dtypes)
+
+
+def _records(flats: list[torch.Tensor], dtypes: list[str]) -> np.ndarray:
     out = np.zeros((len(flats), metadata.NUM_FIELDS))
     first = _Round()
     for i, x in enumerate(flats):
@@ -145,11 +176,11 @@ def _settle(rec: np.ndarray, x: torch.Tensor, dtype: str, what: str, values: np.
         rec[:] = values
     elif what == "overflow":
         rec[F["overflow"]] = values[0]
-    elif what == "small":  # the zeros, and the zeros and subnormals together
-        rec[F["zeros"]], rec[F["underflow"]] = values[0], values[1] - values[0]
+    elif what == "small":  # the nonzero values, and the normal ones
+        rec[F["zeros"]], rec[F["underflow"]] = rec[F["count"]] - values[0], values[0] - values[1]
     elif what == "min_abs":
         if values[0] < metadata.smallest_normal(dtype):
-            more("small", _small(x, dtype))
+            more("small", _small(x, dtype, signed=True))
     else:
         _settle_first(rec, x, dtype, values, more)
 
@@ -159,28 +190,35 @@ def _settle_first(rec: np.ndarray, x: torch.Tensor, dtype: str, first: np.ndarra
     """A record from round 1's sum, sum of squares, min and max, and what round 2 counts for it."""
     total, sq, lo, hi = first
     if not (np.isfinite(total) and np.isfinite(sq) and np.isfinite(lo) and np.isfinite(hi)):
-        more("exact", [_exact(x, dtype)])
+        more("exact", _exact(x, dtype))
         return
     rec[[F["min"], F["max"], F["sum"], F["sum_sq"]]] = lo, hi, total, sq
     margin = metadata.overflow_margin(dtype)
     if max(abs(lo), abs(hi)) > margin:
-        more("overflow", [torch.count_nonzero(x.abs() > margin)])
+        more("overflow", [(x.abs() > margin).sum(dtype=torch.float64)])
     if lo >= 0 or hi <= 0:  # one sign: the smallest magnitude is min, or -max
         if min(abs(lo), abs(hi)) < metadata.smallest_normal(dtype):
-            more("small", _small(x, dtype))
+            more("small", _small(x, dtype, signed=lo < 0))
     else:
         more("min_abs", [x.abs().amin()])
 
 
-def _small(x: torch.Tensor, dtype: str) -> list[torch.Tensor]:
-    """The zeros, and the zeros and subnormals together, of a flat tensor:
-    a compare and a sum each (see the module's docstring for why not
-    ``histc`` or ``count_nonzero``)."""
-    return [(x == 0).sum(), (x.abs() < metadata.smallest_normal(dtype)).sum()]
+def _small(x: torch.Tensor, dtype: str, signed: bool) -> list[torch.Tensor]:
+    """The nonzero values of a flat tensor, and its normal ones, as float
+    arithmetic: min(|x| / tiny, 1) is 1 for a normal value, in (0, 1) for a
+    subnormal one (exactly: a power-of-two scale) and 0 for a zero, so its
+    ceil and its floor summed count them (see the module's docstring for why
+    not compares). ``signed``: whether ``x`` has negative values."""
+    scaled = torch.mul(x, 1 / metadata.smallest_normal(dtype))
+    if signed:
+        scaled.abs_()
+    scaled.clamp_(max=1)
+    acc = torch.float32 if x.numel() <= _EXACT_FLOAT_COUNT else torch.float64
+    return [torch.ceil(scaled).sum(dtype=acc), scaled.floor_().sum(dtype=acc)]
 
 
-def _exact(x: torch.Tensor, dtype: str) -> torch.Tensor:
-    """The whole record (float64 ``[NUM_FIELDS]``, on the device) of a tensor
+def _exact(x: torch.Tensor, dtype: str) -> list[torch.Tensor]:
+    """The whole record (``NUM_FIELDS`` 0-d float64 tensors, on the device) of a tensor
     that holds NaN or Inf, or whose squares overflow: masked statistics in
     float64, every count exact."""
     finite = torch.isfinite(x)
@@ -199,4 +237,4 @@ def _exact(x: torch.Tensor, dtype: str) -> torch.Tensor:
         "sum": xf.sum(), "sum_sq": torch.dot(xf, xf), "zeros": (x == 0).sum(),
         "overflow": (finite & (absf > margin)).sum(), "underflow": ((absf > 0) & (absf < tiny)).sum(),
     }
-    return torch.stack([fields[name].to(torch.float64) for name in metadata.FIELDS])
+    return [fields[name].to(torch.float64) for name in metadata.FIELDS]
