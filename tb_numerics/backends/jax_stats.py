@@ -129,13 +129,15 @@ def _small_counts(xa, tiny, flush: bool) -> tuple:
     return zeros, small - zeros
 
 
-class _Flat:
-    """One tensor, flat in its accumulation dtype, and the constants of its dtype."""
+class _Operand:
+    """One tensor in its accumulation dtype, and the constants of its dtype."""
 
     def __init__(self, x, name: str):
         self.dtype = check_dtype(x, name)
         self.acc = _acc(self.dtype)
-        self.x = lax.stop_gradient(jnp.ravel(x)).astype(self.acc)
+        # In its own shape: a reshaped one is another array to XLA, which
+        # materializes it (a ReLU's output computed and written twice).
+        self.x = lax.stop_gradient(jnp.asarray(x)).astype(self.acc)
         self.tiny = metadata.smallest_normal(self.dtype)
         self.flush = flushes(self.dtype)
         self.margin = metadata.overflow_margin(self.dtype)
@@ -204,7 +206,7 @@ def many_stats(tensors: list, names: list[str] | None = None) -> tuple:
     Raises:
       TypeError: naming the tensor, for an array of another dtype.
     """
-    flats = [_Flat(x, name) for x, name in zip(tensors, names or ["tensor"] * len(tensors))]
+    flats = [_Operand(x, name) for x, name in zip(tensors, names or ["tensor"] * len(tensors))]
     if not flats:
         return jnp.zeros((0, len(COUNT_FIELDS)), jnp.int32), jnp.zeros((0, len(VALUE_FIELDS)), value_dtype())
     healthy = [f.healthy() for f in flats]
