@@ -34,7 +34,7 @@ if __name__ == "__main__" and BACKEND != "tensorflow":
 import keras  # noqa: E402
 import numpy as np  # noqa: E402
 
-from tb_numerics import analysis, event_reader, rules  # noqa: E402
+from tb_numerics import analysis, event_reader, metadata, records, rules  # noqa: E402
 from tb_numerics.keras import NumericsCallback  # noqa: E402
 
 BATCH, STEPS, BAD_STEP = 8, 12, 7
@@ -133,6 +133,56 @@ def run_mixed(policy: str, root: str) -> dict:
     return {"report": report(logdir)}
 
 
+class _WeightsOracle(keras.callbacks.Callback):
+    """The trainable weights as Keras holds them after each batch (on JAX,
+    the state its ``fit`` loop hands the callbacks): outside the product."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.after: list[list[np.ndarray]] = []
+
+    def on_train_begin(self, logs=None) -> None:
+        self.initial = [keras.ops.convert_to_numpy(v.value) for v in self.model.trainable_variables]
+        self.paths = [v.path for v in self.model.trainable_variables]
+
+    def on_train_batch_end(self, batch, logs=None) -> None:
+        state = getattr(self.model, "_jax_state", None)
+        values = state["trainable_variables"] if state else [v.value for v in self.model.trainable_variables]
+        self.after.append([np.array(keras.ops.convert_to_numpy(w)) for w in values])
+
+
+def run_weights(root: str) -> dict:
+    """A healthy fit whose weights and update ratios are recorded at steps 0
+    and 10 (``weights_every_n_steps``' default), and the weights Keras held
+    around those steps: {step: {path: [its record (numpy), the weights' record]}}
+    and {step: {layer: [the recorded ratio, numpy's]}}."""
+    logdir = os.path.join(root, "weights")
+    x, y = data("log0")
+    x[:, -1] = 1.0
+    oracle = _WeightsOracle()
+    model("log0").fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+                      callbacks=[NumericsCallback(logdir), oracle])
+    rr = event_reader.read_run(".", event_reader.find_runs(logdir).get(".", []))
+    series = {s.tag: s for s in rr.series}
+    out: dict = {"weights": {}, "ratios": {}}
+    for step in (0, 10):
+        before = oracle.initial if step == 0 else oracle.after[step - 1]
+        after = oracle.after[step]
+        out["weights"][step] = {
+            path: [series[path].values[list(series[path].steps).index(step)].tolist(),
+                   records.numpy_stats(w).tolist()] for path, w in zip(oracle.paths, before)}
+        for layer in ("fault", "dense_0", "head"):
+            mine = [i for i, path in enumerate(oracle.paths) if path.split("/")[-2] == layer]
+            dw = sum(float(np.sum((after[i].astype(np.float64) - before[i]) ** 2)) for i in mine)
+            w = sum(float(np.sum(before[i].astype(np.float64) ** 2)) for i in mine)
+            tag = "update_ratio/" + layer
+            if tag in series:
+                rec = series[tag].values[list(series[tag].steps).index(step)]
+                out["ratios"].setdefault(step, {})[layer] = [float(rec[metadata.FIELD_INDEX["max"]]), (dw / w) ** 0.5]
+    out["weight_steps"] = {path: sorted(int(s) for s in series[path].steps) for path in oracle.paths}
+    return out
+
+
 def jax_debug_oracle(kind: str) -> str:
     """JAX's own word on the bad batch: the forward pass and the loss, then
     their gradient, run un-jitted under ``jax_debug_nans`` and ``jax_debug_infs``,
@@ -195,6 +245,7 @@ def main(out: str, root: str) -> None:
             results[kind]["oracle"] = jax_debug_oracle(kind)
         elif BACKEND == "torch":
             results[kind]["oracle"] = torch_anomaly_oracle(kind)
+    results["weights"] = run_weights(root)
     from demo.stories import keras_fit
 
     keras_fit.run(root)

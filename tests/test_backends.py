@@ -144,3 +144,26 @@ def test_the_demos_keras_fit_story_fails_alike_on_every_backend(runs):
         assert hints.op_family(a["op"]["name"], a["op"]["type"]) is None and a["op"]["name"].split("/")[-2] == "dense_1", b
     sources = {a["op"]["source"] for a in firsts.values()}
     assert len(sources) == 1, sources
+
+
+def test_the_weights_and_update_ratios_are_those_keras_held_around_their_steps(runs):
+    # Steps 0 and 10 record the weights (before the update) and the update
+    # ratios; the truth is the weights Keras handed the callbacks after each
+    # batch. Counts and extrema exactly, sums to float32 accumulation.
+    F = backend_runs.metadata.FIELD_INDEX
+    for b in BACKENDS:
+        w = runs[b]["weights"]
+        assert all(steps == [0, 10] for steps in w["weight_steps"].values()), (b, w["weight_steps"])
+        for step, by_path in w["weights"].items():
+            for path, (got, ref) in by_path.items():
+                for k in ("count", "nan", "posinf", "neginf", "zeros", "min", "max"):
+                    assert got[F[k]] == ref[F[k]], (b, step, path, k)
+                for k in ("sum", "sum_sq"):
+                    assert abs(got[F[k]] - ref[F[k]]) <= 1e-5 * max(1.0, abs(ref[F["sum_sq"]])), (b, step, path, k)
+        assert sorted(w["ratios"]) == ["0", "10"], b
+        for step, by_layer in w["ratios"].items():
+            for layer, (got, ref) in by_layer.items():
+                assert ref > 0 and abs(got - ref) <= 1e-4 * ref, (b, step, layer, got, ref)
+    # A bad step records the weights it used too (its update held back for the replay).
+    steps = {b: runs[b]["log0"]["report"]["steps"]["faulty/dense_0/kernel"] for b in BACKENDS}
+    assert steps["jax"] == steps["tensorflow"] == steps["torch"] and backend_runs.BAD_STEP in steps["tensorflow"], steps

@@ -84,6 +84,58 @@ def _records(tensors: dict[int, tuple[Any, str]]) -> dict[int, tuple]:
     return {r: (counts[k], values[k]) for k, r in enumerate(rows)}
 
 
+class _WeightsBetweenSteps:
+    """The weights' records and update norms of a step, taken between steps
+    by two small jitted functions, around the steps that record them.
+
+    Inside the jitted step they cost every step, not only their own: the
+    ``lax.cond`` that computed them read the old weights beside the new ones,
+    and XLA then copied every weight and kept the update from happening in
+    place (about 25 % of bench/overhead.py's step on JAX, with the statistics
+    themselves reduced to one row). Between steps they cost their steps only:
+    the records and a copy of the weights before, the norms after.
+
+    A step whose gradients are not finite records its weights too; this is
+    for the callbacks whose update of such a step is held back (the replay's,
+    a LossScaleOptimizer's), so the weights it used are the ones left after it.
+
+    Args:
+      index: each variable's position in the trainable variables, in the plan's order.
+      paths: their paths, for errors.
+      weights: whether to record the weights (else only the norms).
+    """
+
+    def __init__(self, index: list[int], paths: list[str], weights: bool):
+        self._index, self._paths, self._weights = index, paths, weights
+        self._before = jax.jit(self._records_and_copy)
+        self._after = jax.jit(self._norms)
+
+    def _records_and_copy(self, tv: list):
+        old = [tv[k] for k in self._index]
+        if self._weights:
+            counts, values = jax_stats.many_stats(old, self._paths)
+        else:
+            counts, values = jax_stats.many_stats([])
+        return counts, values, [jnp.copy(w) for w in old]
+
+    def _norms(self, old: list, tv: list):
+        return jnp.stack([jnp.stack([jax_stats.sq_norm(tv[k] - w), jax_stats.sq_norm(w)]) for k, w in
+                          zip(self._index, old)]).astype(jax_stats.value_dtype())
+
+    def before(self, tv: list) -> tuple:
+        """Before a step that records its weights, from the weights it begins with."""
+        return self._before(list(tv))
+
+    def after(self, before: tuple, tv: list) -> tuple:
+        """After it, from the weights it left: (counts, values, norms), on the device."""
+        counts, values, old = before
+        return counts, values, self._after(old, list(tv))
+
+    def held(self, tv: list) -> tuple:
+        """After a step whose update was held back: its weights are ``tv``."""
+        return self.after(self.before(tv), tv)
+
+
 class JaxNumericsCallback(NumericsCallbackBase):
     """``NumericsCallback`` for Keras' JAX backend (the options: ``_keras_host.NumericsCallbackBase``)."""
 
@@ -92,7 +144,7 @@ class JaxNumericsCallback(NumericsCallbackBase):
     def _begin(self, model: keras.Model) -> None:
         opt = model.optimizer
         self._trace: _Trace | None = None
-        self._queue: list[tuple[int, dict, Any]] = []
+        self._queue: list[tuple[int, dict, Any, tuple | None]] = []
         self._kept: dict[int, tuple[Any, list]] = {}
         self._step0 = int(np.asarray(opt.iterations.value))
         self._calls = 0
@@ -102,6 +154,11 @@ class JaxNumericsCallback(NumericsCallbackBase):
         self._scale_index = next((k for k, v in enumerate(opt.variables) if v is getattr(opt, "dynamic_scale", None)),
                                  None) if self._lso else None
         self._train_step = model.train_step  # the model's own, for the replay
+        self._between = None
+        if (self.weights or self.update_ratios) and (self.replay or self._lso) and model.steps_per_execution == 1:
+            self._between = _WeightsBetweenSteps([self._tv_index[id(v)] for v in self.plan.variables],
+                                                 [v.path for v in self.plan.variables], self.weights)
+        self._last_tv = None  # the weights the last step left
         patches = self._patches
         patches.set(model, "train_step", self._wrap_train_step(model.train_step))
         patches.set(model, "compute_loss_and_updates", self._wrap_clu(model.compute_loss_and_updates))
@@ -128,9 +185,12 @@ class JaxNumericsCallback(NumericsCallbackBase):
         def run(state, data):
             step = self._step0 + self._calls
             self._calls += 1
+            weights_due = self._between is not None and step % self.weights_every_n_steps == 0
+            before = self._between.before(state[0]) if weights_due else None
             logs, state = step_function(state, (data, np.int32(step)))
             logs = dict(logs)
-            self._queue.append((step, logs.pop(_KEY), data))
+            self._last_tv = state[0]
+            self._queue.append((step, logs.pop(_KEY), data, self._between.after(before, state[0]) if weights_due else None))
             return logs, state
 
         return run
@@ -233,7 +293,7 @@ class JaxNumericsCallback(NumericsCallbackBase):
         else:
             new_tv, new_ov = apply(ov, grads, tv)
         trace.due = (trace.step % self.weights_every_n_steps == 0) | ~finite
-        if self.weights or self.update_ratios:
+        if (self.weights or self.update_ratios) and self._between is None:
             trace.weights, trace.norms = lax.cond(
                 trace.due, functools.partial(self._weights_and_norms, tv, new_tv),
                 functools.partial(self._no_weights, tv))
@@ -277,15 +337,27 @@ class JaxNumericsCallback(NumericsCallbackBase):
     def _new_steps(self) -> list[Step]:
         out = []
         self._kept = {}
-        for step, o, data in self._queue:
+        for step, o, data, weights in self._queue:
             o = jax.device_get(o)
+            stats = jax_stats.to_records(o["counts"], o["values"])
             norms = np.zeros((0, 2)) if o["norms"] is None else np.asarray(o["norms"], np.float64)
+            if self._between is not None and bool(o["due"]):
+                norms = self._weights_between(stats, weights if weights is not None else self._between.held(self._last_tv))
             values = StepValues(call=step, step=step, loss_scale=1.0 if o["scale"] is None else float(o["scale"]),
                                 weights_due=bool(o["due"]), update_norms=norms)
-            out.append((jax_stats.to_records(o["counts"], o["values"]), values))
+            out.append((stats, values))
             self._kept[step] = (data, o["seeds"])
         self._queue.clear()
         return out
+
+    def _weights_between(self, stats: np.ndarray, weights: tuple) -> np.ndarray:
+        """The weights' records taken between steps (``_WeightsBetweenSteps``)
+        into ``stats``; their update norms."""
+        counts, values, norms = jax.device_get(weights)
+        if self.weights:
+            w0 = self.plan.weight_row0
+            stats[w0:w0 + len(self.plan.variables)] = jax_stats.to_records(counts, values)
+        return np.asarray(norms, np.float64)
 
     def _kept_batches(self, step: int) -> list[Any]:
         kept = self._kept.get(step)
