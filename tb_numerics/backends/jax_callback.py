@@ -10,10 +10,12 @@ the duration of ``fit``:
   out of ``jax.value_and_grad`` in its auxiliary output, as one more entry
   of the non-trainable variables' list (Keras passes that list on into the
   step's new state);
-* the optimizer's ``stateless_apply``, for the gradients' records, the
-  weights before the update, the update ratios, and the held-back update of
-  a step whose loss or gradients are not finite (so a replay sees the
-  weights that step used, as a LossScaleOptimizer does);
+* the optimizer's ``stateless_apply``, for the gradients' records and the
+  held-back update of a step whose loss or gradients are not finite (so a
+  replay sees the weights that step used, as a LossScaleOptimizer does);
+  the weights before the update and the update ratios are taken between
+  steps, on their steps only (``_WeightsBetweenSteps``), where such an
+  update is held back, else there too;
 * the model's ``train_step``, which takes that entry back out of the state and
   returns every record of the step beside the logs, and ``_make_function``,
   so that ``fit``'s loop hands each step's records (still on the device) and
@@ -155,7 +157,8 @@ class JaxNumericsCallback(NumericsCallbackBase):
                                  None) if self._lso else None
         self._train_step = model.train_step  # the model's own, for the replay
         self._between = None
-        if (self.weights or self.update_ratios) and (self.replay or self._lso) and model.steps_per_execution == 1:
+        if (self.weights or self.update_ratios) and (self.replay or self._lso) and int(
+                getattr(model, "steps_per_execution", 1) or 1) == 1:
             self._between = _WeightsBetweenSteps([self._tv_index[id(v)] for v in self.plan.variables],
                                                  [v.path for v in self.plan.variables], self.weights)
         self._last_tv = None  # the weights the last step left
@@ -190,7 +193,8 @@ class JaxNumericsCallback(NumericsCallbackBase):
             logs, state = step_function(state, (data, np.int32(step)))
             logs = dict(logs)
             self._last_tv = state[0]
-            self._queue.append((step, logs.pop(_KEY), data, self._between.after(before, state[0]) if weights_due else None))
+            weights = self._between.after(before, state[0]) if weights_due else None
+            self._queue.append((step, logs.pop(_KEY), data, weights))
             return logs, state
 
         return run
@@ -342,7 +346,9 @@ class JaxNumericsCallback(NumericsCallbackBase):
             stats = jax_stats.to_records(o["counts"], o["values"])
             norms = np.zeros((0, 2)) if o["norms"] is None else np.asarray(o["norms"], np.float64)
             if self._between is not None and bool(o["due"]):
-                norms = self._weights_between(stats, weights if weights is not None else self._between.held(self._last_tv))
+                if weights is None:  # not a weights step: a bad one, whose update was held back
+                    weights = self._between.held(self._last_tv)
+                norms = self._weights_between(stats, weights)
             values = StepValues(call=step, step=step, loss_scale=1.0 if o["scale"] is None else float(o["scale"]),
                                 weights_due=bool(o["due"]), update_norms=norms)
             out.append((stats, values))

@@ -7,8 +7,9 @@ the instances only and for the duration of ``fit``, the same places:
 * each top-level layer's ``call``, to keep its outputs;
 * the optimizer's ``scale_loss``, for the loss, and ``apply``, where the
   gradients are known: there the step's records are computed (``torch_stats``:
-  three to five passes per tensor on its device, a few copies of a few
-  numbers per tensor to the host for the whole step), the weights are recorded before
+  three to nine passes per tensor on its device, on one intra-op thread, a
+  few copies of a few numbers per tensor to the host for the whole step),
+  the weights are recorded before
   the update on their steps, and the update of a step whose loss or
   gradients are not finite is held back (a replay needs the weights the
   step used; a LossScaleOptimizer skips such steps itself);
