@@ -39,7 +39,7 @@ step) where each step's loss grew 10x in magnitude over the 10 steps
 before the NaN (rising at 8 of them), and the fixed variants' warnings
 (each a false warning).
 
-``--slice ci`` runs three cells without ``--check-fixed`` (tests/test_zoo_slice.py).
+``--slice ci`` runs four cells without ``--check-fixed`` (tests/test_zoo_slice.py).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ HINT_WORDS = {
     "div_stat": r"division by zero|divides by zero|0/0|\beps(ilon)?\b|denominator",
     "exp_out": r"\bexp\b|exponential",
 }
-CI_SLICE = (("loop", "div_stat"), ("cnn_bn", "nan_batch"), ("gru", "no_eps"))
+CI_SLICE = (("loop", "div_stat"), ("cnn_bn", "nan_batch"), ("gru", "no_eps"), ("transformer", "lr100"))
 NO_HINT = "no hint: "
 
 
