@@ -35,8 +35,8 @@ check_numerics names the ``tape.gradient`` line while tb-numerics names
 the forward op's, so those are not scored), crash (the training died, or
 the replay raised), hint (right / absent / wrong, by fault kind in
 ``HINT_WORDS``), the first warning's lead (steps before the oracle's
-step) where each step's loss grew 10x in magnitude over the 10 steps
-before the NaN (rising at 8 of them), and the fixed variants' warnings
+step) where the loss grew 10x in magnitude over some 10 steps before
+the NaN (rising at 8 of them), and the fixed variants' warnings
 (each a false warning).
 
 ``--slice ci`` runs four cells without ``--check-fixed`` (tests/test_zoo_slice.py).
@@ -475,13 +475,17 @@ def hint_verdict(fault: str, anomaly: dict | None) -> str:
 
 
 def _grew(losses: list[float], step: int) -> bool:
-    """Each step's loss grew 10x in magnitude over the 10 steps before ``step``, at 8 of them at
-    least (a divergence, not one jump; a loss with no lower bound grows towards -inf)."""
-    if step < 11 or len(losses) < step:
-        return False
-    before = [abs(x) for x in losses[step - 11:step]]
-    rises = sum(b > a for a, b in zip(before, before[1:]))
-    return before[0] > 0 and before[-1] >= 10 * before[0] and rises >= 8
+    """The loss grew 10x in magnitude over 10 steps, rising at 8 of them at least, somewhere
+    before ``step`` (a divergence, not one jump; a loss with no lower bound grows towards -inf).
+    The growth need not end at ``step``: under a loss scale, the steps it skips hold the weights
+    between the growth and the overflow (the Transformer's growth-rewarding loss grew 27x over
+    steps 0 to 17 and overflowed at step 21)."""
+    for end in range(11, min(step, len(losses)) + 1):
+        window = [abs(x) for x in losses[end - 11:end]]
+        rises = sum(b > a for a, b in zip(window, window[1:]))
+        if window[0] > 0 and window[-1] >= 10 * window[0] and rises >= 8:
+            return True
+    return False
 
 
 TRIGGER_STEP = 12  # zoo_models.TRIGGER_STEP: the batch that holds a fault's trigger
