@@ -191,7 +191,7 @@ class StepReplay:
                 verdict.update(reproduced=False, why=self.why_not or "no batch was kept for this step: its layer "
                                "outputs, loss and gradients were finite (it went bad in the update)")
             else:
-                verdict.update(self._verdict(self._run(train_step, kept, int(step), loss_scale=loss_scale), check))
+                verdict.update(self._verdict(self._run(train_step, kept, int(step), loss_scale), check))
         except Exception as e:  # noqa: BLE001 - a replay must never stop training
             verdict.update(reproduced=False, why="the replay raised %s" % _error_text(e))
         return self._write(verdict)
@@ -205,17 +205,17 @@ class StepReplay:
         if kept is None:
             return None
         try:
-            return self._run(train_step, kept, int(step), tf.summary.create_noop_writer(), loss_scale)
+            return self._run(train_step, kept, int(step), loss_scale, quiet=True)
         except Exception:  # noqa: BLE001 - a probe must never stop training
             _log.warning("tb_numerics: the look inside step %d's forward pass raised", step, exc_info=True)
             return None
 
     def _run(self, train_step: Callable[[Any], Any], kept: tuple[Any, list[tf.Tensor]], step: int,
-             writer: Any = None, loss_scale: float | None = None) -> Any:
+             loss_scale: float | None = None, quiet: bool = False) -> Any:
         """The first non-finite op of ``train_step`` on the kept batch, from the
         seed states (and loss scale) the step began with; every state it
-        changes is put back. ``writer``: where its op records go (None: a
-        ``.replay`` file of the run)."""
+        changes is put back. Its op records go to a ``.replay`` file of the
+        run, or nowhere where ``quiet``."""
         batch, seeds = kept
         saved = _state(self._model)
         scale = getattr(self._model.optimizer, "dynamic_scale", None) if loss_scale is not None else None
@@ -228,7 +228,7 @@ class StepReplay:
                 m.reset_state()  # the failing step left a NaN in the loss tracker's total
             for var, value in zip(self._seeds, seeds):
                 var.assign(value)  # the step's own random draws (dropout masks)
-            return _outside_strategy_scope(self._replay_step, train_step, batch, step, writer)
+            return _outside_strategy_scope(self._replay_step, train_step, batch, step, quiet)
         finally:
             self.active = False
             for var, value in saved:
@@ -251,16 +251,17 @@ class StepReplay:
             return {"reproduced": False, "why": why + (" (%s)" % _XLA_DRAWS if self._xla_draws else "")}
         return {"reproduced": True, "op": found.to_json()}
 
-    def _replay_step(self, train_step: Callable[[Any], Any], batch: Any, step: int, writer: Any = None) -> Any:
+    def _replay_step(self, train_step: Callable[[Any], Any], batch: Any, step: int, quiet: bool = False) -> Any:
         from tb_numerics import oplevel
 
-        own = writer is None
-        writer = tf.summary.create_file_writer(self._log_dir, filename_suffix=".replay") if own else writer
+        if quiet:  # in the thread that runs it: summaries' recording is per thread
+            with tf.summary.record_if(False):
+                return oplevel.replay_step(train_step, batch, step=step)
+        writer = tf.summary.create_file_writer(self._log_dir, filename_suffix=".replay")
         try:
             return oplevel.replay_step(train_step, batch, step=step, writer=writer)
         finally:
-            if own:
-                writer.close()
+            writer.close()
 
     def _write(self, verdict: dict[str, Any]) -> dict[str, Any]:
         from tb_numerics import record_writer
