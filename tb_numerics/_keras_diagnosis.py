@@ -128,15 +128,28 @@ class Diagnosis:
         kept = (self._replay.batch(step, r) for r in range(strategy_of(self._model).num_replicas_in_sync))
         return [batch for batch in kept if batch is not None]
 
-    def replay(self, step: int, step_stats: np.ndarray) -> dict[str, Any]:
+    def replay(self, step: int, step_stats: np.ndarray, loss_scale: float | None = None) -> dict[str, Any]:
         """The verdict on the first bad step: born in an earlier update, or
-        the op the step's replay found (``first_anomaly.replay``)."""
+        the op the step's replay found (``first_anomaly.replay``).
+        ``loss_scale``: the LossScaleOptimizer's scale at the step, if any."""
         if self.born_in_update(step):
             return {"step": step, "reproduced": False, "update_of_step": self.update_found}
         self._host.writer.flush()
         replica = self._bad_replica()
         return self._replay.replay(step, self._model.train_step, replica,
-                                   check=functools.partial(self._replay_differs, step_stats, replica))
+                                   check=functools.partial(self._replay_differs, step_stats, replica),
+                                   loss_scale=loss_scale)
+
+    def skip_went_bad_forward(self, step: int, loss_scale: float | None) -> bool:
+        """At a step a LossScaleOptimizer skipped: whether its replay's first
+        non-finite op is in the forward pass (or reads the batch), where no
+        loss scale reaches, rather than a gradient op the scale overflowed.
+        The replay writes nothing here: the step's anomaly, if it is one, is
+        replayed again and written as any first anomaly is."""
+        if not self.can_replay:
+            return False
+        found = self._replay.probe(step, self._model.train_step, self._bad_replica(), loss_scale)
+        return found is not None and found.phase != "backward" and not found.reads_nonfinite()
 
     def _rows_bad_in_step(self, step_stats: np.ndarray, replica: int | None) -> np.ndarray:
         """Per row before the weights': whether the step's record (that

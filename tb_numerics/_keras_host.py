@@ -247,9 +247,17 @@ class NumericsCallbackBase(keras.callbacks.Callback):
         or ``{"reproduced": False, "why": ...}``."""
         raise NotImplementedError
 
-    def _replay_verdict(self, step: int, step_stats: np.ndarray) -> dict[str, Any]:
+    def _replay_verdict(self, step_stats: np.ndarray, values: StepValues) -> dict[str, Any]:
         """The replay's verdict on the first bad step, written into the run."""
-        return self._host.replay_verdict(step, lambda: self._replay_at(step))
+        return self._host.replay_verdict(values.step, lambda: self._replay_at(values.step))
+
+    def _skip_went_bad_forward(self, values: StepValues) -> bool:
+        """At a step a LossScaleOptimizer skipped: whether its forward pass
+        (which no loss scale changes) made a NaN or an Inf inside a layer,
+        whose output stayed finite (``x / sqrt(inf)`` is 0). Then the skip is
+        the run's anomaly, not the scale's calibration. False where the
+        backend cannot tell."""
+        return False
 
     def _policy_acts_on(self, steps: list[Step]) -> bool:
         """Whether an ``on_anomaly`` policy acts on one of the steps (their
@@ -326,11 +334,13 @@ class NumericsCallbackBase(keras.callbacks.Callback):
         """Writes one step's records; at the run's first anomaly, diagnoses
         it (the bad batch, the replay) and stops where asked. True to stop."""
         step_records, anomaly = self._host.write_step(step_stats, values)
+        if not anomaly and self._host.skip_to_probe and self.replay and self.replay_verdict is None:
+            anomaly = self._skip_went_bad_forward(values)
         if not anomaly:
             return False
         self._host.note_bad_batch(values.step, step_records, self._kept_batches)
         if self.replay and self.replay_verdict is None:
-            self.replay_verdict = self._replay_verdict(values.step, step_stats)
+            self.replay_verdict = self._replay_verdict(step_stats, values)
         if not self._stops_at(values):
             return False
         self._stop(step_stats, values, why="a record of the step holds a NaN or an Inf")
@@ -361,6 +371,8 @@ class HostRecords:
 
     Attributes:
       writer: the run's record writer.
+      skip_to_probe: whether the last step written was a LossScaleOptimizer
+        skip after an applied update (``NumericsCallbackBase._skip_went_bad_forward``).
     """
 
     def __init__(self, log_dir: str, plan: RowPlan, *, every_n_steps: int, update_ratios: bool, lso: bool,
@@ -371,6 +383,8 @@ class HostRecords:
         self._prev: tuple[int, list[Record]] | None = None  # the last step computed but not written
         self._seen = latch.NO_KINDS  # the kinds of non-finite values written so far (latch)
         self._batch_noted = False
+        self._applied = False  # whether a step's records were finite (its update applied)
+        self.skip_to_probe = False
         self.writer = record_writer.NumericsRecordWriter(log_dir)
         self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tb_numerics_callback")
         self._pending: list[concurrent.futures.Future] = []
@@ -494,6 +508,11 @@ class HostRecords:
             self.writer.write_many(step, step_records)
         self._prev = None if written else (step, step_records)
         self._seen = int(decision.seen)
+        # A skip after an applied update (not the scale's opening calibration,
+        # whose skips run from the first step), which only a look inside the
+        # forward pass tells from the scaling's own overflow.
+        self.skip_to_probe = self._lso and nonfinite and not bad and self._applied
+        self._applied |= not nonfinite
         return step_records, bool(bad)
 
     # ------------------------------------------------------------ at the first anomaly

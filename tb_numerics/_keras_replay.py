@@ -166,7 +166,7 @@ class StepReplay:
         return None if kept is None else kept[0]
 
     def replay(self, step: int, train_step: Callable[[Any], Any], replica: int | None = None,
-               check: Callable[[], str | None] | None = None) -> dict[str, Any]:
+               check: Callable[[], str | None] | None = None, loss_scale: float | None = None) -> dict[str, Any]:
         """Runs ``train_step`` on the kept batch once more at op level, at
         ``step``; writes and returns the verdict (``first_anomaly.replay``).
         It never raises: a replay that fails says why in the verdict.
@@ -179,6 +179,8 @@ class StepReplay:
           check: called after a replay that found a non-finite op: why the
             replay computed other values than the step (the op would be the
             wrong one), or None where they agree.
+          loss_scale: a LossScaleOptimizer's scale as the step ran (its skip
+            has lowered it since); None without one.
         """
         verdict: dict[str, Any] = {"step": int(step)}
         if replica is not None:
@@ -189,23 +191,44 @@ class StepReplay:
                 verdict.update(reproduced=False, why=self.why_not or "no batch was kept for this step: its layer "
                                "outputs, loss and gradients were finite (it went bad in the update)")
             else:
-                verdict.update(self._verdict(self._run(train_step, kept, int(step)), check))
+                verdict.update(self._verdict(self._run(train_step, kept, int(step), loss_scale), check))
         except Exception as e:  # noqa: BLE001 - a replay must never stop training
             verdict.update(reproduced=False, why="the replay raised %s" % _error_text(e))
         return self._write(verdict)
 
-    def _run(self, train_step: Callable[[Any], Any], kept: tuple[Any, list[tf.Tensor]], step: int) -> Any:
+    def probe(self, step: int, train_step: Callable[[Any], Any], replica: int | None = None,
+              loss_scale: float | None = None) -> Any:
+        """The first non-finite op (an ``oplevel.OpRecord``) of ``train_step``
+        run again at op level on ``step``'s kept batch, writing nothing; None
+        where it found none, or no batch was kept, or it raised."""
+        kept = None if self.why_not else self._kept(int(step), replica or 0)
+        if kept is None:
+            return None
+        try:
+            return self._run(train_step, kept, int(step), loss_scale, quiet=True)
+        except Exception:  # noqa: BLE001 - a probe must never stop training
+            _log.warning("tb_numerics: the look inside step %d's forward pass raised", step, exc_info=True)
+            return None
+
+    def _run(self, train_step: Callable[[Any], Any], kept: tuple[Any, list[tf.Tensor]], step: int,
+             loss_scale: float | None = None, quiet: bool = False) -> Any:
         """The first non-finite op of ``train_step`` on the kept batch, from the
-        seed states the step began with; every state it changes is put back."""
+        seed states (and loss scale) the step began with; every state it
+        changes is put back. Its op records go to a ``.replay`` file of the
+        run, or nowhere where ``quiet``."""
         batch, seeds = kept
         saved = _state(self._model)
+        scale = getattr(self._model.optimizer, "dynamic_scale", None) if loss_scale is not None else None
+        if scale is not None:
+            saved.append((scale, scale.numpy()))
+            scale.assign(loss_scale)
         self.active = True
         try:
             for m in getattr(self._model, "metrics", []):
                 m.reset_state()  # the failing step left a NaN in the loss tracker's total
             for var, value in zip(self._seeds, seeds):
                 var.assign(value)  # the step's own random draws (dropout masks)
-            return _outside_strategy_scope(self._replay_step, train_step, batch, step)
+            return _outside_strategy_scope(self._replay_step, train_step, batch, step, quiet)
         finally:
             self.active = False
             for var, value in saved:
@@ -228,9 +251,12 @@ class StepReplay:
             return {"reproduced": False, "why": why + (" (%s)" % _XLA_DRAWS if self._xla_draws else "")}
         return {"reproduced": True, "op": found.to_json()}
 
-    def _replay_step(self, train_step: Callable[[Any], Any], batch: Any, step: int) -> Any:
+    def _replay_step(self, train_step: Callable[[Any], Any], batch: Any, step: int, quiet: bool = False) -> Any:
         from tb_numerics import oplevel
 
+        if quiet:  # in the thread that runs it: summaries' recording is per thread
+            with tf.summary.record_if(False):
+                return oplevel.replay_step(train_step, batch, step=step)
         writer = tf.summary.create_file_writer(self._log_dir, filename_suffix=".replay")
         try:
             return oplevel.replay_step(train_step, batch, step=step, writer=writer)

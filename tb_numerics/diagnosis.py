@@ -99,7 +99,11 @@ def _op_of(ra: RunAnalysis, step: int, row: int) -> tuple[dict[str, Any] | None,
 
 def first_anomaly(ra: RunAnalysis) -> dict[str, Any] | None:
     """The first non-finite record of the run, in words and numbers."""
-    cell = first_cell(ra, rules.NONFINITE, rows=_layer_rows(ra))
+    layer = _layer_rows(ra)
+    cell = first_cell(ra, rules.NONFINITE, rows=layer)
+    if cell is None and layer is not None:
+        # Only an op went bad (inside a layer whose records stayed finite): the op is the anomaly.
+        cell = first_cell(ra, rules.NONFINITE)
     if cell is None:
         return None
     cell = marked_cell(ra, cell)

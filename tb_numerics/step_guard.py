@@ -30,7 +30,11 @@ as it would. Where it is not, the rare branch looks closer:
 Under the guard, gradient tags say whether the optimizer squares them
 (``TensorInfo.squared_by``), for the square-overflow warning. Under a
 ``LossScaleOptimizer`` the update is not gated (it skips non-finite steps
-and lowers its scale itself). The guard replays the first non-finite step;
+and lowers its scale itself); at each of its skips the guard looks at the
+step's replay, writing nothing, and where its first non-finite op is a
+forward one (which no loss scale makes: a log(0), a float16 overflow
+inside a layer), that step is replayed as a held one; a gradient op that
+overflowed float16 is the scale's to handle. The guard replays the first non-finite step;
 later ones are gated, and replayed where an ``on_anomaly`` policy acts on
 them (three replays in all).
 
@@ -67,7 +71,7 @@ from tb_numerics import (
 
 __all__ = ["StepGuard", "guard"]
 
-_HELD, _OVERFLOWED, _SPIKED = 0, 1, 2  # slots of the guard's counters
+_HELD, _OVERFLOWED, _SPIKED, _SCALE_SKIPPED = 0, 1, 2, 3  # slots of the guard's counters
 _MAX_REPLAYS = 3  # replays at op level a guard runs in all (the first held step's, then its policy's events')
 
 
@@ -109,9 +113,10 @@ class StepGuard:
         self._opts = list(optimizers)
         self._replay = replay
         self._squared_by = next(filter(None, map(update_check.squares_gradients, self._opts)), "")
-        # Steps held back, steps applied with an overflowing square, steps a spike held back (see _HELD).
-        self._counts = _tf_internal.untracked_variable(np.zeros(3, np.int64), "tb_numerics_guard")
-        self._seen = np.zeros(3, np.int64)
+        # Steps held back, steps applied with an overflowing square, steps a spike held back,
+        # steps a LossScaleOptimizer skipped (see _HELD).
+        self._counts = _tf_internal.untracked_variable(np.zeros(4, np.int64), "tb_numerics_guard")
+        self._seen = np.zeros(4, np.int64)
         self._written: list[list[Any]] = [[] for _ in self._opts]  # what each optimizer's update writes
         self._applied: Any = None  # within a step: whether every update so far ran (a bool tensor)
         self._prev_step: int | None = None
@@ -137,6 +142,8 @@ class StepGuard:
         new, self._seen = counts - self._seen, counts
         if self.verdict is None and step is not None and (new[_HELD] or new[_OVERFLOWED]):
             self._escalate(step, bool(new[_HELD]), args, kwargs)
+        elif self.verdict is None and step is not None and new[_SCALE_SKIPPED] and self._replay:
+            self._look_inside_skip(step, args, kwargs)
         if self._policy is not None:
             self._survive(step, new, args, kwargs)
         self._prev_step = step
@@ -144,8 +151,8 @@ class StepGuard:
 
     def _gated(self, i: int, apply: Callable[..., Any]) -> Callable[..., Any]:
         opt = self._opts[i]
-        if hasattr(opt, "inner_optimizer"):  # a LossScaleOptimizer gates itself
-            return apply
+        if hasattr(opt, "inner_optimizer"):  # a LossScaleOptimizer gates itself: its skips are counted
+            return self._scale_gated(apply)
 
         @tf.autograph.experimental.do_not_convert  # explicit conds: nothing for autograph to convert
         def gated(grads, trainable_variables=None):
@@ -178,6 +185,23 @@ class StepGuard:
 
         return gated
 
+    def _scale_gated(self, apply: Callable[..., Any]) -> Callable[..., Any]:
+        """A LossScaleOptimizer's ``apply``, which skips a step whose gradients
+        are not finite by itself, with that skip counted (one pass over each
+        gradient, as the gate's)."""
+
+        @tf.autograph.experimental.do_not_convert
+        def counted(grads, trainable_variables=None):
+            grads = list(grads)
+            present = [g for g in grads if g is not None]
+            total = tf.add_n([_sq_sum(g) for g in present]) if present else tf.constant(0.0, tf.float64)
+            skipped = tf.cond(stats.sums_finite([total]), lambda: tf.constant(False),
+                              lambda: tf.logical_not(stats.all_finite(present)))
+            tf.cond(skipped, lambda: self._count(tf.constant(_SCALE_SKIPPED, tf.int64)), lambda: tf.constant(False))
+            return apply(grads, trainable_variables)
+
+        return counted
+
     def _spiked(self, window: _survive_tf.SpikeWindow, code: tf.Tensor, total: tf.Tensor) -> tf.Tensor:
         """``code``, or the spike's where the gradient norm is a spike."""
         norm = tf.sqrt(tf.cast(total, tf.float64))
@@ -188,7 +212,7 @@ class StepGuard:
         return tf.where(spiked, tf.constant(1 + _SPIKED, tf.int64), code)
 
     def _count(self, slot: tf.Tensor) -> tf.Tensor:
-        self._counts.assign_add(tf.one_hot(slot, 3, dtype=tf.int64))
+        self._counts.assign_add(tf.one_hot(slot, 4, dtype=tf.int64))
         return tf.constant(True)
 
     def _escalate(self, step: int, held: bool, args: tuple, kwargs: dict) -> None:
@@ -206,16 +230,36 @@ class StepGuard:
         elif held and self._replay:
             self.verdict = self._replayed(step, args, kwargs)
 
+    def _look_inside_skip(self, step: int, args: tuple, kwargs: dict) -> None:
+        """At a step a LossScaleOptimizer skipped (non-finite gradients): its
+        replay's first non-finite op, looked at writing nothing. A forward
+        one (a log(0), or a float16 overflow inside a layer whose output
+        stayed finite), which no loss scale makes, is the step's anomaly:
+        the step is replayed again as any held one. A gradient op is the
+        scale overflowing float16, which the skip handles."""
+        try:
+            with tf.summary.record_if(False):
+                found = self._replay_op(step, args, kwargs)
+        except Exception:  # noqa: BLE001 - a look must never stop training
+            return
+        if found is not None and found.phase != "backward" and not found.reads_nonfinite():
+            self.verdict = self._replayed(step, args, kwargs)
+
+    def _replay_op(self, step: int, args: tuple, kwargs: dict) -> Any:
+        """The step's first non-finite op, run again at op level with every
+        update suppressed and every variable write put back."""
+        with contextlib.ExitStack() as stack:
+            for opt in self._opts:
+                stack.enter_context(_apply_as(opt, lambda apply: lambda *a, **k: None))
+            stack.enter_context(_tf_internal.variable_writes_undone())
+            return oplevel.replay_step(_unrecorded(self._fn), *args, step=step, **kwargs)
+
     def _replayed(self, step: int, args: tuple, kwargs: dict) -> dict[str, Any]:
         """Runs the step again at op level (see the module) and writes the verdict."""
         self._replays += 1
         verdict: dict[str, Any] = {"step": step}
         try:
-            with contextlib.ExitStack() as stack:
-                for opt in self._opts:
-                    stack.enter_context(_apply_as(opt, lambda apply: lambda *a, **k: None))
-                stack.enter_context(_tf_internal.variable_writes_undone())
-                found = oplevel.replay_step(_unrecorded(self._fn), *args, step=step, **kwargs)
+            found = self._replay_op(step, args, kwargs)
         except Exception as e:  # noqa: BLE001 - a replay must never stop training
             found, verdict["why"] = None, "the replay raised %s: %s" % (type(e).__name__, e)
         if found is None:

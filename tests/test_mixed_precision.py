@@ -1,8 +1,13 @@
 """mixed_float16: loss scale and skipped steps recorded; skipped steps are warnings."""
 
+import os
+import re
+import traceback
+
 import keras
 import numpy as np
 import pytest
+import tensorflow as tf
 
 from tb_numerics import analysis, event_reader
 from tb_numerics.keras import NumericsCallback
@@ -73,3 +78,73 @@ def test_gradients_of_float32_master_weights_are_held_to_float16s_range(tmp_path
     assert (kernel.dtype, kernel.compute_dtype) == ("float32", "float16")
     assert infos["gradients/net/out/kernel"].compute_dtype == ""  # computed in float32
     assert infos["d1/output"].dtype == "float16"
+
+
+class _Norm(keras.layers.Layer):
+    """A hand-written layer norm computed in float16: its Square overflows for values beyond
+    256 while its output stays finite ((x - mean) / sqrt(inf) is 0)."""
+
+    def call(self, x):
+        mean = tf.reduce_mean(x, axis=-1, keepdims=True)
+        var = tf.reduce_mean(tf.square(x - mean), axis=-1, keepdims=True)
+        return (x - mean) / tf.sqrt(var + 1e-5)
+
+
+def _norm_model(run_eagerly: bool = False, jit_compile: bool = False) -> keras.Model:
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, name="d1"), _Norm(name="norm"),
+                              keras.layers.Dense(4, dtype="float32", name="out")], name="net")
+    opt = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(1e-2), initial_scale=256)
+    model.compile(optimizer=opt, loss="mse", run_eagerly=run_eagerly, jit_compile=jit_compile)
+    return model
+
+
+def _norm_data() -> tuple[np.ndarray, np.ndarray]:
+    """Six batches of 16; batch 3 arrives unscaled (x 3000, its targets x 3e4): its scaled
+    float16 gradients overflow too, so the LossScaleOptimizer skips that step."""
+    rs = np.random.RandomState(0)
+    x, y = rs.randn(96, 8).astype("float32"), rs.randn(96, 4).astype("float32")
+    x[48:64] *= 3000
+    y[48:64] *= 3e4
+    return x, y
+
+
+def _check_numerics_truth(x: np.ndarray, y: np.ndarray) -> tuple[int, str, int]:
+    """(step, op type, line of this file) where tf.debugging.enable_check_numerics stops the
+    same training run eagerly (every op checked in program order)."""
+    step = [-1]
+
+    class Count(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            step[0] += 1
+
+    tf.debugging.enable_check_numerics()
+    try:
+        _norm_model(run_eagerly=True).fit(x, y, batch_size=16, shuffle=False, verbose=0, callbacks=[Count()])
+    except Exception as e:  # noqa: BLE001 - check_numerics' error is the truth
+        op = re.search(r'op "(\w+)"', str(e)).group(1)
+        lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if f.filename == __file__]
+        return step[0], op, lines[-1]
+    finally:
+        tf.debugging.disable_check_numerics()
+    raise AssertionError("check_numerics found no NaN or Inf")
+
+
+@pytest.mark.parametrize("jit_compile", [False, True])
+def test_a_skip_whose_forward_overflowed_inside_a_layer_is_the_anomaly(tmp_path, mixed_float16, jit_compile):
+    """Issue 25: a float16 overflow inside a layer whose output stays finite, at a step the
+    LossScaleOptimizer skips, is the run's first anomaly (not a handled skip), at the step and
+    op check_numerics names, with the user's line; the skip that loss scaling handles (the
+    first test) stays information."""
+    x, y = _norm_data()
+    model = _norm_model(jit_compile=jit_compile)
+    model.fit(x, y, batch_size=16, shuffle=False, verbose=0, callbacks=[NumericsCallback(str(tmp_path))])
+    assert int(model.optimizer.iterations) == 5  # the step was skipped, and training went on
+    step, op_type, line = _check_numerics_truth(x, y)
+    (run,) = event_reader.read_logdir(str(tmp_path))
+    first = analysis.run_summary(analysis.analyze_run(run.run, run.series))["first_anomaly"]
+    assert first is not None, "the skip read as handled: the overflow inside the norm was missed"
+    assert first["step"] == step
+    assert first["op"]["type"] == op_type
+    assert first["op"]["phase"] == "forward"
+    assert first["op"]["source"].split(" ")[0].endswith("%s:%d" % (os.path.basename(__file__), line))

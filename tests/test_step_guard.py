@@ -299,3 +299,60 @@ def test_an_update_the_callback_does_not_hold_back_is_not_blamed_on_the_step_bef
     (truth,) = _oracle_steps(tmp_path, "oracle/nan_batch", 0.5)
     a = _report(tmp_path)["first_anomaly"]
     assert a["step"] == truth and a["phase"] != "update" and not a["tensor"].startswith("update/"), a
+
+
+def _scaled_quick_start(logdir):
+    """The quick start under mixed_float16 with a LossScaleOptimizer whose first scale is too
+    large (step 0's scaled gradients overflow float16: a skip the scale handles); batch BAD
+    scaled by 1e4, so that the float16 softmax meets exact zeros (a skip no scale handles)."""
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        model = _classifier(stateful=False)
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+    optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-3), initial_scale=2.0**24)
+    writer = tf.summary.create_file_writer(str(logdir))
+
+    def step_fn(x, y):
+        with tf.GradientTape() as tape:
+            p = model(x, training=True)
+            tbn.log_numerics("probs", p)
+            tf.summary.scalar("oracle/input_max", tf.reduce_max(tf.abs(x)))
+            loss = -tf.reduce_sum(y * tf.math.log(tf.cast(p, tf.float32)))  # SCALED_LOG
+            scaled = optimizer.scale_loss(loss)
+        grads = tape.gradient(scaled, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    train_step = tbn.guard(optimizer)(tf.function(step_fn))
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(STEPS, 16, 4)).astype(np.float32)
+    x[BAD] *= 1e4
+    y = np.eye(3, dtype=np.float32)[rng.integers(0, 3, size=(STEPS, 16))]
+    step = tf.Variable(0, dtype=tf.int64)
+    verdicts, iterations = [], []
+    with writer.as_default(step=step):
+        for i in range(STEPS):
+            step.assign(i)
+            train_step(tf.constant(x[i]), tf.constant(y[i]))
+            verdicts.append(train_step.verdict)
+            iterations.append(int(optimizer.iterations.numpy()))
+    writer.close()
+    return step_fn, (tf.constant(x[BAD]), tf.constant(y[BAD])), verdicts, iterations
+
+
+def test_under_a_loss_scale_the_guard_replays_a_skip_whose_forward_went_bad(tmp_path):
+    """A LossScaleOptimizer skips both a step whose scaled gradients overflow float16 (step 0:
+    the scale's to handle, nothing replayed) and one whose forward pass made the non-finite
+    value (BAD: its log(0)); the guard replays the second, so the report names the Log and
+    this file's line, as check_numerics does."""
+    step_fn, batch, verdicts, iterations = _scaled_quick_start(tmp_path)
+    assert iterations[0] == 0 and iterations[BAD] == iterations[BAD - 1]  # both skipped
+    assert verdicts[:BAD] == [None] * BAD and verdicts[BAD]["step"] == BAD
+    assert _oracle_steps(tmp_path, "oracle/input_max", 1e3) == [BAD]
+    op_type, lines = _check_numerics_names(step_fn, batch)
+    a = _report(tmp_path)["first_anomaly"]
+    assert a["step"] == BAD
+    assert a["op"]["type"] == op_type and a["op"]["phase"] == "forward"
+    assert a["op"]["source"].endswith("test_step_guard.py:%d (step_fn)" % line_of(__file__, "# SCALED_LOG"))
+    assert line_of(__file__, "# SCALED_LOG") in lines

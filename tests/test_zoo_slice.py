@@ -69,3 +69,16 @@ def test_todays_targets_on_the_slice(zoo):
     loop = next(c for c in zoo["cells"] if c["arch"] == "loop")
     assert loop["op_type"] and loop["source_line"] and not loop["crash"], loop
     assert loop["hint"] == "right", loop
+
+
+def test_a_learning_rate_100x_under_mixed_float16_warns_first_and_names_it(zoo):
+    """Issue 26 item 4: the mixed_float16 Transformer (hand-written norms, a LossScaleOptimizer)
+    at 100x its learning rate gets a warning before the first non-finite value the oracle
+    names, a hint that names the learning rate, and the op inside the model (not the model,
+    a container layer) at the oracle's step; its fixed variant gets no warning."""
+    cell = next(c for c in zoo["cells"] if (c["arch"], c["fault"]) == ("transformer", "lr100"))
+    assert cell["truth"]["phase"] == "forward", cell["truth"]
+    assert cell["lead"] is not None and cell["lead"] >= 1, cell["product"]["first_warning"]
+    assert cell["hint"] == "right", cell["product"]["hint"]
+    assert cell["step_exact"] and cell["op_type"] and cell["source_line"], cell["product"]
+    assert cell["false_warnings"] == 0, cell

@@ -154,9 +154,16 @@ class TensorFlowNumericsCallback(NumericsCallbackBase):
     def _kept_batches(self, step: int) -> list[Any]:
         return self._diagnosis.kept_batches(step)
 
-    def _replay_verdict(self, step: int, step_stats: np.ndarray) -> dict[str, Any]:
+    def _replay_verdict(self, step_stats: np.ndarray, values: StepValues) -> dict[str, Any]:
         # The TensorFlow replay writes its verdict itself (``_keras_replay``).
-        return self._diagnosis.replay(step, step_stats)
+        return self._diagnosis.replay(values.step, step_stats, self._scale(values))
+
+    def _skip_went_bad_forward(self, values: StepValues) -> bool:
+        return self._diagnosis.skip_went_bad_forward(values.step, self._scale(values))
+
+    def _scale(self, values: StepValues) -> float | None:
+        """The loss scale the step ran with (its replay runs with it too), or None."""
+        return values.loss_scale if self._program.lso else None
 
     # ------------------------------------------------------------ the on_anomaly policy
 

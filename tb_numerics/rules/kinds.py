@@ -259,7 +259,14 @@ def _skipped_marks(rows: Rows, p: Any) -> list[tuple[int, np.ndarray]]:
     # Steps with a loss-scale record that were not skipped: updates applied.
     applied = np.setdiff1d(sc.steps, skipped)
     recovered_before = applied[-1] if applied.size else -1
-    return [(r, m & (rows[r].series.steps < recovered_before)) for r, m in candidates]
+    # A step whose forward pass (or batch) went non-finite is no skip that loss
+    # scaling handles: its layer records say so, or the op-level records of a
+    # look inside it (a float16 overflow inside a layer whose output stayed
+    # finite, e.g. x / sqrt(inf)).
+    bad = [h.series.steps[h.codes == NONFINITE] for h in rows if h.series.info.phase != "backward"]
+    forward_bad = np.unique(np.concatenate(bad)) if bad else np.zeros(0, np.int64)
+    return [(r, m & (rows[r].series.steps < recovered_before) & ~np.isin(rows[r].series.steps, forward_bad))
+            for r, m in candidates]
 
 
 def _dead_unconfirmed(rows: Rows, p: Any) -> Iterable[tuple[int, np.ndarray]]:
