@@ -118,7 +118,7 @@ class _Round:
         return bool(self._parts)
 
     def add(self, row: int, what: str, values: list[torch.Tensor]) -> None:
-        """Asks for ``values`` (0-d float tensors; a count one whose float sum is exact) of ``row``."""
+        """Asks for ``values`` of ``row``: 0-d float tensors (a count is a float sum that is exact)."""
         self._parts.append((row, what, values))
 
     def results(self) -> list[tuple[int, str, np.ndarray]]:
