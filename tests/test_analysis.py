@@ -397,6 +397,26 @@ def test_a_skip_that_recovers_is_information_and_a_persistent_skip_is_the_anomal
     assert (a["step"], a["tensor"]) == (6, "gradients/w")
 
 
+def test_a_skip_whose_forward_pass_went_bad_is_the_anomaly_not_a_handled_skip():
+    """Issue 25: a step the LossScaleOptimizer skipped, whose forward pass made a non-finite
+    value inside a layer (an op-level record of a look inside it, e.g. a float16 Square that
+    overflowed while the layer's output stayed finite), is the run's anomaly, at that op; the
+    same skip without that record is one the scale handles."""
+    bad = with_values(healthy(), a=np.inf)
+    grads = series("gradients/w", {s: bad if s == 3 else healthy() for s in range(8)}, role="gradient")
+    scales = [2.0**8] * 4 + [2.0**7] * 4
+    square = records.make_series("ops/net/norm/Square", metadata.TensorInfo(role="activation", order=0,
+                                                                            op_type="Square"),
+                                 [3], [numpy_stats(with_values(healthy(), a=np.inf))])
+    handled = analysis.run_summary(analysis.analyze_run("r", [grads, _scale_series(scales)]))
+    assert handled["first_anomaly"] is None and handled["skipped_steps"] == [3]
+    summary = analysis.run_summary(analysis.analyze_run("r", [grads, _scale_series(scales), square]))
+    assert summary["skipped_steps"] == []
+    a = summary["first_anomaly"]
+    assert a["step"] == 3 and a["tensor"] == "gradients/w"
+    assert (a["op"]["type"], a["op"]["phase"]) == ("Square", "forward")
+
+
 def test_log_loss_fed_exact_zeros_gets_the_log_of_zero_hint_with_its_evidence():
     """Issue 13 item 11: a ReLU output's zero share climbs, then NaN in a cross-entropy."""
     out = {}
