@@ -149,7 +149,7 @@ class Diagnosis:
         if not self.can_replay:
             return False
         found = self._replay.probe(step, self._model.train_step, self._bad_replica(), loss_scale)
-        return found is not None and found.phase != "backward" and not found.reads_nonfinite()
+        return found is not None and found.beyond_loss_scaling()
 
     def _rows_bad_in_step(self, step_stats: np.ndarray, replica: int | None) -> np.ndarray:
         """Per row before the weights': whether the step's record (that

@@ -242,7 +242,7 @@ class StepGuard:
                 found = self._replay_op(step, args, kwargs)
         except Exception:  # noqa: BLE001 - a look must never stop training
             return
-        if found is not None and found.phase != "backward" and not found.reads_nonfinite():
+        if found is not None and found.beyond_loss_scaling():
             self.verdict = self._replayed(step, args, kwargs)
 
     def _replay_op(self, step: int, args: tuple, kwargs: dict) -> Any:

@@ -74,6 +74,12 @@ class OpRecord:
         did not make it: it read a value made non-finite before the step)."""
         return bool(self.input_records) and bool(np.any(nonfinite_count(np.asarray(self.input_records)) > 0))
 
+    def beyond_loss_scaling(self) -> bool:
+        """Whether no loss scale made this op's NaN or Inf: a forward (or
+        input) op made it itself, where a LossScaleOptimizer's skip is the
+        scale overflowing float16 in a gradient op."""
+        return self.phase != "backward" and not self.reads_nonfinite()
+
     @property
     def name(self) -> str:
         """The op's name: its tag without ``ops/``."""
