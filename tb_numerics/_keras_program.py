@@ -65,9 +65,9 @@ class Trace:
 
 def _merged_stats(tensors: list[tf.Tensor], name: str) -> tf.Tensor:
     """The record of all of ``tensors`` together (a layer's outputs, or its repeated calls)."""
-    out = stats.tensor_stats(tf.stop_gradient(tensors[0]), name)
+    out = stats.tensor_stats(tensors[0], name)
     for t in tensors[1:]:
-        out = stats.merge_stats(out, stats.tensor_stats(tf.stop_gradient(t), name))
+        out = stats.merge_stats(out, stats.tensor_stats(t, name))
     return out
 
 
@@ -88,8 +88,9 @@ def _batched_records(items: list[tuple[list[tf.Tensor], str]]) -> tuple[list[tf.
     if len(small) > 1:
         xs = [tf.convert_to_tensor(items[k][0][0]) for k in small]
         many, total = stats.many_stats_and_sum(xs, [stats.check_dtype(x, items[k][1]) for k, x in zip(small, xs)])
-        for j, k in enumerate(small):
-            records[k], sums[k] = many[j], total
+        # One op for all the rows (indexing each took a slice and its three constants).
+        for k, row in zip(small, tf.unstack(many, num=len(small))):
+            records[k], sums[k] = row, total
     for k, (tensors, tag) in enumerate(items):
         if records[k] is not None:
             continue
@@ -109,6 +110,36 @@ def _state_variable(initial_value: Any) -> tf.Variable:
 def strategy_of(model: Any) -> tf.distribute.Strategy:
     """The strategy ``fit`` runs the model's steps under (the default one on one device)."""
     return getattr(model, "distribute_strategy", None) or tf.distribute.get_strategy()
+
+
+class _Snapshot:
+    """A copy of the weights before the update (for the update ratios), in
+    one flat variable per dtype: one resource for a cond branch to capture,
+    not one per weight (ResNet-50's 214 made 214 inputs of each branch of
+    each cond that reads them, each a node to trace and optimise)."""
+
+    def __init__(self, variables: list):
+        self._dtypes = [tf.as_dtype(v.dtype) for v in variables]
+        self._sizes = [int(np.prod(v.shape)) for v in variables]
+        self._buffers = {}
+        for dtype in dict.fromkeys(self._dtypes):
+            total = sum(n for n, d in zip(self._sizes, self._dtypes) if d == dtype)
+            self._buffers[dtype] = _state_variable(tf.zeros([total], dtype))
+
+    def keep(self, values: list[tf.Tensor]) -> None:
+        """Copies ``values`` (the weights, in order) into the buffers."""
+        for dtype, buffer in self._buffers.items():
+            part = [stats.flatten(x) for x, d in zip(values, self._dtypes) if d == dtype]
+            buffer.assign(tf.concat(part, 0) if len(part) > 1 else part[0])
+
+    def flat_values(self) -> list[tf.Tensor]:
+        """The kept weights, flat, in order."""
+        parts = {}
+        for dtype, buffer in self._buffers.items():
+            sizes = [n for n, d in zip(self._sizes, self._dtypes) if d == dtype]
+            value = buffer.read_value()
+            parts[dtype] = iter(tf.split(value, sizes) if len(sizes) > 1 else [value])
+        return [next(parts[d]) for d in self._dtypes]
 
 
 class StepProgram:
@@ -146,7 +177,7 @@ class StepProgram:
         self._aux_var = _state_variable(tf.constant(aux0, tf.float64))
         self._calls = _state_variable(tf.constant(0, tf.int64))
         self._skipped = _state_variable(tf.constant(0, tf.int64))
-        self._snapshots = [_state_variable(tf.zeros(v.shape, v.dtype)) for v in plan.variables] if update_ratios else []
+        self._snapshot = _Snapshot(plan.variables) if update_ratios else None
         strategy = strategy_of(model)
         replicas = strategy.num_replicas_in_sync
         self.replica_nonfinite = (
@@ -246,11 +277,13 @@ class StepProgram:
                 row.dtype = tensors[0].dtype.base_dtype.name
                 row.shape = tuple(tensors[0].shape.as_list()) if tensors[0].shape.rank is not None else None
                 row.present = True
-                forward.append((plan.act_rows[i], [tf.stop_gradient(t) for t in tensors]))
+                # No stop_gradient here: the records come after the tape, and
+                # tensor_stats stops the gradient of what it reads itself.
+                forward.append((plan.act_rows[i], tensors))
         if trace.loss is not None and trace.loss.dtype.base_dtype.name in metadata.DTYPE_LIMITS:
             row = plan.rows[plan.loss_row]
             row.dtype, row.shape, row.present = trace.loss.dtype.base_dtype.name, tuple(trace.loss.shape), True
-            forward.append((plan.loss_row, [tf.stop_gradient(trace.loss)]))
+            forward.append((plan.loss_row, [trace.loss]))
         records, _ = _batched_records([(tensors, plan.rows[r].tag) for r, tensors in forward])
         for (r, _), record in zip(forward, records):
             rows[r] = record
@@ -317,11 +350,12 @@ class StepProgram:
         # ops took one control edge per variable: ResNet-50's 214 copies
         # times some 1,900 ops, 18 s of its first step for this branch alone.
         variables = self._plan.variables
-        for s, v in zip(self._snapshots, variables):
-            s.assign(tf.convert_to_tensor(v))
+        values = [tf.convert_to_tensor(v) for v in variables]
+        if self._snapshot is not None:
+            self._snapshot.keep(values)
         if not self._plan.num_weight_rows:
             return tf.zeros([0, NUM_FIELDS], tf.float64)
-        records, _ = _batched_records([([tf.convert_to_tensor(v)], v.path) for v in variables])
+        records, _ = _batched_records([([x], v.path) for x, v in zip(values, variables)])
         return tf.stack(records)
 
     def _update_norms(self, due: tf.Tensor, weight_rows: tf.Tensor) -> tf.Tensor:
@@ -331,8 +365,8 @@ class StepProgram:
             return tf.zeros([0], tf.float64)
 
         def norms() -> tf.Tensor:
-            olds = [s.read_value() for s in self._snapshots]
-            moved = stats.sq_norms([tf.convert_to_tensor(v) - old for v, old in zip(variables, olds)])
+            olds = self._snapshot.flat_values()
+            moved = stats.sq_norms([stats.flatten(v) - old for v, old in zip(variables, olds)])
             # ||w_old||^2 is the weights records' sum of squares when there are any.
             w2 = weight_rows[:, F["sum_sq"]] if self._plan.num_weight_rows else stats.sq_norms(olds)
             return tf.reshape(tf.stack([moved, w2], axis=1), [-1])

@@ -14,7 +14,7 @@ from tb_numerics import _requires
 tf = _requires.tensorflow(__name__)
 
 from tb_numerics import metadata  # noqa: E402
-from tb_numerics._stats_core import ACC_DTYPE, VIEWS, bits_to_float64, float_bits, sq_norm  # noqa: E402
+from tb_numerics._stats_core import ACC_DTYPE, VIEWS, bits_to_float64, flatten, float_bits, sq_norm  # noqa: E402
 
 __all__ = ["SMALL_TENSOR", "is_small", "many_stats", "many_stats_and_sum", "sq_norms"]
 
@@ -91,7 +91,7 @@ def sq_norms(tensors: list[tf.Tensor]) -> tf.Tensor:
     large = [i for i, x in enumerate(tensors) if not is_small(x)]
     parts = []
     if small:
-        flats = [tf.reshape(tf.cast(tensors[i], tf.float64), [-1]) for i in small]
+        flats = [flatten(tf.cast(tensors[i], tf.float64)) for i in small]
         seg = tf.constant(np.repeat(np.arange(len(small), dtype=np.int32), [f.shape.num_elements() for f in flats]))
         values = tf.concat(flats, 0) if len(flats) > 1 else flats[0]
         parts.append(tf.math.unsorted_segment_sum(values * values, seg, len(small)))
@@ -110,7 +110,7 @@ def _segment_stats(tensors: list[tf.Tensor], dtypes: list[str], acc: tf.DType) -
     mask = sign_bit - 1
     lowest, highest = _INT_LIMITS[int_t]
     k = len(tensors)
-    flats = [tf.reshape(tf.cast(x, acc) if x.dtype != acc else x, [-1]) for x in tensors]
+    flats = [flatten(tf.cast(x, acc) if x.dtype != acc else x) for x in tensors]
     sizes = [f.shape.num_elements() for f in flats]
     seg = tf.constant(np.repeat(np.arange(k, dtype=np.int32), sizes))
     values = tf.concat(flats, 0) if k > 1 else flats[0]

@@ -46,6 +46,7 @@ from tb_numerics._stats_core import (  # noqa: E402
     count_nonfinite,
     count_true,
     finite_min_max,
+    flatten,
     float_bits,
     global_norm_record,
     make_record,
@@ -54,6 +55,7 @@ from tb_numerics._stats_core import (  # noqa: E402
     nonfinite_fields,
     overflow_count,
     scalar_record,
+    shared_constant,
     sq_norm,
     sums_finite,
 )
@@ -79,6 +81,7 @@ __all__ = [
     "combine_replicas",
     "combine_stats",
     "count_nonfinite",
+    "flatten",
     "gather_replicas",
     "global_norm_record",
     "is_small",
@@ -89,6 +92,7 @@ __all__ = [
     "op_stats",
     "replica_context",
     "scalar_record",
+    "shared_constant",
     "sq_norm",
     "sq_norms",
     "sums_finite",
@@ -137,13 +141,13 @@ def tensor_stats_and_sum(x: tf.Tensor, name: str) -> tuple[tf.Tensor, tf.Tensor]
     dtype = check_dtype(x, name)
     acc = ACC_DTYPE[dtype]
     with tf.name_scope("tensor_stats"):
-        flat = tf.reshape(tf.stop_gradient(x), [-1])
+        flat = flatten(tf.stop_gradient(x))
         if flat.dtype != acc:
             flat = tf.cast(flat, acc)
         # Outside the function call, whose outputs all come when it ends: a
         # caller deciding on the sum (the replay's gate on the update) waits
         # for this one reduction, not for the whole record.
-        total = tf.reduce_sum(flat)
+        total = tf.reduce_sum(flat, axis=shared_constant(0))
         size = flat.shape.num_elements()
         compiled = _xla_gpu_visible()
         if acc == tf.float64 or (size is not None and size >= 2**31):

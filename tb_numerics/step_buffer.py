@@ -284,8 +284,8 @@ def _records(entries: list[Entry]) -> tf.Tensor:
     small = [i for i, e in enumerate(entries) if e.x is not None and stats.is_small(e.x)] if len(entries) > 1 else []
     if small:
         many = stats.many_stats([entries[i].x for i in small], [entries[i].dtype for i in small])
-        for j, i in enumerate(small):
-            vecs[i] = many[j]
+        for i, row in zip(small, tf.unstack(many, num=len(small))):
+            vecs[i] = row
     for i, e in enumerate(entries):
         if vecs[i] is None and e.x is not None:
             vecs[i] = stats.tensor_stats(e.x, "")
