@@ -247,6 +247,9 @@ def test_dragging_on_a_chart_zooms_timeline_and_charts_to_that_step_range(open_p
     page.mouse.move(box["x"] + box["width"] * 0.6, y, steps=5)
     page.mouse.up()
     page.wait_for_function("() => /start=\\d+&end=\\d+/.test(location.hash)")
+    # The link changes at once and the timeline follows when read: the loading line
+    # ("Loading…" from the same task that set the link) empties once it has.
+    expect(page.locator(".loading-line")).to_have_text("", timeout=30000)
     start, end = map(int, re.search(r"start=(\d+)&end=(\d+)", page.evaluate("location.hash")).groups())
     assert 40 < start < end < 160, (start, end)
     expect(page.get_by_label("First step")).to_have_value(str(start))
