@@ -224,6 +224,13 @@ class NumericsCallbackBase(keras.callbacks.Callback):
         once ``self.plan`` and ``self._host`` are made."""
         raise NotImplementedError
 
+    def _resume(self, model: keras.Model) -> bool:
+        """Takes up, for this ``fit``, what the last ``fit`` of ``model``
+        built and traced (its plan, step program and records, with a new
+        event file), where nothing they depend on changed; whether it did.
+        Otherwise ``on_train_begin`` builds them again."""
+        return False
+
     def _new_steps(self) -> list[Step]:
         """The steps computed since the last call, oldest first."""
         raise NotImplementedError
@@ -285,6 +292,8 @@ class NumericsCallbackBase(keras.callbacks.Callback):
                              "its first call): build it before fit, by calling it on a batch" % model.name)
         if not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)
+        if self._resume(model):
+            return
         self.plan = RowPlan(model, inputs=self.inputs, activations=self.activations, gradients=self.gradients,
                             weights=self.weights)
         self._lso = isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)
@@ -385,9 +394,17 @@ class HostRecords:
         self._batch_noted = False
         self._applied = False  # whether a step's records were finite (its update applied)
         self.skip_to_probe = False
-        self.writer = record_writer.NumericsRecordWriter(log_dir)
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tb_numerics_callback")
+        self._log_dir = log_dir
         self._pending: list[concurrent.futures.Future] = []
+        self.reopen()
+
+    def reopen(self) -> None:
+        """A new event file and writer thread: at the start of a ``fit``,
+        the first or a later one of the same run (after ``close``), which
+        goes on from the records written before (the tags' order, the
+        step held back and the non-finite kinds seen)."""
+        self.writer = record_writer.NumericsRecordWriter(self._log_dir)
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tb_numerics_callback")
 
     # ------------------------------------------------------------ the writer thread
 

@@ -14,7 +14,8 @@ which remembers how to put each one back):
   (a GAN's second one), whose gradients are recorded with the model
   optimizer's where it runs before it, and whose update is held back with
   the step's (``UpdateGate.gated_other_apply``);
-* ``model.train_function``, rebuilt so that the wrappers are traced into it.
+* ``model.train_function``, rebuilt so that the wrappers are traced into it
+  (or, at a later ``fit`` of the same model, the one built before).
 
 While a replay runs a step again (``_keras_replay``), the wrappers record
 nothing and never update the weights: they keep what the replay's layers
@@ -51,9 +52,11 @@ class StepHooks:
         self._step_trace: Trace | None = None  # the training step's, for the whole step
         self.replay_trace = Trace()  # what the last replay's layers made
 
-    def install(self, patches: Patches, activations: bool) -> None:
+    def install(self, patches: Patches, activations: bool, train_function: Any = None) -> Any:
         """Wraps the model's step, the optimizer and (with ``activations``)
-        each top-level layer, and rebuilds the train function around them."""
+        each top-level layer, and rebuilds the train function around them;
+        returns it. ``train_function``: the one these hooks' last install
+        built, taken up again instead (already traced around them)."""
         model, opt = self._model, self._model.optimizer
         patches.set(model, "train_step", self._wrap_train_step(model.train_step))
         patches.set(opt, "scale_loss", self._wrap_scale_loss(opt.scale_loss))
@@ -66,7 +69,11 @@ class StepHooks:
         old_function = model.train_function
         patches.on_restore(lambda: setattr(model, "train_function", old_function))
         patches.on_restore(self._forget)
-        model.make_train_function(force=True)
+        if train_function is None:
+            model.make_train_function(force=True)
+        else:
+            model.train_function = train_function
+        return model.train_function
 
     def _forget(self) -> None:
         self._trace = None
