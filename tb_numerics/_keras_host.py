@@ -26,8 +26,10 @@ kept batch and the replay of a step at op level.
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import json
 import sys
+import weakref
 from typing import Any, Callable, NamedTuple, Sequence
 
 import keras
@@ -109,6 +111,17 @@ class Patches:
             self._restore.pop()()
 
 
+@dataclasses.dataclass
+class _Traced:
+    """What a ``fit`` built and traced, kept for the next ``fit`` of the same model."""
+
+    model: weakref.ref
+    key: tuple  # ``_fit_key`` then
+    plain: Any  # Keras' own train function, as put back
+    patched: Any  # the train function traced around the wrappers
+    host: HostRecords
+
+
 def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError("%s must be a positive integer, got %r" % (name, value))
@@ -179,6 +192,7 @@ class NumericsCallbackBase(keras.callbacks.Callback):
     """
 
     backend = ""  # the Keras backend a subclass serves
+    keeps_step = False  # whether a later fit of the same model takes up the step traced before (``_take_up``)
 
     def __init__(
         self,
@@ -216,20 +230,26 @@ class NumericsCallbackBase(keras.callbacks.Callback):
         self._host: HostRecords | None = None
         self._patches = Patches()
         self._batch = 0  # the index of the batch last ended in its epoch
+        self._patched: Any = None  # the train function this fit runs, once built (``_begin``)
+        self._traced: _Traced | None = None  # the last fit's, between fits
 
     # ------------------------------------------------------------ for a backend
 
     def _begin(self, model: keras.Model) -> None:
         """Wraps the model's training step (setting with ``self._patches``),
-        once ``self.plan`` and ``self._host`` are made."""
+        once ``self.plan`` and ``self._host`` are made, and sets
+        ``self._patched`` to the train function built around it."""
         raise NotImplementedError
 
-    def _resume(self, model: keras.Model) -> bool:
-        """Takes up, for this ``fit``, what the last ``fit`` of ``model``
-        built and traced (its plan, step program and records, with a new
-        event file), where nothing they depend on changed; whether it did.
-        Otherwise ``on_train_begin`` builds them again."""
-        return False
+    def _step_key(self, model: keras.Model) -> tuple:
+        """What else a backend's traced step depends on (a distribution strategy)."""
+        return ()
+
+    def _take_up(self, model: keras.Model, train_function: Any) -> Any:
+        """Installs the wrappers again around ``train_function``, the one
+        the last ``fit`` of ``model`` traced, and sets it as the model's;
+        returns it. Only where ``keeps_step``."""
+        raise NotImplementedError
 
     def _new_steps(self) -> list[Step]:
         """The steps computed since the last call, oldest first."""
@@ -302,11 +322,43 @@ class NumericsCallbackBase(keras.callbacks.Callback):
                                  squared_by=self._squared_by(model.optimizer))
         self._begin(model)
 
+    def _fit_key(self, model: keras.Model) -> tuple:
+        """What the plan, the step's records and their trace depend on beyond
+        the train function Keras keeps: the optimizer, the variables, how
+        the step runs, and this callback's options."""
+        return (model.optimizer, tuple(id(v) for v in model.trainable_variables),
+                int(getattr(model, "steps_per_execution", 1) or 1), model.jit_compile, model.run_eagerly,
+                self.inputs, self.activations, self.gradients, self.weights, self.update_ratios, self.replay,
+                self.every_n_steps, self.weights_every_n_steps, self.stop_on_anomaly, self.safe_range,
+                *self._step_key(model))
+
+    def _resume(self, model: keras.Model) -> bool:
+        """Takes up, for this ``fit``, what the last ``fit`` of ``model``
+        built and traced (its plan, the step and the records' state, with a
+        new event file) where nothing they depend on changed, as Keras keeps
+        its own train function until the model is compiled again; whether
+        it did. Tracing took most of the first epoch (ResNet-50: tens of
+        seconds), which a user calling ``fit`` in a loop paid at each call."""
+        kept, self._traced = self._traced, None
+        if (kept is None or kept.model() is not model or model.train_function is not kept.plain
+                or kept.key != self._fit_key(model)):
+            return False
+        self._host = kept.host
+        self._host.reopen()
+        self._patched = self._take_up(model, kept.patched)
+        return True
+
     def on_train_end(self, logs=None) -> None:
+        model, host, patched = self.model, self._host, self._patched
+        ours = patched is not None and model is not None and model.train_function is patched
+        self._patched = None
         self._patches.restore()
-        if self._host is not None:
-            host, self._host = self._host, None
+        self._traced = None
+        if host is not None:
+            self._host = None
             host.close()
+        if ours and host is not None and self.anomaly is None and self.keeps_step:
+            self._traced = _Traced(weakref.ref(model), self._fit_key(model), model.train_function, patched, host)
 
     def on_epoch_end(self, epoch, logs=None) -> None:
         if self._host is not None:

@@ -43,7 +43,11 @@ FAULTS = ("log0", "div00", "overflow", "sqrt0")
 
 @keras.saving.register_keras_serializable("tbn_tests")
 class Fault(keras.layers.Layer):
-    """Passes its input on, with its last feature through a fault that fires where that feature is 0."""
+    """Passes its input on, with its last feature through a fault that fires where that feature is 0.
+
+    ``calls`` counts the Python runs of ``call``: a traced step runs none."""
+
+    calls = 0
 
     def __init__(self, kind: str, **kwargs):
         super().__init__(**kwargs)
@@ -52,6 +56,7 @@ class Fault(keras.layers.Layer):
             self.scale = self.add_weight(shape=(), initializer="ones", name="scale")
 
     def call(self, x):
+        Fault.calls += 1
         head, trigger = x[:, :-1], x[:, -1:]
         if self.kind == "sqrt0":  # finite forward (sqrt(0) = 0), NaN gradient (inf * 0) where the trigger is 0
             out = keras.ops.sqrt(keras.ops.square(self.scale * (1.0 - trigger)))  # FAULT_LINE sqrt0
@@ -121,6 +126,29 @@ def run_fault(kind: str, root: str, **callback_args) -> dict:
     cb = NumericsCallback(logdir, **callback_args)
     model(kind).fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[cb])
     return {"report": report(logdir), "line": fault_line(kind), "verdict": cb.replay_verdict}
+
+
+def run_refit(root: str) -> dict:
+    """``log0``'s training as three ``fit`` calls with one callback (batches
+    0-3, 4-6, 7-11: the bad one opens the third), and the Python runs of the
+    fault layer's ``call`` in the second call, with the callback and
+    without it (Keras runs its traced step: none)."""
+    logdir = os.path.join(root, "refit")
+    x, y = data("log0")
+    cb = NumericsCallback(logdir)
+    m = model("log0")
+    calls = []
+    for lo, hi in ((0, 4), (4, 7), (7, STEPS)):
+        before = Fault.calls
+        m.fit(x[lo * BATCH:hi * BATCH], y[lo * BATCH:hi * BATCH], batch_size=BATCH, epochs=1, shuffle=False,
+              verbose=0, callbacks=[cb])
+        calls.append(Fault.calls - before)
+    plain = model("log0")
+    plain.fit(x[:4 * BATCH], y[:4 * BATCH], batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    before = Fault.calls
+    plain.fit(x[4 * BATCH:7 * BATCH], y[4 * BATCH:7 * BATCH], batch_size=BATCH, epochs=1, shuffle=False, verbose=0)
+    return {"report": report(logdir), "verdict": cb.replay_verdict, "second_fit_calls": calls[1],
+            "plain_second_fit_calls": Fault.calls - before}
 
 
 def run_mixed(policy: str, root: str) -> dict:
@@ -246,6 +274,7 @@ def main(out: str, root: str) -> None:
         elif BACKEND == "torch":
             results[kind]["oracle"] = torch_anomaly_oracle(kind)
     results["weights"] = run_weights(root)
+    results["refit"] = run_refit(root)
     from demo.stories import keras_fit
 
     keras_fit.run(root)

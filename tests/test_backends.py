@@ -167,3 +167,22 @@ def test_the_weights_and_update_ratios_are_those_keras_held_around_their_steps(r
     # A bad step records the weights it used too (its update held back for the replay).
     steps = {b: runs[b]["log0"]["report"]["steps"]["faulty/dense_0/kernel"] for b in BACKENDS}
     assert steps["jax"] == steps["tensorflow"] == steps["torch"] and backend_runs.BAD_STEP in steps["tensorflow"], steps
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_later_fit_runs_the_step_the_first_traced_and_finds_the_same_anomaly(runs, backend):
+    """One training as three fit calls with one callback: the second runs the
+    step the first traced, as Keras' own second fit does (on PyTorch no step
+    is traced: each batch runs in Python, with or without it), and the third's
+    bad batch is the first anomaly one fit finds, with the same op's line."""
+    got, whole = runs[backend]["refit"], runs[backend]["log0"]
+    # The oracle: Keras traces its step once on TensorFlow and JAX; on PyTorch
+    # it runs it eagerly, a Python run per batch (the second fit has 3).
+    assert got["plain_second_fit_calls"] == (3 if backend == "torch" else 0)
+    assert got["second_fit_calls"] == got["plain_second_fit_calls"]
+    a, b = got["report"]["first_anomaly"], whole["report"]["first_anomaly"]
+    assert (a["step"], a["tensor"], a["phase"]) == (b["step"], b["tensor"], b["phase"]) == (
+        backend_runs.BAD_STEP, "fault/output", "forward")
+    assert got["report"]["steps"]["fault/output"] == list(range(backend_runs.STEPS))
+    assert a["op"]["source"] == b["op"]["source"] and a["op"]["source"].startswith(
+        "backend_runs.py:%d (" % whole["line"]), (a["op"], b["op"])

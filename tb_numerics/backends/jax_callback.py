@@ -142,8 +142,18 @@ class JaxNumericsCallback(NumericsCallbackBase):
     """``NumericsCallback`` for Keras' JAX backend (the options: ``_keras_host.NumericsCallbackBase``)."""
 
     backend = "jax"
+    keeps_step = True
 
     def _begin(self, model: keras.Model) -> None:
+        self._patched = self._install(model)
+
+    def _take_up(self, model: keras.Model, train_function: Any) -> Any:
+        return self._install(model, train_function)
+
+    def _install(self, model: keras.Model, train_function: Any = None) -> Any:
+        """The step's state and wrappers, for this fit, around the jitted
+        train function built here, or ``train_function``, the one the last
+        fit of the model built (compiled for this plan and these wrappers)."""
         opt = model.optimizer
         self._trace: _Trace | None = None
         self._queue: list[tuple[int, dict, Any, tuple | None]] = []
@@ -171,12 +181,16 @@ class JaxNumericsCallback(NumericsCallbackBase):
                 patches.set(layer, "call", self._wrap_call(i, layer.call))
         old_function = model.train_function
         patches.on_restore(lambda: setattr(model, "train_function", old_function))
+        if train_function is not None:
+            model.train_function = train_function
+            return train_function
         make_function = model._make_function  # noqa: SLF001 - where fit's loop calls the jitted step
         model._make_function = lambda step_function, **kw: make_function(self._collector(step_function), **kw)
         try:
             model.make_train_function(force=True)
         finally:
             del model._make_function
+        return model.train_function
 
     # ------------------------------------------------------------ inside the step
 

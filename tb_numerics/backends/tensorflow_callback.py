@@ -28,8 +28,6 @@ The TensorFlow parts, each in a module named for its job:
 
 from __future__ import annotations
 
-import dataclasses
-import weakref
 from typing import Any, Sequence
 
 import numpy as np
@@ -40,24 +38,12 @@ _requires.tensorflow(__name__)  # says what to install where TensorFlow is missi
 
 from tb_numerics import _keras_replay, survive, update_check  # noqa: E402 - after that check
 from tb_numerics._keras_diagnosis import Diagnosis, why_no_replay  # noqa: E402
-from tb_numerics._keras_host import HostRecords, NumericsCallbackBase, Step, StepValues  # noqa: E402
+from tb_numerics._keras_host import NumericsCallbackBase, Step, StepValues  # noqa: E402
 from tb_numerics._keras_patch import StepHooks  # noqa: E402
 from tb_numerics._keras_program import StepProgram, strategy_of  # noqa: E402
 from tb_numerics._keras_survive import SurvivalHost  # noqa: E402
 
 __all__ = ["TensorFlowNumericsCallback"]
-
-
-@dataclasses.dataclass
-class _Traced:
-    """What a ``fit`` built and traced, kept for the next ``fit`` of the same model."""
-
-    model: weakref.ref
-    key: tuple  # ``_fit_key`` then
-    plain: Any  # Keras' own train function, as put back
-    patched: Any  # the train function traced around the hooks
-    host: HostRecords
-    hooks: StepHooks
 
 
 class TensorFlowNumericsCallback(NumericsCallbackBase):
@@ -93,6 +79,7 @@ class TensorFlowNumericsCallback(NumericsCallbackBase):
     """
 
     backend = "tensorflow"
+    keeps_step = True
 
     def __init__(self, log_dir: str, *args: Any, on_anomaly: "str | survive.OnAnomaly | None" = None,
                  skip_batches: Sequence[tuple[int, int]] = (), **kwargs: Any):
@@ -108,8 +95,6 @@ class TensorFlowNumericsCallback(NumericsCallbackBase):
         self.stop_on_anomaly = self._policy is not None and self._policy.action == "stop"
         self._survival: SurvivalHost | None = None  # set while fit runs, with a policy
         self._hooks: StepHooks | None = None
-        self._patched: Any = None  # the train function this fit runs, once built
-        self._traced: _Traced | None = None  # the last fit's, between fits
 
     def _begin(self, model: Any) -> None:
         self._replay = _keras_replay.StepReplay(model, self.log_dir) if self.replay else None
@@ -138,39 +123,16 @@ class TensorFlowNumericsCallback(NumericsCallbackBase):
         if self._survival is not None:
             self._survival.begin()
 
-    def _fit_key(self, model: Any) -> tuple:
-        """What the plan, the step program and their trace depend on beyond
-        the train function Keras keeps: the optimizer, the variables, how
-        the step runs, and this callback's options."""
-        return (model.optimizer, tuple(id(v) for v in model.trainable_variables), strategy_of(model),
-                int(getattr(model, "steps_per_execution", 1) or 1), model.jit_compile, model.run_eagerly,
-                self.inputs, self.activations, self.gradients, self.weights, self.update_ratios, self.replay,
-                self.every_n_steps, self.weights_every_n_steps, self.stop_on_anomaly, self.safe_range)
+    def _step_key(self, model: Any) -> tuple:
+        return (strategy_of(model),)
 
-    def _resume(self, model: Any) -> bool:
-        # A later fit of the same model, not compiled again (Keras keeps its
-        # train function until then): the step traced last time is run again
-        # (tracing it took most of the first epoch: ResNet-50, tens of seconds).
-        kept, self._traced = self._traced, None
-        if (kept is None or kept.model() is not model or model.train_function is not kept.plain
-                or kept.key != self._fit_key(model)):
-            return False
-        self._host = kept.host
-        self._host.reopen()
-        self._patched = kept.hooks.install(self._patches, self.activations, train_function=kept.patched)
+    def _take_up(self, model: Any, train_function: Any) -> Any:
+        # Everything this fit's step uses (its variables, the replay's kept
+        # batch, the policy's state) is as the last fit left it.
+        train_function = self._hooks.install(self._patches, self.activations, train_function=train_function)
         if self._survival is not None:
             self._survival.begin()
-        return True
-
-    def on_train_end(self, logs=None) -> None:
-        model, host, patched = self.model, self._host, self._patched
-        ours = patched is not None and model is not None and model.train_function is patched
-        self._patched = None
-        super().on_train_end(logs)
-        self._traced = None
-        if ours and host is not None and self.anomaly is None:
-            self._traced = _Traced(weakref.ref(model), self._fit_key(model), model.train_function, patched,
-                                   host, self._hooks)
+        return train_function
 
     def _check_policy(self, model: Any) -> None:
         """Refuses a policy the step cannot carry out (before anything is wrapped)."""
