@@ -16,6 +16,11 @@ left running is charged to it. Printed per backend: the median step time of
 each, their ratio and the median of the ratios of the blocks run side by
 side (target: <= 1.15), and the machine's load.
 
+``--fits N``: first, on fresh models, the seconds of two ``model.fit``
+calls of N batches each, plain and with one ``NumericsCallback`` (the first
+call compiles the step; the second shows whether it is compiled again);
+``--reps 0`` prints only those.
+
 ``--baseline TREE`` (a checkout of another commit, e.g. ``git worktree add
 /tmp/base main``) measures that tree's callback too, per backend right
 before this tree's, so that a change's before and after are printed side
@@ -102,7 +107,19 @@ def _driver(backend: str, keras, model, callbacks, x, y):
     return step, settle
 
 
-def worker(reps: int, steps: int, callback_args: dict) -> dict:
+def _two_fits(keras, np, callbacks, x, y, batches: int) -> list[float]:
+    """Seconds of two ``fit`` calls of ``batches`` batches each, on a fresh model."""
+    model = _model(keras, np)
+    xs, ys = np.concatenate([x] * batches), np.concatenate([y] * batches)
+    out = []
+    for _ in range(2):
+        start = time.perf_counter()
+        model.fit(xs, ys, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
+        out.append(time.perf_counter() - start)
+    return out
+
+
+def worker(reps: int, steps: int, callback_args: dict, fits: int = 0) -> dict:
     """Runs in a process whose KERAS_BACKEND is set; the per-block step times of each mode."""
     import keras
     import numpy as np
@@ -114,8 +131,14 @@ def worker(reps: int, steps: int, callback_args: dict) -> dict:
     x = rng.normal(size=(BATCH, WIDTH)).astype(np.float32)
     y = rng.normal(size=(BATCH, WIDTH)).astype(np.float32)
     root = tempfile.mkdtemp(prefix="tbn_bench_backends_")
-    modes = {"fit": _driver(backend, keras, _model(keras, np), [], x, y),
-             "fit_callback": _driver(backend, keras, _model(keras, np), [NumericsCallback(root, **callback_args)], x, y)}
+    two = {}
+    if fits:
+        two = {"fit": _two_fits(keras, np, [], x, y, fits),
+               "fit_callback": _two_fits(keras, np, [NumericsCallback(os.path.join(root, "fits"), **callback_args)],
+                                         x, y, fits)}
+    modes = {} if not reps else {
+        "fit": _driver(backend, keras, _model(keras, np), [], x, y),
+        "fit_callback": _driver(backend, keras, _model(keras, np), [NumericsCallback(root, **callback_args)], x, y)}
     for step, settle in modes.values():  # compile, and the first weights step
         for _ in range(2):
             step()
@@ -133,11 +156,19 @@ def worker(reps: int, steps: int, callback_args: dict) -> dict:
             times[m].append((time.perf_counter() - start) / steps)
     import tb_numerics
 
-    return {"backend": backend, "times": times, "tree": os.path.dirname(os.path.dirname(tb_numerics.__file__))}
+    return {"backend": backend, "times": times, "fits": two,
+            "tree": os.path.dirname(os.path.dirname(tb_numerics.__file__))}
 
 
 def _report(result: dict, load: str, label: str = "") -> bool:
+    if result.get("fits"):
+        (p1, p2), (c1, c2) = result["fits"]["fit"], result["fits"]["fit_callback"]
+        print("%-10s first fit call: plain %.2f s, with the callback %.2f s (%+.2f s); second call: plain %.2f s, "
+              "with the callback %.2f s (%+.2f s)%s" % (result["backend"], p1, c1, c1 - p1, p2, c2, c2 - p2, label),
+              flush=True)
     t = result["times"]
+    if not t or not all(t.values()):
+        return True
     med = {m: statistics.median(v) for m, v in t.items()}
     ratio = med["fit_callback"] / med["fit"]
     paired = statistics.median(c / p for c, p in zip(t["fit_callback"], t["fit"]))
@@ -153,7 +184,8 @@ def _run_worker(backend: str, tree: str, args: argparse.Namespace) -> dict | Non
     env = dict(os.environ, KERAS_BACKEND=backend, TF_CPP_MIN_LOG_LEVEL="2",
                PYTHONPATH=os.pathsep.join(filter(None, [tree, os.environ.get("PYTHONPATH")])))
     out = subprocess.run([sys.executable, os.path.abspath(__file__), "--worker", "--reps", str(args.reps),
-                          "--steps", str(args.steps), "--callback-args", args.callback_args],
+                          "--steps", str(args.steps), "--callback-args", args.callback_args,
+                          "--fits", str(args.fits)],
                          env=env, capture_output=True, text=True)
     if out.returncode:
         print("%s failed:\n%s" % (backend, out.stderr[-3000:]))
@@ -168,14 +200,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--callback-args", default="{}", help='NumericsCallback arguments as JSON, e.g. \'{"replay": false}\'')
     p.add_argument("--baseline", help="another source tree whose callback is measured too, side by side")
+    p.add_argument("--fits", type=int, default=0, help="also time two fit calls of this many batches each")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.worker:
-        print(json.dumps(worker(args.reps, args.steps, json.loads(args.callback_args))))
+        print(json.dumps(worker(args.reps, args.steps, json.loads(args.callback_args), args.fits)))
         return 0
     here = os.path.dirname(os.path.abspath(__file__))
-    print("bench/keras_backends.py --backends %s --reps %d --steps %d --callback-args '%s'%s (6x1024 MLP, batch 512, SGD)"
-          % (args.backends, args.reps, args.steps, args.callback_args,
+    print("bench/keras_backends.py --backends %s --reps %d --steps %d --fits %d --callback-args '%s'%s (6x1024 MLP, "
+          "batch 512, SGD)" % (args.backends, args.reps, args.steps, args.fits, args.callback_args,
              " --baseline %s" % args.baseline if args.baseline else ""), flush=True)
     trees = ([("baseline", os.path.abspath(args.baseline))] if args.baseline else []) + [("", os.path.dirname(here))]
     for backend in args.backends.split(","):
