@@ -111,6 +111,10 @@ class Patches:
             self._restore.pop()()
 
 
+# The model's attribute naming the callback whose fit it is in (until its on_train_end).
+_FITTING = "_tb_numerics_fitting"
+
+
 @dataclasses.dataclass
 class _Traced:
     """What a ``fit`` built and traced, kept for the next ``fit`` of the same model."""
@@ -307,13 +311,23 @@ class NumericsCallbackBase(keras.callbacks.Callback):
             raise RuntimeError("this NumericsCallback serves Keras' %s backend, not %s"
                                % (self.backend, keras.backend.backend()))
         model = self.model
+        left = vars(model).get(_FITTING)
+        if left is not None:
+            # A fit that ended by an exception (Ctrl-C in a notebook): Keras calls
+            # on_train_end only when fit returns, so its wrappers are still on the
+            # model and its last records in the writer. Ended here first.
+            left.on_train_end()
         if not model.trainable_variables:
             raise ValueError("NumericsCallback: the model %r has no variables yet (a subclassed model is built by "
                              "its first call): build it before fit, by calling it on a batch" % model.name)
         if not model.optimizer.built:
             model.optimizer.build(model.trainable_variables)
-        if self._resume(model):
-            return
+        if not self._resume(model):
+            self._build(model)
+        self._patches.set(model, _FITTING, self)
+
+    def _build(self, model: keras.Model) -> None:
+        """The plan, the records' host and the backend's wrapped step, for this fit."""
         self.plan = RowPlan(model, inputs=self.inputs, activations=self.activations, gradients=self.gradients,
                             weights=self.weights)
         self._lso = isinstance(model.optimizer, keras.optimizers.LossScaleOptimizer)

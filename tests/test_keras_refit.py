@@ -141,3 +141,36 @@ def test_a_second_fit_with_another_batch_size_records_the_new_shape(tmp_path):
     assert counts == [8 * 8, 8 * 8, 4 * 8, 4 * 8]
     out = _series(_run(tmp_path), "d/output")
     assert out.values[:, F["count"]].tolist() == [8 * 4, 8 * 4, 4 * 4, 4 * 4]
+
+
+class Interrupt(keras.callbacks.Callback):
+    """Raises KeyboardInterrupt (Ctrl-C) after batch ``at``: fit ends without on_train_end."""
+
+    def __init__(self, at):
+        super().__init__()
+        self.at = at
+
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == self.at:
+            raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("again", ["same callback", "new callback"])
+def test_a_fit_after_an_interrupted_one_ends_it_first(tmp_path, again):
+    """Keras calls on_train_end only when fit returns: after Ctrl-C the wrappers
+    stayed on the model (a later plain fit ran the instrumented step) and the
+    interrupted steps' records stayed in the writer. The next fit with the
+    callback ends that one first."""
+    model = _model()
+    cb = NumericsCallback(str(tmp_path))
+    with pytest.raises(KeyboardInterrupt):
+        _fit(model, _batches(6, 8, seed=1), 8, [cb, Interrupt(2)])
+    assert int(model.optimizer.iterations.numpy()) == 3  # the oracle: steps 0, 1 and 2 ran
+
+    _fit(model, _batches(3, 8, seed=2), 8, [cb if again == "same callback" else NumericsCallback(str(tmp_path))])
+    assert _series(_run(tmp_path), "input").steps.tolist() == [0, 1, 2, 3, 4, 5]
+    # Nothing of the callback is left on the model: a plain fit runs Keras' own step.
+    assert not {"train_step", "_tb_numerics_fitting"} & set(vars(model))
+    assert "call" not in vars(model.get_layer("a"))
+    _fit(model, _batches(2, 8, seed=3), 8, [])
+    assert _series(_run(tmp_path), "input").steps.tolist() == [0, 1, 2, 3, 4, 5]
