@@ -252,7 +252,8 @@ class NumericsCallbackBase(keras.callbacks.Callback):
     def _take_up(self, model: keras.Model, train_function: Any) -> Any:
         """Installs the wrappers again around ``train_function``, the one
         the last ``fit`` of ``model`` traced, and sets it as the model's;
-        returns it. Only where ``keeps_step``."""
+        returns it. Only where ``keeps_step`` (where a backend's ``_begin``
+        may build its train function with ``train_function`` None)."""
         raise NotImplementedError
 
     def _new_steps(self) -> list[Step]:

@@ -174,3 +174,45 @@ def test_a_fit_after_an_interrupted_one_ends_it_first(tmp_path, again):
     assert "call" not in vars(model.get_layer("a"))
     _fit(model, _batches(2, 8, seed=3), 8, [])
     assert _series(_run(tmp_path), "input").steps.tolist() == [0, 1, 2, 3, 4, 5]
+
+
+def _bn_cnn(policy):
+    keras.utils.set_random_seed(0)
+    keras.mixed_precision.set_dtype_policy(policy)
+    try:
+        x = inp = keras.Input((12, 12, 3))
+        for i in range(2):
+            x = keras.layers.Conv2D(6, 3, padding="same", name="conv%d" % i)(x)
+            x = keras.layers.BatchNormalization(name="bn%d" % i)(x)
+            x = keras.layers.ReLU(name="relu%d" % i)(x)
+        x = keras.layers.GlobalAveragePooling2D(name="pool")(x)
+        model = keras.Model(inp, keras.layers.Dense(4, name="head", dtype="float32")(x))
+    finally:
+        keras.mixed_precision.set_dtype_policy("float32")
+    opt = keras.optimizers.Adam(1e-3)
+    if policy == "mixed_float16":
+        opt = keras.optimizers.LossScaleOptimizer(opt)
+    model.compile(optimizer=opt, loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True))
+    return model
+
+
+@pytest.mark.parametrize("policy", ["float32", "mixed_float16"])
+def test_two_fits_record_what_one_fit_of_the_same_batches_records(tmp_path, policy):
+    """A BatchNorm CNN (moving statistics, Adam's slots, a loss scale): one fit
+    of 6 batches and two of 3 (the second on the kept step) train alike, so
+    every record, weights and update ratios included, is the same."""
+    rng = np.random.default_rng(1)
+    x, y = rng.normal(size=(48, 12, 12, 3)).astype("float32"), rng.integers(0, 4, 48)
+    got = {}
+    for name, parts in (("one", [(0, 48)]), ("two", [(0, 24), (24, 48)])):
+        model, logdir = _bn_cnn(policy), str(tmp_path / name)
+        cb = NumericsCallback(logdir, weights_every_n_steps=2)
+        for lo, hi in parts:
+            model.fit(x[lo:hi], y[lo:hi], batch_size=8, epochs=1, shuffle=False, verbose=0, callbacks=[cb])
+        got[name] = {s.tag: s for s in _run(logdir).series}
+    one, two = got["one"], got["two"]
+    assert sorted(one) == sorted(two) and "bn0/output" in one and any(t.startswith("update_ratio/") for t in one)
+    for tag in one:
+        assert one[tag].steps.tolist() == two[tag].steps.tolist(), tag
+        np.testing.assert_allclose(two[tag].values, one[tag].values, rtol=1e-6, atol=0, equal_nan=True, err_msg=tag)
+    assert one["loss"].steps.tolist() == list(range(6))

@@ -145,15 +145,13 @@ class JaxNumericsCallback(NumericsCallbackBase):
     keeps_step = True
 
     def _begin(self, model: keras.Model) -> None:
-        self._patched = self._install(model)
+        self._patched = self._take_up(model, None)
 
     def _take_up(self, model: keras.Model, train_function: Any) -> Any:
-        return self._install(model, train_function)
-
-    def _install(self, model: keras.Model, train_function: Any = None) -> Any:
         """The step's state and wrappers, for this fit, around the jitted
-        train function built here, or ``train_function``, the one the last
-        fit of the model built (compiled for this plan and these wrappers)."""
+        train function built here (``train_function`` None: the first fit),
+        or ``train_function``, the one the last fit of the model built
+        (compiled for this plan and these wrappers)."""
         opt = model.optimizer
         self._trace: _Trace | None = None
         self._queue: list[tuple[int, dict, Any, tuple | None]] = []

@@ -119,15 +119,14 @@ class TensorFlowNumericsCallback(NumericsCallbackBase):
             set_attribute=self._patches.set, first_verdict=lambda: self.replay_verdict,
             skip_batches=self._skip_batches)
         self._hooks = hooks
-        self._patched = hooks.install(self._patches, self.activations)
-        if self._survival is not None:
-            self._survival.begin()
+        self._patched = self._take_up(model, None)
 
     def _step_key(self, model: Any) -> tuple:
         return (strategy_of(model),)
 
     def _take_up(self, model: Any, train_function: Any) -> Any:
-        # Everything this fit's step uses (its variables, the replay's kept
+        # None: the first fit, which builds the train function. Otherwise
+        # everything the kept step uses (its variables, the replay's kept
         # batch, the policy's state) is as the last fit left it.
         train_function = self._hooks.install(self._patches, self.activations, train_function=train_function)
         if self._survival is not None:
