@@ -154,9 +154,12 @@ def test_numbers_say_what_is_known(page, tb):
     frame = page.frame_locator(FRAME)
     expect(selected(frame)).to_have_text(data.GRAD_TENSOR)
     canvas = frame.locator('.chart[aria-label^="NaN / Inf counts"] canvas')
-    frame.locator('.chart[aria-label^="NaN / Inf counts"] .chart-legend span').first.wait_for()
-    minus_inf = canvas.evaluate(
-        """c => {
+    # The charts of the tensor shown before are redrawn once the gradient's
+    # series arrives: wait for its -Inf bars (their colour in the canvas).
+    iframe = next(f for f in page.frames if "plugin_entry.html" in f.url)
+    count_minus_inf = """() => {
+          const c = document.querySelector('.chart[aria-label^="NaN / Inf counts"] canvas');
+          if (!c || !c.width) return 0;
           const want = getComputedStyle(document.documentElement).getPropertyValue('--series-4').trim();
           const rgb = [1, 3, 5].map(i => parseInt(want.slice(i, i + 2), 16));
           const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
@@ -164,8 +167,11 @@ def test_numbers_say_what_is_known(page, tb):
           for (let i = 0; i < d.length; i += 4) if (Math.abs(d[i] - rgb[0]) + Math.abs(d[i + 1] - rgb[1]) + Math.abs(d[i + 2] - rgb[2]) < 12) n++;
           return n;
         }"""
-    )
-    assert minus_inf >= 3 * (data.STEPS - data.LOSS_INF_STEP), minus_inf
+    want = 3 * (data.STEPS - data.LOSS_INF_STEP)
+    try:
+        iframe.wait_for_function("(want) => (%s)() >= want" % count_minus_inf, arg=want, timeout=10000)
+    except playwright_api.TimeoutError:
+        pytest.fail("the -Inf bars of %s cover %d pixels, want >= %d" % (data.GRAD_TENSOR, iframe.evaluate(count_minus_inf), want))
     box = canvas.bounding_box()
     page.mouse.move(box["x"] + box["width"] * 0.95, box["y"] + box["height"] / 2)
     expect(frame.locator('.chart[aria-label^="NaN / Inf counts"] .readout')).to_contain_text("-Inf 1 of 512 values")
