@@ -29,6 +29,8 @@ records) keep every record (``keeps_records``). Numpy only, no TensorFlow.
 from __future__ import annotations
 
 import dataclasses
+import functools
+import itertools
 import logging
 import threading
 from typing import Callable, Sequence
@@ -110,7 +112,8 @@ class ChunkStats:
                 np.logical_and.reduceat(unrecorded, starts),
             ]
         m = len(own)
-        return [ChunkStats(own, *(a[i * m : (i + 1) * m] for a in each)) for i in range(t)]
+        # Each tensor's chunks as views of the arrays made for all of them.
+        return [ChunkStats(own, *fields) for fields in zip(*(a.reshape(t, m, *a.shape[1:]) for a in each))]
 
     @staticmethod
     def joined(parts: Sequence["ChunkStats"], offsets: Sequence[int]) -> "ChunkStats":
@@ -165,7 +168,13 @@ class CompactSeries(TensorSeries):
                  load: PartLoader, written: tuple[float, float] | None = None, width: int = 1):
         self.tag, self.info, self.steps, self.written = tag, info, steps, written
         self.pieces, self.load, self.width = pieces, load, width
-        self.starts = np.cumsum([0] + [len(p.flags) for p in pieces])  # where each piece begins
+
+    @functools.cached_property
+    def starts(self) -> np.ndarray:
+        """Where each piece begins, and the end (made when first read: a long
+        run makes tens of thousands of series, most never read back)."""
+        return np.fromiter(itertools.accumulate((len(p.flags) for p in self.pieces), initial=0), np.int64,
+                           count=len(self.pieces) + 1)
 
     def __repr__(self) -> str:
         return "CompactSeries(%r, %d records)" % (self.tag, len(self.steps))
