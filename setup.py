@@ -30,6 +30,11 @@ setup(
         "tensorboard>=2.21",
         "werkzeug>=2.0",
         "numpy>=1.23",
+        # The CPU's CRC32C for every event file the plugin and the CLI read,
+        # and for the records written without TensorFlow (Keras on JAX and
+        # PyTorch): 4.3 GB/s against TensorFlow's reader's 0.8 and 70 MB/s
+        # for the numpy fallback (tb_numerics/_crc32c.py).
+        "google-crc32c>=1.5",
     ],
     extras_require={
         # Pick the TensorFlow build: what these machines and most CI runners

@@ -12,6 +12,12 @@ one table per power of two), the lanes of a record are XORed together, and
 the initial register's part is added the same way. Measured here: about
 70 MB/s on 130 KB records (packed events), 50 MB/s on 170-byte ones
 (per-tensor events); a 50 MB packed run on ``ram://`` reads in 1.3 s.
+
+Where ``google-crc32c`` is installed with its C extension (a dependency:
+the CPU's CRC32C instruction), every checksum is made there instead: 4.3
+GB/s here, against about 0.8 GB/s for TensorFlow's record reader (which
+also copies each record through its file layer) and 70 MB/s for the numpy
+lanes, which stay the fallback where it is missing or pure Python.
 """
 
 from __future__ import annotations
@@ -19,13 +25,27 @@ from __future__ import annotations
 from typing import Iterable, Sequence
 
 import numpy as np
+from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c as _py_masked_crc32c
 
-__all__ = ["masked_crc32c_chunks", "masked_crc32c_many"]
+__all__ = ["FAST", "masked_crc32c", "masked_crc32c_chunks", "masked_crc32c_many", "numpy_masked_crc32c_many"]
 
 _POLY = 0x82F63B78  # CRC32C (Castagnoli), reflected
 _MASK_DELTA = 0xA282EAD8  # TFRecord's checksum masking
 _LANE = 64
 _ALL_ONES = np.uint32(0xFFFFFFFF)
+
+
+def _fast_crc32c():
+    """``google_crc32c`` where its C extension is there, else None."""
+    try:
+        import google_crc32c
+    except ImportError:
+        return None
+    return google_crc32c if getattr(google_crc32c, "implementation", None) == "c" else None
+
+
+# The hardware CRC32C, or None: the numpy lanes below then check every record.
+FAST = _fast_crc32c()
 
 
 def _byte_table() -> np.ndarray:
@@ -86,8 +106,26 @@ def _masked(register: np.ndarray) -> np.ndarray:
     return (((crc >> 15) | (crc << 17)) + np.uint32(_MASK_DELTA)).astype(np.uint32)
 
 
+def _mask(crc: int) -> int:
+    return ((((crc >> 15) | (crc << 17)) & 0xFFFFFFFF) + _MASK_DELTA) & 0xFFFFFFFF
+
+
+def masked_crc32c(data: bytes) -> int:
+    """The masked CRC32C of one (short) byte string, such as a record's length."""
+    if FAST is not None:
+        return _mask(FAST.value(data))
+    return _py_masked_crc32c(data)
+
+
 def masked_crc32c_many(datas: Sequence[bytes]) -> np.ndarray:
     """The masked CRC32C (as TFRecord frames hold it) of each byte string."""
+    if FAST is not None:
+        return np.fromiter((_mask(FAST.value(d)) for d in datas), np.uint32, len(datas))
+    return numpy_masked_crc32c_many(datas)
+
+
+def numpy_masked_crc32c_many(datas: Sequence[bytes]) -> np.ndarray:
+    """``masked_crc32c_many`` in numpy alone (the fallback)."""
     lengths = np.fromiter((len(d) for d in datas), np.int64, len(datas))
     return _masked(_shift(np.full(len(datas), _ALL_ONES), lengths) ^ _raw_many(datas))
 
@@ -95,8 +133,13 @@ def masked_crc32c_many(datas: Sequence[bytes]) -> np.ndarray:
 def masked_crc32c_chunks(chunks: Iterable[bytes]) -> int:
     """The masked CRC32C of the bytes ``chunks`` give one after another,
     holding one chunk at a time: a record too large to hold is checked in
-    bounded memory (the register is carried past each chunk, then the
-    chunk's own part added: CRC32C is linear)."""
+    bounded memory (in numpy, the register is carried past each chunk, then
+    the chunk's own part added: CRC32C is linear)."""
+    if FAST is not None:
+        checksum = FAST.Checksum()
+        for chunk in chunks:
+            checksum.update(chunk)
+        return _mask(int.from_bytes(checksum.digest(), "big"))
     register = np.full(1, _ALL_ONES)
     for chunk in chunks:
         register = _shift(register, np.full(1, len(chunk), np.int64)) ^ _raw_many([chunk])

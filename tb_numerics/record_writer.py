@@ -19,7 +19,7 @@ from typing import Sequence
 import numpy as np
 from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, tensor_shape_pb2, types_pb2
 
-from tb_numerics import metadata, packed, survive
+from tb_numerics import _crc32c, metadata, packed, survive
 
 _FILE_VERSION = "brain.Event:2"
 _LATER_METADATA = metadata.create_later_metadata()
@@ -55,17 +55,13 @@ def _first_line(error: BaseException) -> str:
     return (said or lines or [type(error).__name__])[0][:300]
 
 
-def _masked_crc32c_python(data: bytes) -> int:
-    from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
-
-    return masked_crc32c(data)
-
-
 class _RecordFile:
     """Appends TFRecord-framed byte strings to one file.
 
-    Uses TensorFlow's C++ record writer when TensorFlow is already imported
-    (fast CRC32C), and TensorBoard's pure-Python framing otherwise.
+    Uses TensorFlow's C++ record writer when TensorFlow is already imported,
+    and Python framing otherwise (on Keras' JAX and PyTorch backends), whose
+    checksums are the CPU's CRC32C where ``google-crc32c`` has it
+    (``_crc32c``), else TensorBoard's pure-Python CRC32C.
     """
 
     def __init__(self, path: str):
@@ -90,9 +86,9 @@ class _RecordFile:
             header = struct.pack("<Q", len(data))
             self._file.write(
                 header
-                + struct.pack("<I", _masked_crc32c_python(header))
+                + struct.pack("<I", _crc32c.masked_crc32c(header))
                 + data
-                + struct.pack("<I", _masked_crc32c_python(data))
+                + struct.pack("<I", _crc32c.masked_crc32c(data))
             )
         except self._errors as e:
             warn_lost_records(self._logdir, e)

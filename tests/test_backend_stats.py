@@ -33,6 +33,10 @@ def _cases(dtype):
     near_zero = np.abs(base)
     near_zero[:5] = [0.0, 0.0, SUBNORMAL[dtype], SUBNORMAL[dtype] * 2, 0.0]
     yield "relu_like", near_zero
+    zeros_only = np.abs(base)
+    zeros_only[::3] = 0.0
+    yield "relu_zeros_no_subnormal", zeros_only  # counted by sums alone
+    yield "signed_zeros_no_subnormal", np.where(np.arange(257) % 3 == 0, 0.0, base)
     yield "negative_relu_like", -near_zero
     signed_small = base.copy()
     signed_small[:4] = [0.0, -0.0, SUBNORMAL[dtype], -SUBNORMAL[dtype] * 2]

@@ -314,8 +314,15 @@ def test_cli_reads_everything_readable_and_reports_each_problem_once(logdir: str
     assert len(warnings) == sum(len(r["problems"]) for r in runs.values())
 
 
-def test_both_record_readers_skip_and_report_the_same(logdir: str) -> None:
-    """The pure-Python reader (installs without TensorFlow) agrees with TensorFlow's."""
+@pytest.mark.parametrize("fast", [True, False], ids=["google_crc32c", "numpy"])
+def test_both_record_readers_skip_and_report_the_same(logdir: str, fast: bool, monkeypatch) -> None:
+    """The Python reader (installs without TensorFlow, and every install
+    where google-crc32c has its C extension) agrees with TensorFlow's, with
+    either of its checksums."""
+    from tb_numerics import _crc32c
+
+    if not fast:
+        monkeypatch.setattr(_crc32c, "FAST", None)
     files = [p for files in event_reader.find_runs(logdir).values() for p in files]
     assert len(files) >= len(CASES) + 2
     for path in files:

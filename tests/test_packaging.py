@@ -75,6 +75,7 @@ sys.modules["tensorflow"] = None  # as if TensorFlow were not installed
 reqs = dist.requires
 plain = [r for r in reqs if "extra ==" not in r]
 assert not any(r.startswith("tensorflow") for r in plain), plain
+assert any(r.startswith("google-crc32c") for r in plain), plain  # the event files' checksums at the CPU's speed
 assert any(r.startswith("tensorflow-cpu") and 'extra == "cpu"' in r for r in reqs), reqs
 assert any(r.startswith("tensorflow[and-cuda]") and 'extra == "gpu"' in r for r in reqs), reqs
 import tb_numerics.plugin

@@ -198,13 +198,25 @@ def test_local_logdirs_need_no_tensorflow_and_remote_ones_say_so(tmp_path):
     assert p.returncode == cli.EXIT_USAGE and "gs:// paths are read through TensorFlow" in p.stderr
 
 
-def test_the_numpy_crc32c_is_tensorboards():
+@pytest.mark.parametrize("fast", [True, False], ids=["google_crc32c", "numpy"])
+def test_the_crc32c_is_tensorboards(fast, monkeypatch):
+    """Both ways of checking a record (the CPU's CRC32C, and the numpy
+    lanes where google-crc32c is missing) give TensorBoard's checksums."""
     from tensorboard.compat.tensorflow_stub.pywrap_tensorflow import masked_crc32c
 
-    from tb_numerics._crc32c import masked_crc32c_many
+    from tb_numerics import _crc32c
 
+    if fast:
+        assert _crc32c.FAST is not None, "google-crc32c with its C extension is a dependency"
+    else:
+        monkeypatch.setattr(_crc32c, "FAST", None)
     rng = np.random.default_rng(0)
     sizes = [0, 1, 7, 8, 63, 64, 65, 1000, 130_000] + rng.integers(0, 300, 100).tolist()
     datas = [rng.bytes(int(n)) for n in sizes]
-    assert masked_crc32c_many(datas).tolist() == [masked_crc32c(d) for d in datas]
-    assert masked_crc32c_many([]).tolist() == []
+    assert _crc32c.masked_crc32c_many(datas).tolist() == [masked_crc32c(d) for d in datas]
+    assert _crc32c.masked_crc32c_many([]).tolist() == []
+    assert [_crc32c.masked_crc32c(d) for d in datas[:20]] == [masked_crc32c(d) for d in datas[:20]]
+    whole = rng.bytes(300_001)
+    cuts = [whole[:1], whole[1:70_000], whole[70_000:70_000], whole[70_000:]]
+    assert _crc32c.masked_crc32c_chunks(cuts) == masked_crc32c(whole)
+    assert _crc32c.masked_crc32c_chunks([]) == masked_crc32c(b"")
