@@ -573,3 +573,27 @@ def test_an_exact_zero_gradient_norm_that_recovers_is_not_vanishing():
     assert analysis.first_warning(ra) is None
     w = analysis.first_warning(analysis.analyze_run("r", [norm_series([1.0, 1.2, 0.0, 0.0, 0.0])]))
     assert (w["step"], w["kind"]) == (2, "vanishing_gradient")
+
+
+def test_a_long_run_classified_on_two_threads_reads_as_on_one(monkeypatch):
+    """A run above ``_PARALLEL_RECORDS`` has its series classified on two
+    threads: every row's health and kind, the first anomaly and the first
+    warning come out as on one thread, in the same order."""
+    from tb_numerics import run_analysis
+
+    steps = range(60)
+    grow = [healthy() * 1.6**s for s in steps]
+    rows = [
+        series("dense%d/output" % i, {s: healthy() if s != 20 + i else with_values(healthy(), a=np.nan) for s in steps},
+               order=i)
+        for i in range(6)
+    ] + [series("dense9/output", dict(zip(steps, grow)), order=9), norm_series(np.r_[np.ones(40), 1e4, np.ones(19)])]
+    one = run_analysis.analyze_run("r", rows)
+    monkeypatch.setattr(run_analysis, "_PARALLEL_RECORDS", 0)
+    two = run_analysis.analyze_run("r", rows)
+    assert [h.series.tag for h in two.health] == [h.series.tag for h in one.health]
+    for a, b in zip(one.health, two.health):
+        np.testing.assert_array_equal(a.codes, b.codes, err_msg=a.series.tag)
+        np.testing.assert_array_equal(a.kinds, b.kinds, err_msg=a.series.tag)
+    assert analysis.first_anomaly(two) == analysis.first_anomaly(one) and analysis.first_anomaly(one)["step"] == 20
+    assert analysis.first_warning(two) == analysis.first_warning(one) is not None
