@@ -105,7 +105,8 @@ class ChunkStats:
                 ok = np.isfinite(d[k])
                 moments += [np.add.reduceat(np.where(ok, d[k], 0.0), starts), np.add.reduceat(ok * 1.0, starts)]
             unrecorded = np.isnan(flat[:, F["sum_sq"]]) & (d["finite"] > 0)
-            counts = np.add.reduceat(flat[:, [F[k] for k in CHART_COUNTS]].astype(np.float64), starts, axis=0)
+            # A field at a time (``flat`` is usually laid out field by field), summed in float64.
+            counts = np.stack([np.add.reduceat(flat[:, F[k]], starts, dtype=np.float64) for k in CHART_COUNTS], axis=1)
             each = [
                 np.fmin.reduceat(flat[:, F["min"]], starts), np.fmax.reduceat(flat[:, F["max"]], starts),
                 np.fmax.reduceat(d["max_abs"].astype(flat.dtype), starts), np.stack(moments, axis=1), counts,
@@ -304,7 +305,7 @@ def compact_cube(block: str, table: metadata.BlockTable, steps: np.ndarray, ids:
         some = rest[lo : lo + _at_once(len(steps))]
         # Usually a run of the block's tensors: a slice, not a gather.
         cols = slice(some[0], some[-1] + 1) if some[-1] - some[0] + 1 == len(some) else some
-        values = np.ascontiguousarray(cube[:, cols, 2:].transpose(1, 0, 2))
+        values = cube[:, cols, 2:].transpose(1, 0, 2)
         for j, series in zip(some, _compact_values(block, [infos[j] for j in some], steps, values, load, written)):
             series.width = len(ids)
             out[j] = series
@@ -320,8 +321,13 @@ def _at_once(n: int) -> int:
 def _compact_values(block: str, tensors: Sequence[tuple[str, metadata.TensorInfo]], steps: np.ndarray,
                     values: np.ndarray, load: PartLoader, written) -> list[CompactSeries]:
     """Tensors' records ``[T, n, F]`` of one block (the same steps) as compact series."""
-    t, n = values.shape[:2]
-    v64 = values.reshape(t * n, -1).astype(np.float64)
+    t, n, f = values.shape
+    # Field by field in float64: every pass below reads one field of every
+    # record (a field of records laid out record by record is a strided read
+    # of all of them), and ``values`` (a view of a block's rows) is copied once.
+    fields = np.empty((f, t, n))
+    fields.transpose(1, 2, 0)[...] = values
+    v64 = fields.reshape(f, t * n).T
     d = derived(v64)
     flags = np.zeros(t * n, np.uint8)
     for k, bit in (("nan", _NAN), ("posinf", _POSINF), ("neginf", _NEGINF), ("overflow", _OVERFLOW)):
@@ -333,7 +339,7 @@ def _compact_values(block: str, tensors: Sequence[tuple[str, metadata.TensorInfo
             nonzero = d["finite"] - v64[:, F["zeros"]]
             share = np.where(nonzero > 0, v64[:, F["underflow"]] / np.maximum(nonzero, 1), 0.0).reshape(t, n)
     max_abs = d["max_abs"].astype(values.dtype).reshape(t, n)
-    chunks = ChunkStats.of_each(values, d)
+    chunks = ChunkStats.of_each(v64.reshape(t, n, -1), d)
     flags = flags.reshape(t, n)
     return [
         CompactSeries(tag, info, steps, [Piece(block, max_abs[i], flags[i], share[i].copy() if under[i] else None,
