@@ -247,9 +247,12 @@ class _RunReader:
         return " (a packed block of %s%s)" % (", ".join(names), " and %d more" % more if more > 0 else "")
 
     def series(self) -> list[records.TensorSeries]:
-        """The tensors' series, merged across blocks and files."""
+        """The tensors' series, merged across blocks and files (once: each
+        tag's events are let go as it is decoded, so that a long run's
+        events and its decoded blocks are not held whole at once)."""
         parts: list[records.TensorSeries] = []
-        for tag, (steps, rows, walls) in self.points.items():
+        for tag in list(self.points):  # in the order first written
+            steps, rows, walls = self.points.pop(tag)
             info = self.infos[tag]
             decoded = packed.decode_tag(tag, info, steps, rows, self.problems, walls)
             if tag in self.inferred:
