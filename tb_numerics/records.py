@@ -176,9 +176,10 @@ def valid_records(v: np.ndarray) -> np.ndarray:
     count = v[:, F["count"]]
     lo, hi, total, total_sq = (v[:, F[k]] for k in ("min", "max", "sum", "sum_sq"))
     with np.errstate(invalid="ignore", over="ignore"):
-        others = v[:, list(COUNT_FIELDS[1:])]
         ok = np.isfinite(count) & (count >= 0) & (count == np.floor(count))
-        ok &= np.all((others >= 0) & (others == np.floor(others)) & (others <= count[:, None]), axis=1)
+        for k in COUNT_FIELDS[1:]:  # a field at a time: no [n, 6] temporaries
+            c = v[:, k]
+            ok &= (c >= 0) & (c == np.floor(c)) & (c <= count)
         finite = count.astype(np.float64) - nonfinite_count(v)
         ok &= (finite >= 0) & ~np.isinf(lo) & ~np.isinf(hi)
         none = finite == 0
