@@ -171,10 +171,10 @@ def tf_record_reader(path: str, window: _Window) -> RecordReader:
 
 
 def py_record_reader(path: str, window: _Window) -> RecordReader:
-    """The same checks in numpy on the window's bytes, for installs without
-    TensorFlow and for remote files: the records the window holds are
-    checked together (``_crc32c``: about 50-80 MB/s here, where the
-    pure-Python CRC32C checks 3.5)."""
+    """The same checks in Python on the window's bytes, the records the
+    window holds together (``_crc32c``): by the CPU's CRC32C where
+    ``google-crc32c`` has it (4.3 GB/s here), else in numpy (50-80 MB/s,
+    where the pure-Python CRC32C checks 3.5)."""
     checked: dict[int, bytes | None] = {}
 
     def read(offset: int) -> bytes:
