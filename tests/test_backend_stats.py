@@ -86,11 +86,19 @@ def test_jax_stats_agree_with_numpy(dtype):
             _check(got, _flushed(np.asarray(x, np.float64), dtype) if jax_stats.flushes(dtype) else np.asarray(x, np.float64), dtype, name)
 
 
+@pytest.mark.parametrize("counting", ["flushing", "arithmetic"])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_torch_stats_agree_with_numpy(dtype):
+def test_torch_stats_agree_with_numpy(dtype, counting, monkeypatch):
+    """Both ways of counting zeros and subnormals: by reading subnormals as
+    zeros (the CPU's flushing, where a probe shows it works) and by float
+    arithmetic (other devices, float16, a CPU that cannot flush)."""
     torch = pytest.importorskip("torch")
     from tb_numerics.backends import torch_stats
 
+    if counting == "arithmetic":
+        monkeypatch.setattr(torch_stats, "_flush_counts", lambda x: False)
+    elif dtype == "float16" or not torch_stats._flush_counts(torch.zeros(1, dtype=getattr(torch, dtype))):
+        pytest.skip("counted by arithmetic here: float16, or a CPU that cannot flush subnormals")
     for name, values in _cases(dtype):
         x = torch.tensor(values, dtype=torch.float64).to(getattr(torch, dtype))
         got = torch_stats.records([x], [name])[0]
@@ -120,6 +128,63 @@ def test_a_steps_tensors_reduced_together_agree_row_by_row(dtype):
     got = torch_stats.records(ts, [name for name, _ in cases])
     for (name, _), x, row in zip(cases, ts, got):
         _check(row, x.to(torch.float64).numpy(), dtype, "torch " + name)
+
+
+def test_torch_counts_subnormals_whatever_the_callers_flushing_and_keeps_it():
+    """A caller that has PyTorch flush subnormals (``set_flush_denormal``)
+    gets exact records of tensors holding some, and keeps its setting."""
+    torch = pytest.importorskip("torch")
+    from tb_numerics.backends import torch_stats
+
+    values = np.array([0.0, -0.0, 1e-40, -2e-40, 1e-39, 0.5, -3.0, 1.17549435e-38] * 9, np.float32)
+    x = torch.from_numpy(values.copy())
+    relu = torch.relu(x)  # made before flushing, so its subnormals are there
+    probe = torch.from_numpy(np.array([1e-40], np.float32))
+    if not torch.set_flush_denormal(True):
+        pytest.skip("this CPU cannot flush subnormals")
+    try:
+        got = torch_stats.records([x, relu], ["signed", "relu"])
+        assert torch.mul(probe, 2.0).item() == 0.0  # still flushing
+    finally:
+        torch.set_flush_denormal(False)
+    assert torch.mul(probe, 2.0).item() != 0.0
+    _check(got[0], values.astype(np.float64), "float32", "signed")
+    _check(got[1], np.maximum(values, 0).astype(np.float64), "float32", "relu")
+    assert got[0][F["underflow"]] == 3 * 9 and got[0][F["zeros"]] == 2 * 9
+
+
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32", "float64"])
+def test_torch_counts_of_large_tensors_are_exact(dtype):
+    """Zeros and subnormals scattered through tensors larger than one
+    thread's share of an op: a gradient's both signs, a ReLU output's one."""
+    torch = pytest.importorskip("torch")
+    from tb_numerics.backends import torch_stats
+
+    rng = np.random.default_rng(1)
+    values = rng.normal(size=1 << 20)
+    values[rng.random(values.size) < 0.3] = 0.0
+    small = rng.random(values.size) < 0.01
+    values[small] = SUBNORMAL[dtype] * rng.choice([-1.0, 1.0], size=int(small.sum()))
+    tensors = [torch.tensor(v, dtype=torch.float64).to(getattr(torch, dtype)) for v in (values, np.abs(values))]
+    got = torch_stats.records(tensors, ["gradient", "relu"])
+    for name, x, row in zip(("gradient", "relu"), tensors, got):
+        _check(row, x.to(torch.float64).numpy(), dtype, name)
+        assert row[F["zeros"]] > 0 and row[F["underflow"]] > 0, name
+
+
+def test_torch_records_stay_exact_when_a_tensors_zeros_come_and_go():
+    """Which passes a tensor of both signs gets follows its last record
+    (zeros then, counted at once): never what is counted."""
+    torch = pytest.importorskip("torch")
+    from tb_numerics.backends import torch_stats
+
+    rng = np.random.default_rng(2)
+    with_zeros = rng.normal(size=4096)
+    with_zeros[::5] = 0.0
+    with_zeros[1::97] = SUBNORMAL["float32"]
+    for values in (with_zeros, rng.normal(size=4096), with_zeros, rng.normal(size=4096)):
+        x = torch.tensor(values, dtype=torch.float32)
+        _check(torch_stats.records([x], ["gradients/kernel"])[0], x.to(torch.float64).numpy(), "float32", "step")
 
 
 def test_non_float_tensors_are_refused_by_name():

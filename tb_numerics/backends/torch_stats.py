@@ -14,18 +14,27 @@ copy of a few numbers per tensor to the host, for all the tensors at once:
    gets its exact record (NaN, +Inf and -Inf counts, masked statistics in
    float64); one beyond its dtype's overflow margin, that count; one of one
    sign whose smallest magnitude (its min, or -max) is below the smallest
-   normal (a ReLU's output, with its zeros), its zeros and subnormals
-   counted; one of both signs, its smallest magnitude (one more pass);
+   normal (a ReLU's output, with its zeros), its nonzero and its normal
+   values counted; one of both signs, its smallest magnitude (one more
+   pass), or, where its last record held zeros or subnormals (a gradient
+   with zeros), its nonzero and normal values at once;
 3. a tensor of both signs whose smallest magnitude is below the smallest
-   normal (a gradient with zeros): its zeros and subnormals counted.
+   normal: its nonzero and its normal values counted.
 
-The zeros and subnormals are counted as float arithmetic, not compares:
-min(|x| / tiny, 1), whose ceil and floor summed count the nonzero and the
-normal values (``_small``). On a CPU a compare's bool result summed costs
-a conversion to int64 of the whole tensor: for a ReLU output's two counts
-the compares and sums took 0.75 ms, the arithmetic 0.25 ms (one thread,
-512x1024 float32, medians of 30; ``histc``, ``count_nonzero`` and
-``vector_norm(ord=-inf)``, tried before, were slower still).
+The nonzero and the normal values are each counted as the sum of
+|sign(x)|, the normal ones with the CPU flushing subnormals to zero
+(``_flushing``: an op then reads a subnormal as a zero). That holds on a
+CPU for float32, bfloat16 and float64 (float16 is computed through float32,
+where its subnormals are normal), and is checked once per dtype on a probe
+tensor (``_flush_works``). Elsewhere, and on other devices, the counts are
+float arithmetic: min(|x| / tiny, 1), whose ceil and floor summed count
+the nonzero and the normal values (``_small``). For a 1024x1024 gradient
+with zeros (one thread, in cache) the smallest magnitude then that
+arithmetic took 2.4 ms, the two sums of signs 1.2 ms; ``count_nonzero``
+takes 4.2 ms where zeros and nonzeros alternate at random (it branches),
+and a compare's bool result summed costs a conversion to int64 of the
+whole tensor. The caller's own flushing is put back when the records are
+done (``_subnormals_kept``).
 
 All of it runs on one intra-op thread (``one_thread``): on this 2-core
 machine, under the load of other processes, a step's records took 7 to 10
@@ -146,11 +155,80 @@ def records(tensors: Sequence[torch.Tensor], names: Sequence[str]) -> np.ndarray
       TypeError: naming the tensor, for a tensor of another dtype.
     """
     dtypes = [check_dtype(x, name) for x, name in zip(tensors, names)]
-    with one_thread():
-        return _records([x.detach().reshape(-1) for x in tensors], dtypes)
+    with one_thread(), _subnormals_kept():
+        return _records([x.detach().reshape(-1) for x in tensors], dtypes, list(names))
 
 
-def _records(flats: list[torch.Tensor], dtypes: list[str]) -> np.ndarray:
+@contextlib.contextmanager
+def _subnormals_kept() -> Iterator[None]:
+    """Runs the block with the CPU keeping subnormals (the records count
+    them, and min and max are exact), then puts back the caller's flushing
+    (``torch.set_flush_denormal``), which PyTorch cannot be asked for: a
+    subnormal doubled reads as 0 where it is on."""
+    subnormal = torch.tensor([1 << 20], dtype=torch.int32).view(torch.float32)  # 2**-129, from its bits
+    was_on = torch.mul(subnormal, 2.0).item() == 0.0
+    if was_on:
+        torch.set_flush_denormal(False)
+    try:
+        yield
+    finally:
+        if was_on:
+            torch.set_flush_denormal(True)
+
+
+@contextlib.contextmanager
+def _flushing() -> Iterator[None]:
+    """Runs the block with the CPU reading subnormals as zeros (inside
+    ``_subnormals_kept``)."""
+    torch.set_flush_denormal(True)
+    try:
+        yield
+    finally:
+        torch.set_flush_denormal(False)
+
+
+def _nonzero(x: torch.Tensor, signed: bool = True) -> torch.Tensor:
+    """How many values of ``x`` are not zero, as a 0-d float64 tensor: the
+    sum of |sign(x)|, exact in float32 up to 2**24 values. ``signed=False``:
+    ``x`` holds no negative value (a ReLU's output), so sign(x) is summed as
+    it is."""
+    acc = torch.float32 if x.numel() <= _EXACT_FLOAT_COUNT else torch.float64
+    sign = torch.sign(x)
+    return (sign.abs_() if signed else sign).sum(dtype=acc).to(torch.float64)
+
+
+def _normal(x: torch.Tensor, signed: bool = True) -> torch.Tensor:
+    """How many values of ``x`` are neither zero nor subnormal, as a 0-d
+    float64 tensor: ``_nonzero`` with the CPU reading subnormals as zeros,
+    where ``_flush_counts(x)``."""
+    with _flushing():
+        return _nonzero(x, signed)
+
+
+def _flush_counts(x: torch.Tensor) -> bool:
+    """Whether ``_normal`` counts the normal values of ``x`` (see the module's docstring)."""
+    return x.device.type == "cpu" and x.dtype in (torch.float32, torch.bfloat16, torch.float64) and _flush_works(x.dtype)
+
+
+@functools.cache
+def _flush_works(dtype: torch.dtype) -> bool:
+    """Whether this CPU and PyTorch count a probe's nonzero and normal values
+    of ``dtype`` as ``_nonzero`` and ``_normal`` (flushing may be
+    unsupported, or an op may not read the values as floats)."""
+    tiny = torch.finfo(dtype).tiny
+    probe = torch.tensor([0.0, -0.0, tiny / 4, -tiny / 2, tiny, -tiny, 1.0], dtype=torch.float64).to(dtype)
+    return _nonzero(probe).item() == 5 and _normal(probe).item() == 3
+
+
+# Tensor name -> whether its last record held zeros or subnormals: a tensor
+# of both signs that did is counted at once, one that did not has its
+# smallest magnitude looked at first (cheaper where there are none). Only
+# the order of the passes rests on it, never a count.
+_HELD_SMALL: dict[str, bool] = {}
+_HELD_SMALL_MAX = 100_000
+
+
+def _records(flats: list[torch.Tensor], dtypes: list[str], names: list[str]) -> np.ndarray:
     out = np.zeros((len(flats), metadata.NUM_FIELDS))
     first = _Round()
     for i, x in enumerate(flats):
@@ -164,14 +242,20 @@ def _records(flats: list[torch.Tensor], dtypes: list[str]) -> np.ndarray:
     while todo:
         later = _Round()
         for i, what, values in todo.results():
-            _settle(out[i], flats[i], dtypes[i], what, values, functools.partial(later.add, i))
+            _settle(out[i], flats[i], dtypes[i], what, values, functools.partial(later.add, i),
+                    _HELD_SMALL.get(names[i], False))
         todo = later
+    if len(_HELD_SMALL) > _HELD_SMALL_MAX:
+        _HELD_SMALL.clear()
+    _HELD_SMALL.update(zip(names, (out[:, F["zeros"]] + out[:, F["underflow"]] > 0).tolist()))
     return out
 
 
 def _settle(rec: np.ndarray, x: torch.Tensor, dtype: str, what: str, values: np.ndarray,
-            more: Callable[[str, list[torch.Tensor]], None]) -> None:
-    """Puts a round's numbers into a record; ``more(what, tensors)`` asks the next round for more."""
+            more: Callable[[str, list[torch.Tensor]], None], held_small: bool) -> None:
+    """Puts a round's numbers into a record; ``more(what, tensors)`` asks the
+    next round for more; ``held_small``: whether the tensor's last record
+    held zeros or subnormals."""
     if what == "exact":
         rec[:] = values
     elif what == "overflow":
@@ -182,12 +266,13 @@ def _settle(rec: np.ndarray, x: torch.Tensor, dtype: str, what: str, values: np.
         if values[0] < metadata.smallest_normal(dtype):
             more("small", _small(x, dtype, signed=True))
     else:
-        _settle_first(rec, x, dtype, values, more)
+        _settle_first(rec, x, dtype, values, more, held_small)
 
 
 def _settle_first(rec: np.ndarray, x: torch.Tensor, dtype: str, first: np.ndarray,
-                  more: Callable[[str, list[torch.Tensor]], None]) -> None:
-    """A record from round 1's sum, sum of squares, min and max, and what round 2 counts for it."""
+                  more: Callable[[str, list[torch.Tensor]], None], held_small: bool) -> None:
+    """A record from round 1's sum, sum of squares, min and max, and what
+    round 2 counts for it (``held_small``: as ``_settle``'s)."""
     total, sq, lo, hi = first
     if not (np.isfinite(total) and np.isfinite(sq) and np.isfinite(lo) and np.isfinite(hi)):
         more("exact", _exact(x, dtype))
@@ -199,6 +284,8 @@ def _settle_first(rec: np.ndarray, x: torch.Tensor, dtype: str, first: np.ndarra
     if lo >= 0 or hi <= 0:  # one sign: the smallest magnitude is min, or -max
         if min(abs(lo), abs(hi)) < metadata.smallest_normal(dtype):
             more("small", _small(x, dtype, signed=lo < 0))
+    elif held_small:
+        more("small", _small(x, dtype, signed=True))
     else:
         more("min_abs", [x.abs().amin()])
 
@@ -208,7 +295,10 @@ def _small(x: torch.Tensor, dtype: str, signed: bool) -> list[torch.Tensor]:
     arithmetic: min(|x| / tiny, 1) is 1 for a normal value, in (0, 1) for a
     subnormal one (exactly: a power-of-two scale) and 0 for a zero, so its
     ceil and its floor summed count them (see the module's docstring for why
-    not compares). ``signed``: whether ``x`` has negative values."""
+    not compares); by sums of sign(x) where ``_flush_counts(x)``.
+    ``signed``: whether ``x`` has negative values."""
+    if _flush_counts(x):
+        return [_nonzero(x, signed), _normal(x, signed)]
     scaled = torch.mul(x, 1 / metadata.smallest_normal(dtype))
     if signed:
         scaled.abs_()
