@@ -47,7 +47,8 @@ logger = logging.getLogger(__name__)
 
 # Records per chart aggregate: 2,000 points over 100,000 steps.
 CHUNK = 50
-_NAN, _POSINF, _NEGINF, _OVERFLOW = 1, 2, 4, 8
+# A record's flag bits: each of these counts above 0.
+_FLAGS = (("nan", np.uint8(1)), ("posinf", np.uint8(2)), ("neginf", np.uint8(4)), ("overflow", np.uint8(8)))
 # Bytes of float64 records made compact at once.
 _WORK_BYTES = 4 << 20
 # The chart's statistics, as ``views`` shows them.
@@ -234,7 +235,7 @@ class CompactSeries(TensorSeries):
         n = len(self.steps)
         v = np.zeros((n, metadata.NUM_FIELDS), order="F")  # the masks read a field at a time
         flags = self._joined("flags")
-        for k, bit in (("nan", _NAN), ("posinf", _POSINF), ("neginf", _NEGINF), ("overflow", _OVERFLOW)):
+        for k, bit in _FLAGS:
             v[:, F[k]] = (flags & bit) > 0
         v[:, F["count"]] = 1 + v[:, F["nan"]] + v[:, F["posinf"]] + v[:, F["neginf"]]
         v[:, F["min"]] = v[:, F["max"]] = self.max_abs
@@ -330,8 +331,8 @@ def _compact_values(block: str, tensors: Sequence[tuple[str, metadata.TensorInfo
     v64 = fields.reshape(f, t * n).T
     d = derived(v64)
     flags = np.zeros(t * n, np.uint8)
-    for k, bit in (("nan", _NAN), ("posinf", _POSINF), ("neginf", _NEGINF), ("overflow", _OVERFLOW)):
-        flags |= np.where(v64[:, F[k]] > 0, bit, 0).astype(np.uint8)
+    for k, bit in _FLAGS:
+        flags |= (v64[:, F[k]] > 0).view(np.uint8) * bit  # a bool's byte is 0 or 1
     under = (v64[:, F["underflow"]] > 0).reshape(t, n).any(axis=1)
     share = None
     if under.any():  # the share of nonzero values below the smallest normal, as the underflow rule reads it

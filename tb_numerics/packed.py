@@ -281,15 +281,19 @@ def regular_cube(table: metadata.BlockTable, rows: np.ndarray) -> tuple[np.ndarr
     the same order, with valid records and rising steps, as (steps ``[S]``,
     each tensor's index in ``table`` ``[T]``, rows ``[S, T, COLUMNS]``, a
     view of ``rows``); None for any other block."""
-    n = int(np.argmax(rows[:, 1] != rows[0, 1])) or len(rows)
+    n = _first_step_rows(rows)
     if len(rows) % n:
         return None
     cube = rows.reshape(-1, n, COLUMNS)
     ids = cube[0, :, 0]
     if not (np.all(ids == np.floor(ids)) and np.all((ids >= 0) & (ids < len(table))) and len(np.unique(ids)) == n):
         return None
-    if not (np.array_equal(cube[:, :, 0], np.broadcast_to(ids, cube.shape[:2]))
-            and np.array_equal(cube[:, :, 1], np.broadcast_to(cube[:, :1, 1], cube.shape[:2]))):
+    # Every step's (index, step) columns against the first step's indices
+    # and its own step: one strided read of the rows, not one per column.
+    expected = np.empty(cube.shape[:2] + (2,), rows.dtype)
+    expected[:, :, 0] = ids
+    expected[:, :, 1] = cube[:, :1, 1]
+    if not np.array_equal(cube[:, :, :2], expected):
         return None
     steps = cube[:, 0, 1]
     if not (np.all(np.diff(steps) > 0) and steps[0] >= 0 and np.all(steps == np.floor(steps)) and steps[-1] < 2.0**63):
@@ -297,6 +301,20 @@ def regular_cube(table: metadata.BlockTable, rows: np.ndarray) -> tuple[np.ndarr
     if not records.valid_records(rows[:, 2:]).all():
         return None
     return steps.astype(np.int64), ids.astype(np.int64), cube
+
+
+def _first_step_rows(rows: np.ndarray) -> int:
+    """How many rows the first step holds (all of them where there is one
+    step), looked for in growing prefixes: a step holds one row a tensor."""
+    at = 1024
+    while True:
+        head = rows[:at, 1]
+        change = np.flatnonzero(head != head[0])
+        if len(change):
+            return int(change[0])
+        if at >= len(rows):
+            return len(rows)
+        at *= 4
 
 
 def merge(
