@@ -199,11 +199,19 @@ def saturation(series: TensorSeries, d: dict[str, np.ndarray], k: int) -> np.nda
     return sustained(pinned & (d["finite"] > 0), k)
 
 
-def headroom_forecast(series: TensorSeries, d: dict[str, np.ndarray], window: int) -> np.ndarray:
+def headroom_forecast(series: TensorSeries, d: dict[str, np.ndarray], window: int,
+                      at: np.ndarray | None = None) -> np.ndarray:
     """Steps until max |x| reaches the largest finite value of the dtype the
     tensor is computed in, at the growth of its last ``window`` records
     (a least-squares line through log2 max |x| against the step); inf where
-    it is not growing steadily."""
+    it is not growing steadily, and (``at``: a bool per record) where not
+    asked for.
+
+    The line is fitted only where the window rose steadily (``window - 2``
+    of its steps up) and the forecast is asked for: usually a few records
+    of a few tensors, each fitted on its own window, with the steps
+    counted from the window's last.
+    """
     dtype = series.info.compute_dtype or series.info.dtype
     limit = np.log2(metadata.DTYPE_LIMITS[dtype][0])
     n = len(series.steps)
@@ -216,23 +224,22 @@ def headroom_forecast(series: TensorSeries, d: dict[str, np.ndarray], window: in
     y = np.where(good, y, 0.0)
     with np.errstate(invalid="ignore"):
         rising = np.r_[False, (np.diff(y) > 0) & good[1:] & good[:-1]]
-
-    def window_sum(a: np.ndarray) -> np.ndarray:  # sum over each window ending at i >= window-1
-        c = np.concatenate([[0.0], np.cumsum(a, dtype=np.float64)])
-        return c[window:] - c[:-window]
-
-    rises = window_sum(rising.astype(np.float64)) - rising[: n - window + 1]  # rises inside the window
-    if not np.any(rises >= window - 2):
+    counts = np.concatenate([[0], np.cumsum(rising, dtype=np.int64)])
+    rises = counts[window:] - counts[:-window] - rising[: n - window + 1]  # rises inside each window
+    ends = np.flatnonzero(rises >= window - 2) + (window - 1)  # where a window rose steadily
+    if at is not None:
+        ends = ends[at[ends]]
+    if not len(ends):
         return out  # growing steadily nowhere (most tensors): no line to fit
-    x = series.steps.astype(np.float64) - float(series.steps[0])
-    sx, sy, sxx, sxy = (window_sum(a) for a in (x, y, x * x, x * y))
+    cols = ends[:, None] + np.arange(1 - window, 1)  # [k, window]: each window's records
+    x = (series.steps[cols] - series.steps[ends][:, None]).astype(np.float64)
+    ys = y[cols]
+    sx, sy, sxx, sxy = x.sum(axis=1), ys.sum(axis=1), (x * x).sum(axis=1), (x * ys).sum(axis=1)
     var = sxx - sx * sx / window
     with np.errstate(invalid="ignore", divide="ignore"):
         slope = np.where(var > 0, (sxy - sx * sy / window) / var, 0.0)
-    bad = window_sum((~good).astype(np.float64)) > 0
-    ok = ~bad & (rises >= window - 2) & (slope > 0)
-    with np.errstate(divide="ignore"):
-        out[window - 1 :] = np.where(ok, (limit - y[window - 1 :]) / np.where(ok, slope, 1.0), np.inf)
+    ok = good[cols].all(axis=1) & (slope > 0)
+    out[ends] = np.where(ok, (limit - y[ends]) / np.where(ok, slope, 1.0), np.inf)
     return out
 
 
@@ -253,7 +260,7 @@ def headroom(series: TensorSeries, d: dict[str, np.ndarray], window: int, steps:
         big = d["max_abs"] >= floor
         if not big.any():  # most tensors: no forecast to make
             return big
-        return (headroom_forecast(series, d, window) <= steps) & big
+        return (headroom_forecast(series, d, window, at=big) <= steps) & big
 
 
 def vanishing(norm: np.ndarray, floor: float) -> np.ndarray:

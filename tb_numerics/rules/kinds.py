@@ -362,7 +362,7 @@ def _headroom_detail(rows: Rows, row: int, i: int, p: Any) -> str:
     d = derived(s.mask_values())
     window = p.growth_window
     dtype = s.info.compute_dtype or s.info.dtype
-    left = float(detectors.headroom_forecast(s, d, window)[i])
+    left = float(detectors.headroom_forecast(s, d, window, at=np.arange(len(s.steps)) == i)[i])
     bits = float(np.log2(metadata.DTYPE_LIMITS[dtype][0] / d["max_abs"][i]))
     return ("max |x| = %s, %.1f bits below the %s maximum; at its growth over steps %d to %d (×%s a step), "
             "this tensor's %s overflow in about %d steps" % (
