@@ -47,7 +47,12 @@ _NAME_BYTES = 64 << 10
 
 
 class _Damaged(Exception):
-    """The record at an offset fails a checksum."""
+    """The record at an offset fails a checksum; ``data``: its bytes where
+    the reader holds them (to name what was lost), else None."""
+
+    def __init__(self, data: bytes | None = None):
+        super().__init__()
+        self.data = data
 
 
 class _Short(Exception):
@@ -56,13 +61,14 @@ class _Short(Exception):
 class _Window:
     """A forward-only window on a file read in chunks of ``CHUNK_BYTES`` bytes:
     at most a chunk and the record being read are in memory, and each byte
-    is read from the file once."""
+    is read from the file once. The chunks are kept as read (a record's
+    bytes are copied once, out of them), the file positioned after the last."""
 
     def __init__(self, f: IO[bytes], size: int, start: int = 0):
         self._f = f
         self.size = size
-        self._buf = b""
-        self._lo = start  # the file offset of _buf[0]
+        self._chunks: list[bytes] = []  # consecutive, the first at file offset _lo
+        self._lo = self._hi = start  # _hi: the file offset just past the chunks
         if start:
             f.seek(start)
 
@@ -72,16 +78,14 @@ class _Window:
         Raises:
           _Short: the file ended before (it shrank since it was opened).
         """
-        hi = self._lo + len(self._buf)
-        if offset + n > hi:
-            keep = self._buf[offset - self._lo :]
-            if offset > hi:  # past a record no reader looked into
-                self._drop(offset - hi)
-                keep, hi = b"", offset
-            self._buf = keep + self._read(min(max(offset + n - hi, CHUNK_BYTES), self.size - hi))
-            self._lo = offset
-        i = offset - self._lo
-        out = self._buf[i : i + n]
+        if offset + n > self._hi:
+            if offset >= self._hi:  # past a record no reader looked into
+                self._drop(offset - self._hi)
+                self._chunks, self._lo = [], offset
+            self._read_chunks(min(max(offset + n - self._hi, CHUNK_BYTES), self.size - self._hi))
+        while self._chunks and self._lo + len(self._chunks[0]) <= offset:
+            self._lo += len(self._chunks.pop(0))
+        out = self._held(offset, n)
         if len(out) < n:
             raise _Short()
         return out
@@ -89,7 +93,7 @@ class _Window:
     @property
     def held_to(self) -> int:
         """The file offset just past the bytes in memory."""
-        return self._lo + len(self._buf)
+        return self._hi
 
     def chunks(self, offset: int, n: int) -> Iterator[bytes]:
         """Bytes [offset, offset + n) of the file a chunk at a time, none of
@@ -98,17 +102,16 @@ class _Window:
         Raises:
           _Short: the file ended before.
         """
-        hi = self._lo + len(self._buf)
-        if offset >= hi:
-            self._drop(offset - hi)
-            head, hi = b"", offset
-        else:
-            head = self._buf[offset - self._lo : offset - self._lo + n]
+        if offset >= self._hi:
+            self._drop(offset - self._hi)
+            self._chunks, self._lo = [], offset
         end = offset + n
-        if end <= hi:
+        head = self._held(offset, n)
+        if end <= self._hi:
             yield head
             return
-        self._buf, self._lo = b"", end
+        hi = self._hi
+        self._chunks, self._lo, self._hi = [], end, end
         yield head
         while hi < end:
             part = self._f.read(min(CHUNK_BYTES, end - hi))
@@ -121,21 +124,37 @@ class _Window:
         """Bytes [offset, offset + n) read again from the file (which must
         be able to seek); reading then goes on where it was."""
         self._f.seek(offset)
-        data = self._read(n)
-        self._f.seek(self._lo + len(self._buf))
+        data = b"".join(self._parts(n))
+        self._f.seek(self._hi)
         if len(data) < n:
             raise _Short()
         return data
 
-    def _read(self, n: int) -> bytes:
-        parts = []
+    def _held(self, offset: int, n: int) -> bytes:
+        """What the chunks hold of [offset, offset + n), copied once."""
+        i, pieces = offset - self._lo, []
+        for chunk in self._chunks:
+            if i < len(chunk) and n > 0:
+                pieces.append(memoryview(chunk)[i : i + n])
+                n -= len(pieces[-1])
+            i = max(0, i - len(chunk))
+        if len(pieces) == 1 and len(pieces[0]) == len(pieces[0].obj):
+            return pieces[0].obj  # a whole chunk: itself
+        return b"".join(pieces)
+
+    def _read_chunks(self, n: int) -> None:
+        for part in self._parts(n):
+            self._chunks.append(part)
+            self._hi += len(part)
+
+    def _parts(self, n: int) -> Iterator[bytes]:
+        """Up to ``n`` bytes from the file's position, a chunk at a time."""
         while n > 0:
             part = self._f.read(min(n, CHUNK_BYTES))
             if not part:
-                break
-            parts.append(part)
+                return
+            yield part
             n -= len(part)
-        return b"".join(parts)
 
     def _drop(self, n: int) -> None:
         while n > 0:
@@ -143,6 +162,7 @@ class _Window:
             if not part:
                 raise _Short()
             n -= len(part)
+            self._hi += len(part)
 
     def close(self) -> None:
         self._f.close()
@@ -175,30 +195,31 @@ def py_record_reader(path: str, window: _Window) -> RecordReader:
     window holds together (``_crc32c``): by the CPU's CRC32C where
     ``google-crc32c`` has it (4.3 GB/s here), else in numpy (50-80 MB/s,
     where the pure-Python CRC32C checks 3.5)."""
-    checked: dict[int, bytes | None] = {}
+    checked: dict[int, tuple[bytes | None, bool]] = {}
 
     def read(offset: int) -> bytes:
         if offset not in checked:
             checked.clear()
             checked.update(_check_from(window, offset))
-        data = checked.pop(offset)
-        if data is None:
-            raise _Damaged()
+        data, intact = checked.pop(offset)
+        if not intact:
+            raise _Damaged(data)
         return data
 
     return read
 
 
-def _check_from(window: _Window, offset: int) -> dict[int, bytes | None]:
-    """Offset -> data (None where a checksum fails) of the record at
+def _check_from(window: _Window, offset: int) -> dict[int, tuple[bytes | None, bool]]:
+    """Offset -> (data, whether its checksums hold) of the record at
     ``offset``, which lies inside the file, and of those after it that the
-    window holds, up to the first whose header fails its checksum.
+    window holds, up to the first whose header fails its checksum (its
+    data None: nothing after it can be framed).
 
     Only the first record's length is trusted with a read beyond the
     window's chunk, and only once its header's checksum holds."""
     header = window.at(offset, _HEADER)
     if not _header_ok(header):
-        return {offset: None}
+        return {offset: (None, False)}
     frames: list[tuple[int, bytes, bytes, bytes]] = []  # offset, header, data, footer
     at = offset
     while at + _HEADER <= window.size and (not frames or at + _HEADER <= window.held_to):
@@ -217,7 +238,7 @@ def _check_from(window: _Window, offset: int) -> dict[int, bytes | None]:
     datas = [d for _, _, d, _ in frames]
     data_ok = _crc32c.masked_crc32c_many(datas) == [struct.unpack("<I", f)[0] for _, _, _, f in frames]
     ok = data_ok & headers_ok[: len(frames)]
-    return {o: d if good else None for (o, _, _, _), d, good in zip(frames, datas, ok.tolist())}
+    return {o: (d, good) for (o, _, _, _), d, good in zip(frames, datas, ok.tolist())}
 
 
 def _default_reader(path: str, window: _Window) -> RecordReader:
@@ -401,10 +422,11 @@ def _record_at(window: _Window, read: RecordReader, offset: int, length: int, he
         return _large_record(window, offset, length)
     try:
         return Record(read(offset), True)
-    except _Damaged:
+    except _Damaged as e:
         if not _header_ok(header):
             return None
-        return Record(window.at(offset + _HEADER, length), False)
+        # The bytes the check read (the window may have moved past them).
+        return Record(e.data if e.data is not None else window.at(offset + _HEADER, length), False)
 
 
 def _large_record(window: _Window, offset: int, length: int) -> Record:

@@ -314,15 +314,19 @@ def test_cli_reads_everything_readable_and_reports_each_problem_once(logdir: str
     assert len(warnings) == sum(len(r["problems"]) for r in runs.values())
 
 
+@pytest.mark.parametrize("chunk", [None, 7, 100], ids=["chunk_4MB", "chunk_7B", "chunk_100B"])
 @pytest.mark.parametrize("fast", [True, False], ids=["google_crc32c", "numpy"])
-def test_both_record_readers_skip_and_report_the_same(logdir: str, fast: bool, monkeypatch) -> None:
+def test_both_record_readers_skip_and_report_the_same(logdir: str, fast: bool, chunk: int | None, monkeypatch) -> None:
     """The Python reader (installs without TensorFlow, and every install
     where google-crc32c has its C extension) agrees with TensorFlow's, with
-    either of its checksums."""
-    from tb_numerics import _crc32c
+    either of its checksums, and with the file read in chunks smaller than
+    a record's header or its data (records and damage across chunks)."""
+    from tb_numerics import _crc32c, tfrecord
 
     if not fast:
         monkeypatch.setattr(_crc32c, "FAST", None)
+    if chunk is not None:
+        monkeypatch.setattr(tfrecord, "CHUNK_BYTES", chunk)
     files = [p for files in event_reader.find_runs(logdir).values() for p in files]
     assert len(files) >= len(CASES) + 2
     for path in files:
@@ -332,6 +336,38 @@ def test_both_record_readers_skip_and_report_the_same(logdir: str, fast: bool, m
         py_records = list(event_reader.read_records(path, py_problems, event_reader.py_record_reader))
         assert tf_records == py_records, path
         assert tf_problems == py_problems, path
+
+
+def test_a_damaged_record_larger_than_a_chunk_loses_only_itself(tmp_path) -> None:
+    """Records of twice the reader's 4 MB chunk (a packed event of 10,000
+    tensors is 30 MB), one of them damaged: every other record is read, as
+    TensorFlow's reader reads them. (Naming what the damaged one held read
+    its bytes again from a window that had moved past them: the file was
+    reported truncated there, and the rest skipped.)"""
+    from tb_numerics import _crc32c, tfrecord
+
+    def framed(data: bytes) -> bytes:
+        header = struct.pack("<Q", len(data))
+        return (header + struct.pack("<I", _crc32c.masked_crc32c(header)) + data
+                + struct.pack("<I", _crc32c.masked_crc32c(data)))
+
+    rng = np.random.default_rng(0)
+    records = [rng.bytes(2 * tfrecord.CHUNK_BYTES + 5) for _ in range(4)]
+    blob = bytearray(b"".join(framed(r) for r in records))
+    size = len(framed(records[0]))
+    blob[size + 100] ^= 0xFF  # in the second record's data
+    path = str(tmp_path / "events.out.tfevents.1.test")
+    with open(path, "wb") as f:
+        f.write(bytes(blob))
+    py_problems: list[str] = []
+    got = list(event_reader.read_records(path, py_problems, event_reader.py_record_reader))
+    assert [r.intact for r in got] == [True, False, True, True], py_problems
+    assert [r.data for r in got if r.intact] == [records[0], records[2], records[3]]
+    assert py_problems == ["events.out.tfevents.1.test: 1 corrupt record(s) skipped (checksum mismatch) "
+                           "at byte offset %d" % size]
+    tf_problems: list[str] = []
+    assert list(event_reader.read_records(path, tf_problems, event_reader.tf_record_reader)) == got
+    assert tf_problems == py_problems
 
 
 def test_a_record_after_a_bad_checksum_is_still_read(tmp_path) -> None:
