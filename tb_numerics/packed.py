@@ -311,7 +311,7 @@ def _first_step_rows(rows: np.ndarray) -> int:
         head = rows[:at, 1]
         change = np.flatnonzero(head != head[0])
         if len(change):
-            return int(change[0])
+            return int(change[0]) or len(rows)  # a NaN step differs from itself: one step of all
         if at >= len(rows):
             return len(rows)
         at *= 4

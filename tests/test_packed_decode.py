@@ -53,3 +53,23 @@ def test_a_packed_block_gives_one_part_per_tensor():
     assert [(p.tag, p.info.role, p.steps.tolist()) for p in parts] == [
         ("dense/output", "activation", [0, 1, 2, 3]), ("loss", "loss", [0, 1, 2, 3])]
     assert parts[0].values[:, F["max"]].tolist() == [1.0, 1.0, 2.0, 3.0]
+
+
+@pytest.mark.parametrize("first_step", [np.nan, -1.0, 0.5])
+def test_a_block_whose_first_row_has_no_valid_step_loses_only_that_row(first_step):
+    """A damaged step column (a NaN step differs even from itself) is not
+    the usual block: its other rows are read as any block's are."""
+    packer = packed.StepPacker(steps_per_event=4)
+    events = []
+    for step in range(4):
+        events += packer.add(step, [("dense/output", numpy_stats(np.float32([step, 1.0, 0.0])), ACT),
+                                    ("loss", numpy_stats(np.float32([0.5])), LOSS)], wall_time=0.0)
+    events += packer.flush()
+    table = metadata.parse_content(events[0].metadata.plugin_data.content)
+    rows = np.array(events[0].rows, dtype=np.float64)
+    rows[0, 1] = first_step
+    problems: list[str] = []
+    parts = packed.decode_tag(events[0].tag, table, [events[0].step], [rows], problems)
+    assert [(p.tag, p.steps.tolist()) for p in parts] == [("dense/output", [1, 2, 3]), ("loss", [0, 1, 2, 3])]
+    assert problems == ["%s: 1 packed row(s) with no tensor in the block's table or no valid step skipped"
+                        % events[0].tag]
