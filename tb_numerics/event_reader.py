@@ -66,7 +66,7 @@ def _matrix(t: tensor_pb2.TensorProto) -> np.ndarray:
     """A packed event's rows in their own dtype (``unpack_block`` checks it);
     empty (so counted malformed) if unreadable."""
     try:
-        return np.asarray(tensor_util.make_ndarray(t))
+        return np.asarray(packed.tensor_values(t))
     except (ValueError, TypeError, KeyError):
         return np.zeros(0)
 

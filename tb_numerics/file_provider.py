@@ -33,13 +33,11 @@ import os
 import threading
 from typing import Any, Iterable
 
-import numpy as np
 from google.protobuf.message import DecodeError
-from tensorboard.compat.proto import event_pb2, types_pb2
+from tensorboard.compat.proto import event_pb2
 from tensorboard.data import provider
-from tensorboard.util import tensor_util
 
-from tb_numerics import event_files, loader_guard, metadata, tfrecord
+from tb_numerics import event_files, loader_guard, metadata, packed, tfrecord
 
 __all__ = ["FileProvider"]
 
@@ -306,24 +304,8 @@ def _read_tag(tag: str, steps: list[int], walls: list[float], where: list[tuple[
                 raise ValueError("%s: the event at byte offset %d of %s no longer holds it" % (
                     tag, where[i][1], os.path.basename(path)))
             out[i] = provider.TensorDatum(step=steps[i], wall_time=walls[i],
-                                          numpy=_ndarray(value.tensor))
+                                          numpy=packed.tensor_values(value.tensor))
     return out
-
-
-# The dtypes whose records are read without a copy (``_ndarray``).
-_FLOAT_CONTENT = {types_pb2.DT_FLOAT: np.dtype("<f4"), types_pb2.DT_DOUBLE: np.dtype("<f8")}
-
-
-def _ndarray(tensor) -> np.ndarray:
-    """A tensor proto's values: float32 or float64 content (every packed
-    block) as a read-only view of its bytes, where ``make_ndarray`` copies
-    them once more (0.5 s of a 2.6 GB run's read); anything else by it."""
-    dtype = _FLOAT_CONTENT.get(tensor.dtype)
-    content = tensor.tensor_content
-    shape = [d.size for d in tensor.tensor_shape.dim]
-    if dtype is None or not content or len(content) != dtype.itemsize * int(np.prod(shape, dtype=np.int64)):
-        return tensor_util.make_ndarray(tensor)
-    return np.frombuffer(content, dtype=dtype).reshape(shape)
 
 
 def _wanted_runs(runs: dict[str, _RunIndex], rtf: provider.RunTagFilter | None) -> Iterable[str]:

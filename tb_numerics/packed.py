@@ -48,7 +48,8 @@ import time
 from typing import Callable, Iterable, NamedTuple, Sequence
 
 import numpy as np
-from tensorboard.compat.proto import summary_pb2
+from tensorboard.compat.proto import summary_pb2, types_pb2
+from tensorboard.util import tensor_util
 
 from tb_numerics import metadata, records
 from tb_numerics.records import nonfinite_count
@@ -199,6 +200,27 @@ def unpack_block(
     if fast is not None:
         return fast
     return _split_by_tensor(table, _checked_rows(block, table, rows.astype(np.float64, copy=False), problems))
+
+
+# The dtypes whose values ``tensor_values`` reads without a copy.
+_FLOAT_CONTENT = {types_pb2.DT_FLOAT: np.dtype("<f4"), types_pb2.DT_DOUBLE: np.dtype("<f8")}
+
+
+def tensor_values(tensor) -> np.ndarray:
+    """An event's tensor proto as an array: float32 or float64 content (every
+    packed block) as a read-only view of its bytes, where ``make_ndarray``
+    copies them once more (0.5 s of a 2.6 GB run's read); anything else by it.
+
+    Raises:
+      ValueError, TypeError, KeyError: as ``make_ndarray`` does, for a
+        tensor it cannot decode.
+    """
+    dtype = _FLOAT_CONTENT.get(tensor.dtype)
+    content = tensor.tensor_content
+    shape = [d.size for d in tensor.tensor_shape.dim]
+    if dtype is None or not content or len(content) != dtype.itemsize * int(np.prod(shape, dtype=np.int64)):
+        return tensor_util.make_ndarray(tensor)
+    return np.frombuffer(content, dtype=dtype).reshape(shape)
 
 
 def block_rows(

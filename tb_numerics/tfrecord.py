@@ -113,12 +113,11 @@ class _Window:
         hi = self._hi
         self._chunks, self._lo, self._hi = [], end, end
         yield head
-        while hi < end:
-            part = self._f.read(min(CHUNK_BYTES, end - hi))
-            if not part:
-                raise _Short()
+        for part in self._parts(end - hi):
             hi += len(part)
             yield part
+        if hi < end:
+            raise _Short()
 
     def reread(self, offset: int, n: int) -> bytes:
         """Bytes [offset, offset + n) read again from the file (which must
@@ -157,12 +156,11 @@ class _Window:
             n -= len(part)
 
     def _drop(self, n: int) -> None:
-        while n > 0:
-            part = self._f.read(min(n, CHUNK_BYTES))
-            if not part:
-                raise _Short()
+        for part in self._parts(n):
             n -= len(part)
             self._hi += len(part)
+        if n > 0:
+            raise _Short()
 
     def close(self) -> None:
         self._f.close()
