@@ -37,11 +37,11 @@ from typing import Callable, Sequence
 
 import numpy as np
 
-from tb_numerics import detectors, metadata, packed
+from tb_numerics import detectors, metadata, packed, records
 from tb_numerics.records import F, TensorSeries, derived
 
 __all__ = ["CHART_COUNTS", "CHART_MOMENTS", "CHUNK", "ChunkStats", "CompactSeries", "PartCache", "Piece",
-           "compact_cube", "compact_parts", "keeps_records", "merge"]
+           "compact_parts", "compact_rows", "keeps_records", "merge"]
 
 logger = logging.getLogger(__name__)
 
@@ -49,11 +49,13 @@ logger = logging.getLogger(__name__)
 CHUNK = 50
 # A record's flag bits: each of these counts above 0.
 _FLAGS = (("nan", np.uint8(1)), ("posinf", np.uint8(2)), ("neginf", np.uint8(4)), ("overflow", np.uint8(8)))
-# Bytes of float64 records made compact at once.
-_WORK_BYTES = 4 << 20
+# Records made compact at once (13 float64 fields each: 3.4 MB).
+_WORK_RECORDS = 1 << 15
 # The chart's statistics, as ``views`` shows them.
 CHART_COUNTS = ("count", "nan", "posinf", "neginf", "zeros", "overflow", "underflow")
 CHART_MOMENTS = ("mean", "std", "l2")
+# Where the chart's counts lie in a record.
+_COUNT_ROWS = [metadata.FIELD_INDEX[k] for k in CHART_COUNTS]
 
 # (block tag, tensor tag) -> that tensor's part of the block, read again.
 PartLoader = Callable[[str, str], TensorSeries]
@@ -92,32 +94,6 @@ class ChunkStats:
     unrecorded: np.ndarray  # bool [m]: no record of the chunk holds sums
 
     @staticmethod
-    def of_each(values: np.ndarray, d: dict[str, np.ndarray]) -> list["ChunkStats"]:
-        """The chunks of each of ``T`` tensors' records ``[T, n, F]`` (their
-        parts of one block), from their first records; ``d``: the records'
-        ``derived`` statistics, ``[T * n]`` each."""
-        t, n = values.shape[:2]
-        flat = values.reshape(t * n, -1)
-        own = np.arange(0, n, CHUNK, dtype=np.int64)
-        starts = (np.arange(t, dtype=np.int64)[:, None] * n + own[None, :]).reshape(-1)
-        with np.errstate(invalid="ignore"):
-            moments = []
-            for k in CHART_MOMENTS:
-                ok = np.isfinite(d[k])
-                moments += [np.add.reduceat(np.where(ok, d[k], 0.0), starts), np.add.reduceat(ok * 1.0, starts)]
-            unrecorded = np.isnan(flat[:, F["sum_sq"]]) & (d["finite"] > 0)
-            # A field at a time (``flat`` is usually laid out field by field), summed in float64.
-            counts = np.stack([np.add.reduceat(flat[:, F[k]], starts, dtype=np.float64) for k in CHART_COUNTS], axis=1)
-            each = [
-                np.fmin.reduceat(flat[:, F["min"]], starts), np.fmax.reduceat(flat[:, F["max"]], starts),
-                np.fmax.reduceat(d["max_abs"].astype(flat.dtype), starts), np.stack(moments, axis=1), counts,
-                np.logical_and.reduceat(unrecorded, starts),
-            ]
-        m = len(own)
-        # Each tensor's chunks as views of the arrays made for all of them.
-        return [ChunkStats(own, *fields) for fields in zip(*(a.reshape(t, m, *a.shape[1:]) for a in each))]
-
-    @staticmethod
     def joined(parts: Sequence["ChunkStats"], offsets: Sequence[int]) -> "ChunkStats":
         """The chunks of parts laid end to end at ``offsets``."""
         fields = {f.name: np.concatenate([getattr(p, f.name) for p in parts]) for f in dataclasses.fields(ChunkStats)}
@@ -144,8 +120,7 @@ class Piece:
         chunks = ChunkStats(**cut)
         at = int(self.chunks.start[~whole][0]) if (~whole).any() else n
         if at < n:
-            values = load(self.block, tag).values[at:n]
-            last = ChunkStats.of_each(values[None], derived(values.astype(np.float64)))[0]
+            last = _chunks_of(load(self.block, tag).values[at:n])
             chunks = ChunkStats(**{f.name: np.concatenate([getattr(chunks, f.name), getattr(last, f.name) + (
                 at if f.name == "start" else 0)]) for f in dataclasses.fields(ChunkStats)})
         return Piece(self.block, self.max_abs[:n], self.flags[:n],
@@ -274,79 +249,163 @@ def compact_parts(block: str, parts: Sequence[TensorSeries], keep: Callable[[str
     out = [TensorSeries(p.tag, p.info, p.steps, p.values.copy(), p.written) if k else p for p, k in zip(parts, kept)]
     for idx in groups.values():
         steps, written = parts[idx[0]].steps, parts[idx[0]].written
-        for lo in range(0, len(idx), _at_once(len(steps))):
-            some = idx[lo : lo + _at_once(len(steps))]
-            values = np.stack([parts[i].values for i in some])
-            made = _compact_values(block, [(parts[i].tag, parts[i].info) for i in some], steps, values, load, written)
-            for i, series in zip(some, made):
-                series.width = len(parts)
-                out[i] = series
+        pieces = _Pieces(len(idx), len(steps), parts[idx[0]].values.dtype)
+        at_once = _steps_at_once(len(idx))
+        for s0 in range(0, len(steps), at_once):
+            n = min(at_once, len(steps) - s0)
+            fields = np.empty((metadata.NUM_FIELDS, n, len(idx)))
+            for j, i in enumerate(idx):
+                fields[:, :, j] = parts[i].values[s0 : s0 + n].T
+            pieces.add(s0, fields.reshape(metadata.NUM_FIELDS, -1))
+        for i, series in zip(idx, pieces.series(block, [(parts[i].tag, parts[i].info) for i in idx], steps, load,
+                                                  written)):
+            series.width = len(parts)
+            out[i] = series
     return out
 
 
-def compact_cube(block: str, table: metadata.BlockTable, steps: np.ndarray, ids: np.ndarray, cube: np.ndarray,
+def compact_rows(block: str, table: metadata.BlockTable, rows: np.ndarray, ids: np.ndarray,
                  keep: Callable[[str, metadata.TensorInfo], bool], load: PartLoader,
-                 written: tuple[float, float] | None) -> list[TensorSeries]:
-    """``compact_parts`` of a usual block (``packed.regular_cube``), read
-    straight from its rows ``[S, T, COLUMNS]``.
+                 written: tuple[float, float] | None) -> list[TensorSeries] | None:
+    """``compact_parts`` of a usual block, where each step logs the tensors
+    ``ids`` (``packed.regular_ids``), made straight from its rows: a slice
+    of steps at a time, each field of the slice copied out once (float64,
+    field by field, step by step), its rows checked as ``packed.regular_cube``
+    checks them and its records made compact from that one copy. None where
+    a row is not as a usual block's: then decode it as any other block.
 
     Args:
       block, keep, load: as ``compact_parts``'s.
       table: the block's table.
-      steps, ids, cube: ``packed.regular_cube(table, rows)``.
+      rows: its rows ``[S * T, COLUMNS]`` (``packed.block_rows``).
+      ids: the tensors each step logs, as indices in ``table``.
       written: the block's events' first and last wall time, where known.
     """
+    t = len(ids)
+    s = len(rows) // t
     infos = [table[int(i)] for i in ids]
     kept = [keep(tag, info) for tag, info in infos]
+    pieces = None if all(kept) else _Pieces(t, s, rows.dtype)
+    steps = np.empty(s, np.int64)
+    at_once = _steps_at_once(t)
+    buffer = np.empty((packed.COLUMNS, min(s, at_once) * t), rows.dtype)
+    for s0 in range(0, s, at_once):
+        n = min(at_once, s - s0)
+        fields = buffer if n * t == buffer.shape[1] else np.empty((packed.COLUMNS, n * t), rows.dtype)
+        fields[...] = rows[s0 * t : (s0 + n) * t].T
+        got = packed.regular_steps(ids, fields[0], fields[1])
+        # Checked in the rows' dtype (float32 comparisons are exact, and twice as fast).
+        if got is None or (s0 and got[0] <= steps[s0 - 1]) or not records.valid_records(fields[2:].T).all():
+            return None
+        steps[s0 : s0 + n] = got
+        if pieces is not None:
+            pieces.add(s0, fields[2:].astype(np.float64))
+    cube = rows.reshape(s, t, packed.COLUMNS)
     out: list[TensorSeries | None] = [
         TensorSeries(tag, info, steps, cube[:, j, 2:].copy(), written) if k else None
         for j, ((tag, info), k) in enumerate(zip(infos, kept))]
-    rest = [j for j, k in enumerate(kept) if not k]
-    for lo in range(0, len(rest), _at_once(len(steps))):
-        some = rest[lo : lo + _at_once(len(steps))]
-        # Usually a run of the block's tensors: a slice, not a gather.
-        cols = slice(some[0], some[-1] + 1) if some[-1] - some[0] + 1 == len(some) else some
-        values = cube[:, cols, 2:].transpose(1, 0, 2)
-        for j, series in zip(some, _compact_values(block, [infos[j] for j in some], steps, values, load, written)):
-            series.width = len(ids)
-            out[j] = series
+    if pieces is not None:
+        for j, series in enumerate(pieces.series(block, infos, steps, load, written)):
+            if out[j] is None:
+                series.width = t
+                out[j] = series
     return out  # type: ignore[return-value]
 
 
-def _at_once(n: int) -> int:
-    """Tensors of ``n`` records made compact at once: a few MB, so that
-    temporaries stay in cache and are reused."""
-    return max(1, _WORK_BYTES // (8 * metadata.NUM_FIELDS * max(1, n)))
+def _steps_at_once(n_tensors: int) -> int:
+    """Steps of ``n_tensors`` made compact at once: whole chunks, about
+    ``_WORK_RECORDS`` records, so that the copy and its temporaries stay in
+    cache and are reused."""
+    return CHUNK * max(1, _WORK_RECORDS // (CHUNK * max(1, n_tensors)))
 
 
-def _compact_values(block: str, tensors: Sequence[tuple[str, metadata.TensorInfo]], steps: np.ndarray,
-                    values: np.ndarray, load: PartLoader, written) -> list[CompactSeries]:
-    """Tensors' records ``[T, n, F]`` of one block (the same steps) as compact series."""
-    t, n, f = values.shape
-    # Field by field in float64: every pass below reads one field of every
-    # record (a field of records laid out record by record is a strided read
-    # of all of them), and ``values`` (a view of a block's rows) is copied once.
-    fields = np.empty((f, t, n))
-    fields.transpose(1, 2, 0)[...] = values
-    v64 = fields.reshape(f, t * n).T
-    d = derived(v64)
-    flags = np.zeros(t * n, np.uint8)
-    for k, bit in _FLAGS:
-        flags |= (v64[:, F[k]] > 0).view(np.uint8) * bit  # a bool's byte is 0 or 1
-    under = (v64[:, F["underflow"]] > 0).reshape(t, n).any(axis=1)
-    share = None
-    if under.any():  # the share of nonzero values below the smallest normal, as the underflow rule reads it
-        with np.errstate(invalid="ignore", divide="ignore"):
-            nonzero = d["finite"] - v64[:, F["zeros"]]
-            share = np.where(nonzero > 0, v64[:, F["underflow"]] / np.maximum(nonzero, 1), 0.0).reshape(t, n)
-    max_abs = d["max_abs"].astype(values.dtype).reshape(t, n)
-    chunks = ChunkStats.of_each(v64.reshape(t, n, -1), d)
-    flags = flags.reshape(t, n)
-    return [
-        CompactSeries(tag, info, steps, [Piece(block, max_abs[i], flags[i], share[i].copy() if under[i] else None,
-                                               chunks[i])], load, written)
-        for i, (tag, info) in enumerate(tensors)
-    ]
+class _Pieces:
+    """The compact pieces of ``T`` tensors over ``S`` steps of one block,
+    made a slice of steps at a time (``add``) from their records laid out
+    field by field, step by step, where every pass reads a field of every
+    record at once and the chunks are reductions across steps."""
+
+    def __init__(self, n_tensors: int, n_steps: int, dtype: np.dtype):
+        t, m = n_tensors, -(-n_steps // CHUNK)
+        self._n_steps = n_steps
+        self._max_abs = np.empty((n_steps, t), dtype)  # in the records' own dtype
+        self._flags = np.empty((n_steps, t), np.uint8)
+        self._share: np.ndarray | None = None  # [S, T], made at the first underflow
+        self._under = np.zeros(t, bool)
+        self._lo, self._hi, self._chunk_max = np.empty((m, t)), np.empty((m, t)), np.empty((m, t))
+        self._moments = np.empty((m, t, 2 * len(CHART_MOMENTS)))
+        self._counts = np.empty((m, t, len(CHART_COUNTS)))
+        self._unrecorded = np.empty((m, t), bool)
+
+    def add(self, s0: int, v: np.ndarray) -> None:
+        """The records of steps ``[s0, s0 + k)``: ``v``, float64
+        ``[NUM_FIELDS, k * T]``, step by step; ``s0`` a multiple of ``CHUNK``."""
+        t = self._max_abs.shape[1]
+        k = v.shape[1] // t
+        d = derived(v.T)
+        self._max_abs[s0 : s0 + k] = d["max_abs"].reshape(k, t)
+        flags = np.zeros(k * t, np.uint8)
+        for name, bit in _FLAGS:
+            flags |= (v[F[name]] > 0).view(np.uint8) * bit  # a bool's byte is 0 or 1
+        self._flags[s0 : s0 + k] = flags.reshape(k, t)
+        under = (v[F["underflow"]] > 0).reshape(k, t).any(axis=0)
+        if under.any():  # the share of nonzero values below the smallest normal, as the underflow rule reads it
+            self._under |= under
+            if self._share is None:
+                self._share = np.zeros((self._n_steps, t))
+            with np.errstate(invalid="ignore", divide="ignore"):
+                nonzero = d["finite"] - v[F["zeros"]]
+                self._share[s0 : s0 + k] = np.where(nonzero > 0, v[F["underflow"]] / np.maximum(nonzero, 1), 0.0
+                                                     ).reshape(k, t)
+        # The chart's chunks: reductions across the steps of each, of every field at once.
+        c = slice(s0 // CHUNK, s0 // CHUNK + -(-k // CHUNK))
+        with np.errstate(invalid="ignore"):
+            self._lo[c] = _by_chunk(np.fmin, v[F["min"]], k)
+            self._hi[c] = _by_chunk(np.fmax, v[F["max"]], k)
+            self._chunk_max[c] = _by_chunk(np.fmax, d["max_abs"], k)
+            moments = np.stack([d[name] for name in CHART_MOMENTS])
+            ok = np.isfinite(moments)
+            self._moments[c, :, 0::2] = _by_chunk(np.add, np.where(ok, moments, 0.0), k).transpose(1, 2, 0)
+            self._moments[c, :, 1::2] = _by_chunk(np.add, ok.astype(np.float64), k).transpose(1, 2, 0)
+            self._counts[c] = _by_chunk(np.add, v, k)[_COUNT_ROWS].transpose(1, 2, 0)
+            self._unrecorded[c] = _by_chunk(np.logical_and, np.isnan(v[F["sum_sq"]]) & (d["finite"] > 0), k)
+
+    def chunks(self) -> list[ChunkStats]:
+        """Each tensor's chunks."""
+        own = np.arange(0, self._n_steps, CHUNK, dtype=np.int64)
+        each = [np.ascontiguousarray(a.swapaxes(0, 1)) for a in (
+            self._lo, self._hi, self._chunk_max, self._moments, self._counts, self._unrecorded)]
+        return [ChunkStats(own, *fields) for fields in zip(*each)]
+
+    def series(self, block: str, tensors: Sequence[tuple[str, metadata.TensorInfo]], steps: np.ndarray,
+               load: PartLoader, written: tuple[float, float] | None) -> list["CompactSeries"]:
+        """Each tensor's compact series, one piece of ``block``."""
+        max_abs, flags = self._max_abs.T.copy(), self._flags.T.copy()
+        return [
+            CompactSeries(tag, info, steps, [Piece(
+                block, max_abs[i], flags[i], self._share[:, i].copy() if self._under[i] else None, chunks)],
+                load, written)
+            for i, ((tag, info), chunks) in enumerate(zip(tensors, self.chunks()))
+        ]
+
+
+def _by_chunk(ufunc: np.ufunc, x: np.ndarray, k: int) -> np.ndarray:
+    """``ufunc``'s reduction over each chunk of the ``k`` steps of ``x``
+    (``[..., k * T]``, step by step): ``[..., ceil(k / CHUNK), T]``."""
+    lead = x.shape[:-1]
+    x = x.reshape(lead + (k, -1))
+    whole = k - k % CHUNK
+    out = [ufunc.reduce(x[..., :whole, :].reshape(lead + (whole // CHUNK, CHUNK, -1)), axis=-2)] if whole else []
+    if whole < k:
+        out.append(ufunc.reduce(x[..., whole:, :], axis=-2, keepdims=True))
+    return out[0] if len(out) == 1 else np.concatenate(out, axis=-2)
+
+
+def _chunks_of(values: np.ndarray) -> ChunkStats:
+    """The chunks of one tensor's records ``[n, F]``."""
+    pieces = _Pieces(1, len(values), values.dtype)
+    pieces.add(0, np.asarray(values, np.float64).T.copy())
+    return pieces.chunks()[0]
 
 
 def merge(

@@ -303,26 +303,43 @@ def regular_cube(table: metadata.BlockTable, rows: np.ndarray) -> tuple[np.ndarr
     the same order, with valid records and rising steps, as (steps ``[S]``,
     each tensor's index in ``table`` ``[T]``, rows ``[S, T, COLUMNS]``, a
     view of ``rows``); None for any other block."""
+    ids = regular_ids(table, rows)
+    if ids is None:
+        return None
+    steps = regular_steps(ids, rows[:, 0], rows[:, 1])
+    if steps is None or not records.valid_records(rows[:, 2:]).all():
+        return None
+    return steps, ids, rows.reshape(len(steps), len(ids), COLUMNS)
+
+
+def regular_ids(table: metadata.BlockTable, rows: np.ndarray) -> np.ndarray | None:
+    """The tensors (indices in ``table``, int64 ``[T]``) each step of a
+    usual block logs, read off its first step; None where that step's
+    indices are not distinct tensors of ``table`` or the rows are not whole
+    steps of as many. Only the first step is looked at: ``regular_steps``
+    checks the others."""
     n = _first_step_rows(rows)
     if len(rows) % n:
         return None
-    cube = rows.reshape(-1, n, COLUMNS)
-    ids = cube[0, :, 0]
+    ids = rows[:n, 0]
     if not (np.all(ids == np.floor(ids)) and np.all((ids >= 0) & (ids < len(table))) and len(np.unique(ids)) == n):
         return None
-    # Every step's (index, step) columns against the first step's indices
-    # and its own step: one strided read of the rows, not one per column.
-    expected = np.empty(cube.shape[:2] + (2,), rows.dtype)
-    expected[:, :, 0] = ids
-    expected[:, :, 1] = cube[:, :1, 1]
-    if not np.array_equal(cube[:, :, :2], expected):
+    return ids.astype(np.int64)
+
+
+def regular_steps(ids: np.ndarray, index: np.ndarray, step: np.ndarray) -> np.ndarray | None:
+    """The steps (int64) of rows of a usual block whose index and step
+    columns are ``index`` and ``step``: each step's rows name the tensors
+    ``ids`` in order under one step, and the steps rise, whole and not
+    negative; None where the rows are not so."""
+    t = len(ids)
+    by_step = step.reshape(-1, t)
+    if not ((index.reshape(-1, t) == ids.astype(index.dtype)).all() and (by_step == by_step[:, :1]).all()):
         return None
-    steps = cube[:, 0, 1]
+    steps = by_step[:, 0]
     if not (np.all(np.diff(steps) > 0) and steps[0] >= 0 and np.all(steps == np.floor(steps)) and steps[-1] < 2.0**63):
         return None
-    if not records.valid_records(rows[:, 2:]).all():
-        return None
-    return steps.astype(np.int64), ids.astype(np.int64), cube
+    return steps.astype(np.int64)
 
 
 def _first_step_rows(rows: np.ndarray) -> int:

@@ -370,12 +370,13 @@ class _BlockReader:
                 return compact.keeps_records(tag, info, pairs.get(block, ()))
 
             rows = packed.block_rows(block, table, steps, arrays, problems)
-            got = packed.regular_cube(table, rows) if rows is not None else None
+            ids = packed.regular_ids(table, rows) if rows is not None else None
+            span = (float(min(walls)), float(max(walls))) if walls else None
+            got = compact.compact_rows(block, table, rows, ids, keep, self.cache, span) if ids is not None else None
             if got is None:  # an unusual block: decoded as any, then made compact
                 parts = packed.decode_tag(block, table, steps, arrays, problems, walls)
                 return compact.compact_parts(block, parts, keep, self.cache)
-            span = (float(min(walls)), float(max(walls))) if walls else None
-            return compact.compact_cube(block, table, *got, keep, self.cache, span)
+            return got
 
         return make
 

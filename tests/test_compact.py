@@ -10,6 +10,7 @@ underflow and a NaN late in it) is written once for the module.
 from __future__ import annotations
 
 import logging
+import os
 import time
 
 import numpy as np
@@ -228,3 +229,89 @@ def test_compare_refuses_a_compact_run_at_once_and_says_why(store):
     with pytest.raises(plugin._BadRequest) as refused:
         p.compare_impl(RequestContext(), "", long_run.RUN, long_run.RUN, compare.Band())
     assert refused.value.code == 400 and "long run" in str(refused.value) and "--against" in str(refused.value)
+
+
+def _compact_arrays(ra: analysis.RunAnalysis) -> dict[str, np.ndarray]:
+    """Every array a compact run holds, by tensor and name."""
+    out = {}
+    for h in ra.health:
+        if isinstance(h.series, compact.CompactSeries):
+            for k, p in enumerate(h.series.pieces):
+                out["%s/%d/max_abs" % (h.series.tag, k)], out["%s/%d/flags" % (h.series.tag, k)] = p.max_abs, p.flags
+                out["%s/%d/underflow" % (h.series.tag, k)] = p.underflow
+                for f in ("start", "lo", "hi", "max_abs", "moments", "counts", "unrecorded"):
+                    out["%s/%d/chunks.%s" % (h.series.tag, k, f)] = getattr(p.chunks, f)
+    return out
+
+
+def test_a_block_made_compact_a_chunk_at_a_time_holds_what_one_slice_holds(logdir, store, monkeypatch):
+    """``compact_rows`` reads a usual block a slice of steps at a time: one
+    chunk a slice here, so each block of 1,000 steps is 20 slices and the
+    underflow begins in a late one. The compact run holds what one slice a
+    block makes and reports what the CLI reports."""
+    monkeypatch.setattr(compact, "_WORK_RECORDS", 1)
+    assert compact._steps_at_once(30) == compact.CHUNK
+    files = file_provider.FileProvider(logdir, on_listing=False)
+    files.index_round()
+    sliced = run_store.RunStore(files, reload_interval=0, background=False, limits=COMPACT)
+    got, want = _compact_arrays(_answer(sliced, {})), _compact_arrays(_answer(store, {}))
+    assert got.keys() == want.keys() and any(k.endswith("underflow") and v is not None for k, v in got.items())
+    for key, a in want.items():
+        b = got[key]
+        if key.endswith("chunks.moments"):  # sums of 50 float64 values, added in another order
+            np.testing.assert_allclose(b, a, rtol=1e-13, err_msg=key)
+        else:
+            assert (a is None and b is None) or (a.dtype == b.dtype and np.array_equal(a, b, equal_nan=True)), key
+    truth = cli.report(logdir, analysis.SafeRange())[0][0]
+    summary = analysis.run_summary(_answer(sliced, {}))
+    for key in ("first_anomaly", "first_warning", "warnings", "records", "problems"):
+        assert rules.dumps(summary[key]) == rules.dumps(truth[key]), key
+
+
+def _usual_block_run(logdir: str, steps: list[int], impossible_at: int | None = None) -> None:
+    """One writer's packed run of 6 linear activations at ``steps``, a NaN
+    in one at the 900th step written; where ``impossible_at`` is given, a
+    record no tensor can produce (a negative count) at that step."""
+    from tb_numerics.record_writer import NumericsRecordWriter
+
+    rng = np.random.default_rng(3)
+    infos = [("a%d/output" % i, metadata.TensorInfo(role="activation", order=i, shape=(64, 64), dtype="float32"))
+             for i in range(6)]
+    values = [long_run.stats(rng, len(steps), 4096, np.full(len(steps), 1.0 + i)) for i in range(6)]
+    values[2][900, F["nan"]] = 2
+    with NumericsRecordWriter(os.path.join(logdir, long_run.RUN)) as w:
+        for j, step in enumerate(steps):
+            recs = [(tag, v[j].copy(), info) for (tag, info), v in zip(infos, values)]
+            if step == impossible_at:
+                recs[4][1][F["count"]] = -1
+            w.write_many(step, recs)
+
+
+@pytest.mark.parametrize("fault", ["impossible_record", "steps_go_back"])
+def test_a_block_unusual_in_a_late_slice_is_read_as_the_cli_reads_it(tmp_path, monkeypatch, fault):
+    """A block looks usual in its first slices and is not in a later one:
+    a record no tensor can produce, or a loop that went back and wrote its
+    steps again. The whole block is then decoded as any other, and the
+    compact run reports what the CLI reports: the record skipped and said,
+    every step written kept."""
+    monkeypatch.setattr(compact, "_WORK_RECORDS", 1)
+    logdir = str(tmp_path)
+    if fault == "impossible_record":
+        _usual_block_run(logdir, list(range(1000)), impossible_at=730)
+    else:
+        _usual_block_run(logdir, list(range(700)) + list(range(650, 950)))
+    files = file_provider.FileProvider(logdir, on_listing=False)
+    files.index_round()
+    store = run_store.RunStore(files, reload_interval=0, background=False, limits=COMPACT)
+    truth = cli.report(logdir, analysis.SafeRange())[0][0]
+    summary = analysis.run_summary(_answer(store, {}))
+    assert truth["records"] == 6000 - (fault == "impossible_record")
+    assert truth["first_anomaly"]["tensor"] == "a2/output"
+    for key in ("first_anomaly", "first_warning", "warnings", "records", "problems", "last_step"):
+        assert rules.dumps(summary[key]) == rules.dumps(truth[key]), key
+    if fault == "impossible_record":
+        assert any("malformed" in p for p in summary["problems"])
+    whole = event_reader.read_run(long_run.RUN, event_reader.find_runs(logdir)[long_run.RUN])
+    full = analysis.analyze_run(long_run.RUN, whole.series, analysis.SafeRange(), whole.problems)
+    for width in (7, 1000):
+        assert analysis.timeline(_answer(store, {}), width) == analysis.timeline(full, width), width

@@ -48,7 +48,7 @@ ALLOWED = {
     "safe_range.py:_parse_param": "a user's safe-range parameter must be a finite number",
     "views.py:_chart_columns": "NaN in sum_sq marks a field not recorded (op level), not a count",
     "views.py:_bucket_finite_mean": "a chart bucket's mean over a series' finite points",
-    "compact.py:ChunkStats.of_each": "a long run's chart chunks, as views makes chart points: sums of the finite "
+    "compact.py:_Pieces.add": "a long run's chart chunks, as views makes chart points: sums of the finite "
                                      "means, stds and norms, and NaN in sum_sq marking a field not recorded",
     "compare.py:parse_band": "a user's band factor must be a finite number",
     "compare.py:_first_departure": "a reference band's edge (a max over a window) is finite where the reference was",
