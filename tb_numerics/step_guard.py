@@ -27,10 +27,19 @@ as it would. Where it is not, the rare branch looks closer:
   the state it left, so an Adam second moment made infinite is the anomaly
   of this step, in phase ``update``.
 
+What the guard finds is filed at the step the step's own records were
+written at, read where the update is: in a function that runs several
+steps a call (a ``tf.range`` loop advancing a step variable), the failing
+iteration's step; in a trace made at an int step, that int, as
+``tf.summary`` writes it.
+
 Under the guard, gradient tags say whether the optimizer squares them
 (``TensorInfo.squared_by``), for the square-overflow warning. Under a
 ``LossScaleOptimizer`` the update is not gated (it skips non-finite steps
-and lowers its scale itself); at each of its skips the guard looks at the
+and lowers its scale itself), its loss scale is recorded each step (tag
+``loss_scale``, as ``NumericsCallback`` records it: the scaled gradients'
+non-finite records at a skip the scale handled are then information, not
+the run's anomaly); at each of its skips the guard looks at the
 step's replay, writing nothing, and where its first non-finite op is a
 forward one (which no loss scale makes: a log(0), a float16 overflow
 inside a layer), that step is replayed as a held one; a gradient op that
@@ -72,6 +81,7 @@ from tb_numerics import (
 __all__ = ["StepGuard", "guard"]
 
 _HELD, _OVERFLOWED, _SPIKED, _SCALE_SKIPPED = 0, 1, 2, 3  # slots of the guard's counters
+_NO_STEP = np.iinfo(np.int64).min  # a step slot not set
 _MAX_REPLAYS = 3  # replays at op level a guard runs in all (the first held step's, then its policy's events')
 
 
@@ -103,6 +113,15 @@ def _current_step() -> int | None:
     return None if step is None else int(step)
 
 
+def _traced_step() -> tf.Tensor | None:
+    """The step the step's own records are written at, read where the call
+    is (``summary.read_step``): inside a loop that runs several steps per
+    call, the step of that iteration; inside a trace made at an int step,
+    that int, as ``tf.summary`` writes it. None where no step is set."""
+    step = tf.summary.experimental.get_step()
+    return None if step is None else summary.read_step(step)
+
+
 class StepGuard:
     """A training step with its updates gated and its first bad step escalated."""
 
@@ -126,6 +145,10 @@ class StepGuard:
         self._windows = ([_survive_tf.SpikeWindow(dataclasses.replace(policy.spike, loss=False, grad_norm=True))
                           for _ in self._opts] if policy is not None and policy.spike is not None else [])
         self._spike = _tf_internal.untracked_variable(np.zeros(3), "tb_numerics_guard_spike")  # norm, mean, std
+        # The records' step of the last update applied, and, at the first anomaly of a call, the records'
+        # step there and of the update applied before it (_NO_STEP: none).
+        self._applied_at = _tf_internal.untracked_variable(np.int64(_NO_STEP), "tb_numerics_guard_applied_at")
+        self._bad_at = _tf_internal.untracked_variable(np.full(2, _NO_STEP, np.int64), "tb_numerics_guard_bad_at")
         # What the guard found at the first bad step (``first_anomaly.replay``'s JSON, or
         # the update that made the state non-finite); None until then.
         self.verdict: dict[str, Any] | None = None
@@ -140,23 +163,32 @@ class StepGuard:
             out = self._fn(*args, **kwargs)
         counts = self._counts.numpy()
         new, self._seen = counts - self._seen, counts
-        if self.verdict is None and step is not None and (new[_HELD] or new[_OVERFLOWED]):
-            self._escalate(step, bool(new[_HELD]), args, kwargs)
-        elif self.verdict is None and step is not None and new[_SCALE_SKIPPED] and self._replay:
-            self._look_inside_skip(step, args, kwargs)
+        bad, applied = step, None
+        if new.any():
+            # Where the step's records went: a call that runs several steps, or a trace made at
+            # another int step, wrote them elsewhere than at the step before the call.
+            at = self._bad_at.numpy()
+            if at[0] != _NO_STEP:
+                bad, applied = int(at[0]), (int(at[1]) if at[1] != _NO_STEP else None)
+                self._bad_at.assign(np.full(2, _NO_STEP, np.int64))
+        if self.verdict is None and bad is not None and (new[_HELD] or new[_OVERFLOWED]):
+            self._escalate(bad, bool(new[_HELD]), args, kwargs, applied)
+        elif self.verdict is None and bad is not None and new[_SCALE_SKIPPED] and self._replay:
+            self._look_inside_skip(bad, args, kwargs)
         if self._policy is not None:
-            self._survive(step, new, args, kwargs)
+            self._survive(bad, new, args, kwargs)
         self._prev_step = step
         return out
 
     def _gated(self, i: int, apply: Callable[..., Any]) -> Callable[..., Any]:
         opt = self._opts[i]
         if hasattr(opt, "inner_optimizer"):  # a LossScaleOptimizer gates itself: its skips are counted
-            return self._scale_gated(apply)
+            return self._scale_gated(opt, apply)
 
         @tf.autograph.experimental.do_not_convert  # explicit conds: nothing for autograph to convert
         def gated(grads, trainable_variables=None):
             grads = list(grads)
+            at = _traced_step()
             variables = list(trainable_variables if trainable_variables is not None
                              else opt._trainable_variables)  # noqa: SLF001 - Keras' own default
             self._written[i] = [v for g, v in zip(grads, variables) if g is not None]
@@ -178,26 +210,37 @@ class StepGuard:
 
             def update() -> tf.Tensor:
                 apply(grads, trainable_variables)
+                if at is not None:
+                    self._applied_at.assign(at)
                 return tf.constant(True)
 
             self._applied = tf.cond(run, update, lambda: tf.constant(False))
-            tf.cond(code > 0, lambda: self._count(code - 1), lambda: tf.constant(False))
+            tf.cond(code > 0, lambda: self._count(code - 1, at), lambda: tf.constant(False))
 
         return gated
 
-    def _scale_gated(self, apply: Callable[..., Any]) -> Callable[..., Any]:
+    def _scale_gated(self, opt: Any, apply: Callable[..., Any]) -> Callable[..., Any]:
         """A LossScaleOptimizer's ``apply``, which skips a step whose gradients
         are not finite by itself, with that skip counted (one pass over each
-        gradient, as the gate's)."""
+        gradient, as the gate's), and the loss scale the step's gradients
+        were scaled by recorded (as ``NumericsCallback`` records it): the
+        analysis reads a skip whose scale handled it as information, not as
+        the run's anomaly (``rules.kinds``)."""
 
         @tf.autograph.experimental.do_not_convert
         def counted(grads, trainable_variables=None):
             grads = list(grads)
+            at = _traced_step()
+            scale = getattr(opt, "dynamic_scale", None)
+            if scale is not None and at is not None:
+                summary.log_numerics("loss_scale", tf.cast(tf.convert_to_tensor(scale), tf.float32),
+                                     role="loss_scale", description="the LossScaleOptimizer's loss scale")
             present = [g for g in grads if g is not None]
             total = tf.add_n([_sq_sum(g) for g in present]) if present else tf.constant(0.0, tf.float64)
             skipped = tf.cond(stats.sums_finite([total]), lambda: tf.constant(False),
                               lambda: tf.logical_not(stats.all_finite(present)))
-            tf.cond(skipped, lambda: self._count(tf.constant(_SCALE_SKIPPED, tf.int64)), lambda: tf.constant(False))
+            tf.cond(skipped, lambda: self._count(tf.constant(_SCALE_SKIPPED, tf.int64), at),
+                    lambda: tf.constant(False))
             return apply(grads, trainable_variables)
 
         return counted
@@ -211,15 +254,21 @@ class StepGuard:
         window.push(tf.constant(np.nan, tf.float64), norm)
         return tf.where(spiked, tf.constant(1 + _SPIKED, tf.int64), code)
 
-    def _count(self, slot: tf.Tensor) -> tf.Tensor:
+    def _count(self, slot: tf.Tensor, step: tf.Tensor | None) -> tf.Tensor:
+        """Counts an anomaly of kind ``slot``; the first of a call keeps the
+        records' ``step`` and that of the last update applied before it."""
         self._counts.assign_add(tf.one_hot(slot, 4, dtype=tf.int64))
+        if step is not None:
+            first = tf.equal(self._bad_at[0], _NO_STEP)
+            self._bad_at.assign(tf.where(first, tf.stack([step, self._applied_at.read_value()]), self._bad_at))
         return tf.constant(True)
 
-    def _escalate(self, step: int, held: bool, args: tuple, kwargs: dict) -> None:
+    def _escalate(self, step: int, held: bool, args: tuple, kwargs: dict, applied: int | None = None) -> None:
         """At a step whose update was held back or overflowed: the state the
-        update made non-finite, written at the step that made it; else the
-        op-level replay of a held-back step."""
-        at = step if not held else self._prev_step
+        update made non-finite, written at the step that made it (``applied``:
+        the records' step of the last update applied, where the step knew
+        it); else the op-level replay of a held-back step."""
+        at = applied if applied is not None else (step if not held else self._prev_step)
         found = []
         if at is not None:
             for opt, written in zip(self._opts, self._written):

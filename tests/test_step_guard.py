@@ -55,7 +55,8 @@ def _oracle_steps(logdir, tag: str, above: float) -> list[int]:
     for path in sorted(pathlib.Path(logdir).glob("events.out.tfevents.*")):
         for event in tf.compat.v1.train.summary_iterator(str(path)):
             for v in event.summary.value:
-                if v.tag == tag and float(tf.make_ndarray(v.tensor)) > above:
+                # Inside a loop of a tf.function, the loop's name scope comes before the tag.
+                if (v.tag == tag or v.tag.endswith("/" + tag)) and float(tf.make_ndarray(v.tensor)) > above:
                     steps.append(int(event.step))
     return steps
 
@@ -301,16 +302,18 @@ def test_an_update_the_callback_does_not_hold_back_is_not_blamed_on_the_step_bef
     assert a["step"] == truth and a["phase"] != "update" and not a["tensor"].startswith("update/"), a
 
 
-def _scaled_quick_start(logdir):
+def _scaled_quick_start(logdir, log_gradients: bool = False, steps: int = STEPS, bad: int = BAD,
+                        initial_scale: float = 2.0**24):
     """The quick start under mixed_float16 with a LossScaleOptimizer whose first scale is too
     large (step 0's scaled gradients overflow float16: a skip the scale handles); batch BAD
-    scaled by 1e4, so that the float16 softmax meets exact zeros (a skip no scale handles)."""
+    ``bad`` scaled by 1e4, so that the float16 softmax meets exact zeros (a skip no scale handles).
+    ``log_gradients``: the step logs its (scaled) gradients too, the skipped steps' non-finite ones."""
     keras.mixed_precision.set_global_policy("mixed_float16")
     try:
         model = _classifier(stateful=False)
     finally:
         keras.mixed_precision.set_global_policy("float32")
-    optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-3), initial_scale=2.0**24)
+    optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.Adam(1e-3), initial_scale=initial_scale)
     writer = tf.summary.create_file_writer(str(logdir))
 
     def step_fn(x, y):
@@ -321,24 +324,26 @@ def _scaled_quick_start(logdir):
             loss = -tf.reduce_sum(y * tf.math.log(tf.cast(p, tf.float32)))  # SCALED_LOG
             scaled = optimizer.scale_loss(loss)
         grads = tape.gradient(scaled, model.trainable_variables)
+        if log_gradients:
+            tbn.log_gradients(grads, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
         return loss
 
     train_step = tbn.guard(optimizer)(tf.function(step_fn))
     rng = np.random.default_rng(0)
-    x = rng.normal(size=(STEPS, 16, 4)).astype(np.float32)
-    x[BAD] *= 1e4
-    y = np.eye(3, dtype=np.float32)[rng.integers(0, 3, size=(STEPS, 16))]
+    x = rng.normal(size=(steps, 16, 4)).astype(np.float32)
+    x[bad] *= 1e4
+    y = np.eye(3, dtype=np.float32)[rng.integers(0, 3, size=(steps, 16))]
     step = tf.Variable(0, dtype=tf.int64)
     verdicts, iterations = [], []
     with writer.as_default(step=step):
-        for i in range(STEPS):
+        for i in range(steps):
             step.assign(i)
             train_step(tf.constant(x[i]), tf.constant(y[i]))
             verdicts.append(train_step.verdict)
             iterations.append(int(optimizer.iterations.numpy()))
     writer.close()
-    return step_fn, (tf.constant(x[BAD]), tf.constant(y[BAD])), verdicts, iterations
+    return step_fn, (tf.constant(x[bad]), tf.constant(y[bad])), verdicts, iterations
 
 
 def test_under_a_loss_scale_the_guard_replays_a_skip_whose_forward_went_bad(tmp_path):
@@ -356,3 +361,66 @@ def test_under_a_loss_scale_the_guard_replays_a_skip_whose_forward_went_bad(tmp_
     assert a["op"]["type"] == op_type and a["op"]["phase"] == "forward"
     assert a["op"]["source"].endswith("test_step_guard.py:%d (step_fn)" % line_of(__file__, "# SCALED_LOG"))
     assert line_of(__file__, "# SCALED_LOG") in lines
+
+
+def test_under_a_loss_scale_skips_the_scale_handled_are_no_anomaly_where_gradients_are_logged(tmp_path):
+    """The same loop logging its scaled gradients, with applied steps between the scale's
+    first skips and the bad batch: the skipped steps' non-finite gradients are the skips
+    the scale handled (the guard records the loss scale, as the callback does), and the
+    first anomaly is still the bad batch's forward Log."""
+    bad = 6
+    _, _, verdicts, iterations = _scaled_quick_start(tmp_path, log_gradients=True, steps=bad + 1, bad=bad,
+                                                     initial_scale=2.0**15)
+    skipped = [i for i in range(bad) if iterations[i] == (iterations[i - 1] if i else 0)]
+    assert skipped and skipped[-1] < bad - 1 and iterations[bad] == iterations[bad - 1]  # recovered, then BAD
+    run = _report(tmp_path)
+    a = run["first_anomaly"]
+    assert a["step"] == bad and a["op"]["type"] == "Log" and a["op"]["phase"] == "forward"
+    assert run["skipped_steps"] == skipped
+
+
+PER_CALL = 4  # training steps a call of the multi-step function runs
+
+
+def test_a_function_that_runs_several_steps_a_call_has_its_op_at_the_step_that_failed(tmp_path):
+    """A ``tf.function`` runs PER_CALL training steps a call in a ``tf.range`` loop, its step a
+    variable it advances; a NaN arrives at the third step of the second call. The replay's op
+    is filed at that step, where the step's own records are (the step ``tf.summary.scalar``
+    writes beside them), not at the step the call began with; the op is the one
+    check_numerics names."""
+    keras.utils.set_random_seed(0)
+    dense = keras.layers.Dense(1)
+    dense.build((None, 8))
+    optimizer = keras.optimizers.SGD(0.01)
+    optimizer.build(dense.trainable_variables)
+    x = np.random.default_rng(0).normal(size=(2 * PER_CALL, 4, 8)).astype(np.float32)
+    bad = PER_CALL + 2
+    x[bad, 1] = np.nan
+    step = tf.Variable(0, dtype=tf.int64)
+
+    def one_step(xs):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(dense(xs)))  # MULTI_STEP_DENSE
+            tbn.log_numerics("loss", loss)
+            tf.summary.scalar("oracle/loss_not_finite", tf.cast(tf.logical_not(tf.math.is_finite(loss)), tf.float32))
+        grads = tape.gradient(loss, dense.trainable_variables)
+        tbn.log_gradients(grads, dense.trainable_variables)
+        optimizer.apply_gradients(zip(grads, dense.trainable_variables))
+
+    @tbn.guard(optimizer)
+    @tf.function
+    def run_steps(xs):
+        for i in tf.range(PER_CALL):
+            one_step(xs[i])
+            step.assign_add(1)
+
+    with tf.summary.create_file_writer(str(tmp_path)).as_default(step=step):
+        for call in range(2):
+            run_steps(tf.constant(x[call * PER_CALL : (call + 1) * PER_CALL]))
+    assert _oracle_steps(tmp_path, "oracle/loss_not_finite", 0.5)[0] == bad
+    assert run_steps.verdict["step"] == bad
+    op_type, _ = _check_numerics_names(tf.function(one_step), (tf.constant(x[bad]),))
+    a = _report(tmp_path)["first_anomaly"]
+    assert a["step"] == bad and a["tensor"] == "loss"
+    assert a["op"]["type"] == op_type and a["op"]["phase"] == "forward"
+    assert a["op"]["source"].endswith("test_step_guard.py:%d (one_step)" % line_of(__file__, "# MULTI_STEP_DENSE"))
