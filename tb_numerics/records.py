@@ -100,14 +100,15 @@ class TensorSeries:
 
 
 def union_steps(series: Sequence[TensorSeries]) -> np.ndarray:
-    """Every step at which any of ``series`` holds a record, sorted: the
-    steps they share, at no cost, where they were all logged at the same
+    """Every step at which any of ``series`` holds a record, sorted, each
+    once (a tag logged twice in a step holds two records of it): the steps
+    they share, at no cost, where they were all logged once at the same
     steps (the usual run)."""
     if not series:
         return np.zeros(0, np.int64)
     first = series[0].steps
     if all(s.steps is first or np.array_equal(s.steps, first) for s in series[1:]):
-        return first
+        return first if not np.any(first[1:] == first[:-1]) else np.unique(first)
     return np.unique(np.concatenate([s.steps for s in series]))
 
 

@@ -204,6 +204,20 @@ def test_timeline_marks_missing_records_and_orders_rows():
     assert tl["rows"][1]["cells"] == [0, 0, -1]
 
 
+def test_timeline_of_a_tag_logged_twice_a_step_has_one_column_a_step():
+    """Micro-batches: each step holds two records of each tag. Each column is
+    one step, in order, and holds the worse of its records."""
+    good, bad = numpy_stats(healthy()), numpy_stats(with_values(healthy(), a=np.nan))
+    a = records.make_series("a", info(), [0, 0, 1, 1, 2, 2], [good, good, good, bad, good, good])
+    g = records.make_series("g", info(role="gradient"), [0, 0, 1, 1, 2, 2], [good] * 6)
+    ra = analysis.analyze_run("r", [a, g])
+    for width in (3, 100):
+        tl = analysis.timeline(ra, width=width)
+        assert tl["bucket_start"] == tl["bucket_end"] == [0, 1, 2], width
+        assert [r["cells"] for r in tl["rows"]] == [[0, analysis.NONFINITE, 0], [0, 0, 0]], width
+    assert analysis.timeline(ra, width=2)["bucket_start"] == [0, 1]
+
+
 def test_make_series_drops_malformed_records_and_keeps_every_occurrence():
     good = numpy_stats(healthy())
     later = numpy_stats(healthy(scale=5))
