@@ -41,9 +41,15 @@ class _LocalFiles:
 
     @staticmethod
     def walk(top: str) -> Iterator[tuple[str, str, list[str]]]:
-        """(run name, directory, file names) of every directory under ``top``."""
-        for dirpath, dirnames, filenames in os.walk(top):
-            dirnames.sort()
+        """(run name, directory, file names) of every directory under
+        ``top``, through links to directories as TensorBoard lists runs
+        (``logs/exp1 -> /data/exp1``), but never into a directory it is
+        already inside (a link loop)."""
+        above: dict[str, frozenset[str]] = {}  # each directory's real path and those of the ones above it
+        for dirpath, dirnames, filenames in os.walk(top, followlinks=True):
+            chain = above.pop(dirpath, frozenset()) | {os.path.realpath(dirpath)}
+            dirnames[:] = sorted(d for d in dirnames if os.path.realpath(os.path.join(dirpath, d)) not in chain)
+            above.update((os.path.join(dirpath, d), chain) for d in dirnames)
             yield os.path.relpath(dirpath, top), dirpath, filenames
 
     @staticmethod

@@ -20,9 +20,11 @@ and reads them itself, from the event files, through this provider:
   the tags' events again from the files, each checked against its checksum.
 
 Every event is kept (a tag logged twice at one step keeps both records, as
-``tb-numerics report`` does), a damaged record is skipped and named in
-``problems(run)``, and a record still being written is read on a later
-round. Import-light like the plugin: no TensorFlow.
+``tb-numerics report`` does), a damaged record, a record that is not an
+event and a file that cannot be opened are skipped and named in
+``problems(run)`` as the CLI names them, and a record still being written
+is read on a later round (one that stays incomplete is a truncation, see
+``_SETTLED_S``). Import-light like the plugin: no TensorFlow.
 """
 
 from __future__ import annotations
@@ -30,8 +32,12 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import stat
 import threading
-from typing import Any, Iterable
+import time
+from typing import Any, Iterable, NamedTuple
+
+import numpy as np
 
 from google.protobuf.message import DecodeError
 from tensorboard.compat.proto import event_pb2
@@ -46,6 +52,16 @@ logger = logging.getLogger(__name__)
 # A round publishes what it indexed at least this often (records), so that
 # listings see a long run grow while it is being read.
 _PUBLISH_EVERY = 64
+# A file not modified for this long is no longer being written: an
+# incomplete last record there is a truncation (a writer that crashed, a
+# full disk, a copy cut short), named as the CLI names it. A file modified
+# more recently may end in a record still being written: writers flush every
+# 120 s by default (tf.summary's writer, TensorBoard's EventFileWriter), and
+# a record that a full write buffer split is completed by the next flush at
+# the latest. A file is scanned again when it settles, and what ended its
+# last scan is replaced at each scan: a truncation said of a file that then
+# grows is withdrawn.
+_SETTLED_S = 150.0
 
 
 @dataclasses.dataclass
@@ -61,14 +77,35 @@ class _TagIndex:
     max_wall: float = 0.0
 
 
+class _FileState(NamedTuple):
+    """An event file as it is now."""
+
+    inode: int
+    size: int
+    settled: bool  # not modified for _SETTLED_S: no longer being written
+
+
+@dataclasses.dataclass(frozen=True)
+class _FileRead:
+    """How far one event file was read, and what its scans found."""
+
+    inode: int
+    offset: int = 0  # the end of the last record read: where the next scan starts
+    records: int = 0  # intact records before offset (problems count them, as the CLI does)
+    not_events: int = 0  # intact records that are not events, skipped
+    scanned: tuple[int, bool] = (-1, False)  # (size, settled) at the last scan
+    end: str | None = None  # the problem that ended the last scan early
+
+
 @dataclasses.dataclass
 class _RunIndex:
     """One run's files as read so far, and its numerics tags."""
 
-    files: dict[str, tuple[int, int]] = dataclasses.field(default_factory=dict)  # path -> (inode, offset read to)
+    files: dict[str, _FileRead] = dataclasses.field(default_factory=dict)
     tags: dict[str, _TagIndex] = dataclasses.field(default_factory=dict)
     other: set[str] = dataclasses.field(default_factory=set)  # tags of other plugins
     problems: list[str] = dataclasses.field(default_factory=list)
+    unopenable: dict[str, str] = dataclasses.field(default_factory=dict)  # path -> why, as of the last round
 
 
 class FileProvider:
@@ -98,7 +135,7 @@ class FileProvider:
 
     def _round(self) -> bool:
         try:
-            found = {_run_name(run): paths for run, paths in event_files.find_runs(self._logdir).items()}
+            found = _named_runs(event_files.find_runs(self._logdir))
         except (event_files.LogdirError, OSError) as e:
             if not self._warned:  # a logdir not made yet: said once
                 logger.warning("numerics: cannot list %s: %s", self._logdir, e)
@@ -119,52 +156,61 @@ class FileProvider:
         states = {p: _file_state(p) for p in paths}
         # A file that shrank, was replaced or went away: read the whole run again.
         if held is not None and any(
-            (st := states.get(p)) is None or st[0] != inode or st[1] < offset for p, (inode, offset) in files.items()
+            not isinstance(st := states.get(p), _FileState) or st.inode != read.inode or st.size < read.offset
+            for p, read in files.items()
         ):
             held = None
         if held is None:
             held = _RunIndex()
             with self._lock:
                 self._runs[run] = held
+        with self._lock:
+            held.unopenable = {p: st for p, st in states.items() if isinstance(st, str)}
         grew = False
         for path in paths:
             st = states[path]
-            start = held.files.get(path, (0, 0))[1]
-            if st is None or st[1] <= start:
+            read = held.files.get(path)
+            if isinstance(st, str) or (read is not None and _read_enough(read, st)):
                 continue
-            grew |= self._index_file(held, path, st[0], start)
+            grew |= self._index_file(held, path, st, read or _FileRead(st.inode))
         return grew
 
-    def _index_file(self, held: _RunIndex, path: str, inode: int, start: int) -> bool:
-        """Indexes one file from byte ``start``; publishes as it goes."""
+    def _index_file(self, held: _RunIndex, path: str, st: _FileState, read: _FileRead) -> bool:
+        """Indexes one file from where ``read`` left it; publishes as it goes."""
         problems: list[str] = []
+        ends: list[str] = []
         pending: list[tuple[int, Any]] = []
-        end = start
+        end, records, not_events = read.offset, read.records, read.not_events
         grew = False
-        for offset, stop, record in tfrecord.scan_records(path, problems, start=start, live=True):
+        for offset, stop, record in tfrecord.scan_records(
+            path, problems, start=read.offset, live=not st.settled, counted=read.records, ends=ends
+        ):
             end = stop
             grew = True
             if record.intact:
+                records += 1
                 try:
                     pending.append((offset, _values_of(event_pb2.Event.FromString(record.data))))
-                except DecodeError:
-                    pass
+                except DecodeError:  # named in problems, as the CLI names it
+                    not_events += 1
             if len(pending) >= _PUBLISH_EVERY:
-                self._publish(held, path, inode, pending, end)
+                self._publish(held, path, _FileRead(st.inode, end, records, not_events), pending)
                 pending = []
-        self._publish(held, path, inode, pending, end)
+        scanned = (st.size, st.settled)
+        self._publish(held, path, _FileRead(st.inode, end, records, not_events, scanned, ends[0] if ends else None),
+                      pending)
         with self._lock:  # a file's damage found again next round is said once
             held.problems.extend(p for p in problems if p not in held.problems)
         return grew
 
-    def _publish(self, held: _RunIndex, path: str, inode: int, pending: list, end: int) -> None:
+    def _publish(self, held: _RunIndex, path: str, read: _FileRead, pending: list) -> None:
         """Adds the events of ``pending`` to the run's index, and marks
-        ``path`` read up to ``end``."""
+        ``path`` read as ``read`` says."""
         with self._lock:
             for offset, (step, wall, values) in pending:
                 for value in values:
                     _add_value(held, path, offset, step, wall, *value)
-            held.files[path] = (inode, end)
+            held.files[path] = read
 
     # ---------------------------------------------------------- provider
 
@@ -175,7 +221,7 @@ class FileProvider:
             held = self._runs.get(run)
             if held is None:
                 return []
-            found, paths = list(held.problems), list(held.files)
+            found, paths = list(held.problems) + _file_problems(held), list(held.files)
         return found + (loader_guard.problems(os.path.dirname(paths[0])) if paths else [])
 
     def list_plugins(self, ctx=None, *, experiment_id, index: bool = True) -> list[str]:
@@ -234,13 +280,52 @@ def _run_name(run: str) -> str:
     return run.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
 
 
-def _file_state(path: str) -> tuple[int, int] | None:
-    """(inode, size) of a regular file; None where it cannot be read."""
+def _named_runs(runs: dict[str, list[str]]) -> dict[str, list[str]]:
+    """Each run's files by its name (``_run_name``); runs whose names differ
+    only in bytes that are not UTF-8, which that name would make one, keep
+    those bytes escaped (``r\\xfe``, ``r\\xff``), so that neither is lost."""
+    names: dict[str, list[str]] = {}
+    for run in runs:
+        names.setdefault(_run_name(run), []).append(run)
+    out = {}
+    for name, same in names.items():
+        for run in same:
+            escaped = run.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+            out[name if len(same) == 1 else escaped] = runs[run]
+    return out
+
+
+def _file_state(path: str) -> _FileState | str:
+    """A regular file's state; where it cannot be read (a dangling link, a
+    link loop, a FIFO, a device), why, as the CLI says it (nothing opened:
+    opening a FIFO would block)."""
     try:
         st = os.stat(path)
-    except OSError:
-        return None
-    return (st.st_ino, st.st_size) if os.path.isfile(path) else None
+    except OSError as e:
+        return "%s: cannot open (%s)" % (os.path.basename(path), e)
+    if not stat.S_ISREG(st.st_mode):
+        return "%s: cannot open (not a regular file: skipped)" % os.path.basename(path)
+    return _FileState(st.st_ino, st.st_size, time.time() - st.st_mtime > _SETTLED_S)
+
+
+def _read_enough(read: _FileRead, st: _FileState) -> bool:
+    """Whether a scan of the file now would find nothing new: it was read to
+    its end, or scanned as it is now (damage that ends it, or a record still
+    being written, found again)."""
+    return st.size <= read.offset or read.scanned == (st.size, st.settled)
+
+
+def _file_problems(held: _RunIndex) -> list[str]:
+    """What each file's scans found as of now, as the CLI says it: what
+    ended its last scan, the records that are not events, and the files
+    that cannot be opened."""
+    out = []
+    for path, read in sorted(held.files.items()):
+        if read.end is not None:
+            out.append(read.end)
+        if read.not_events:
+            out.append("%s: %d record(s) that are not events skipped" % (os.path.basename(path), read.not_events))
+    return out + [why for _, why in sorted(held.unopenable.items())]
 
 
 def _values_of(event) -> tuple[int, float, list[tuple]]:
@@ -262,12 +347,17 @@ def _add_value(held: _RunIndex, path: str, offset: int, step: int, wall: float,
 
     A tag's metadata comes from its first event that carries the plugin's
     name; one that carries only the name (its first event was lost) stands
-    in until one with the full metadata comes.
+    in until one with the full metadata comes. Values of a tag before any
+    carries metadata are skipped, and the tag left open (as the CLI does):
+    TensorBoard reads a series' metadata from its first event only, so such
+    a tag is never numerics to it, while its later events say they are.
     """
     if tag in held.other:
         return
     entry = held.tags.get(tag)
     if entry is None:
+        if plugin is None:
+            return
         if plugin != metadata.PLUGIN_NAME:
             held.other.add(tag)
             return
@@ -303,9 +393,18 @@ def _read_tag(tag: str, steps: list[int], walls: list[float], where: list[tuple[
             if value is None:
                 raise ValueError("%s: the event at byte offset %d of %s no longer holds it" % (
                     tag, where[i][1], os.path.basename(path)))
-            out[i] = provider.TensorDatum(step=steps[i], wall_time=walls[i],
-                                          numpy=packed.tensor_values(value.tensor))
+            out[i] = provider.TensorDatum(step=steps[i], wall_time=walls[i], numpy=_tensor_values(value.tensor))
     return out
+
+
+def _tensor_values(tensor) -> np.ndarray:
+    """A record's values; empty where its tensor cannot be decoded, so that
+    decoding skips that record only, as malformed (the CLI's ``_vector``
+    and ``_matrix`` do the same), rather than the whole tag."""
+    try:
+        return packed.tensor_values(tensor)
+    except (ValueError, TypeError, KeyError):
+        return np.zeros(0)
 
 
 def _wanted_runs(runs: dict[str, _RunIndex], rtf: provider.RunTagFilter | None) -> Iterable[str]:

@@ -47,13 +47,18 @@ class TagData:
 
     A tensor's tag holds its ``series``; a packed block's holds ``parts``,
     the series of each tensor in the block (see ``_merge``). Neither: the
-    tag cannot be read.
+    tag cannot be read. A tensor's tag written by several trainings or
+    writers keeps what merging them found (``packed.merge``): steps written
+    by writers at once (``overlaps``), and again by a later training
+    (``restarts``), each as (tag, first step, last step).
     """
 
     version: tuple  # (max_step, max_wall_time, plugin_content)
     series: records.TensorSeries | None
     problems: list[str]
     parts: dict[str, records.TensorSeries] | None = None
+    overlaps: list[tuple[str, int, int]] = dataclasses.field(default_factory=list)
+    restarts: list[tuple[str, int, int]] = dataclasses.field(default_factory=list)
 
 
 def listed_version(ts: Any) -> tuple:
@@ -76,8 +81,8 @@ class Snapshot:
 
     def __init__(self, tags: dict[str, TagData], limits: "Limits"):
         self.tags = tags
-        overlaps: list[tuple[str, int, int]] = []
-        restarts: list[tuple[str, int, int]] = []
+        overlaps = [o for t in tags.values() for o in t.overlaps]
+        restarts = [r for t in tags.values() for r in t.restarts]
         self.series = _merge(tags, overlaps, restarts)
         # A long run's records are read back for what its compact series do not hold.
         self.compact = any(isinstance(s, compact.CompactSeries) for s in self.series)
@@ -422,6 +427,18 @@ def _unchanged_and_to_read(
     return tags, to_read
 
 
+def _tensor_tag(version: tuple, trainings: list[records.TensorSeries], problems: list[str]) -> TagData:
+    """A per-tensor tag's ``TagData``: its series of each training (or
+    writer) merged as the CLI merges them (``packed.merge``), so that a
+    restarted job's later records are all kept. One training's series is
+    kept as decoded (no copy: the usual case)."""
+    if len(trainings) == 1:
+        return TagData(version, trainings[0], problems)
+    tag = TagData(version, None, problems)
+    tag.series = packed.merge(trainings, overlaps=tag.overlaps, restarts=tag.restarts)[0]
+    return tag
+
+
 def _decode_tags(
     run: str, batch: list[str], data: dict, unreadable: Mapping[str, str], to_read: Mapping[str, _ToRead],
     compactor: _Compactor | None = None,
@@ -447,7 +464,7 @@ def _decode_tags(
         else:
             decoded = packed.decode_tag(tag, info, steps, arrays, problems, walls)
             if isinstance(info, metadata.TensorInfo):
-                out[tag] = TagData(version, decoded[0], problems)
+                out[tag] = _tensor_tag(version, decoded, problems)
             else:
                 out[tag] = TagData(version, None, problems, {p.tag: p for p in decoded})
         _log_new_problems(run, prev, problems)

@@ -293,6 +293,8 @@ def scan_records(
     start: int = 0,
     live: bool = False,
     make_reader: Callable[[str, _Window], RecordReader] = _default_reader,
+    counted: int = 0,
+    ends: list[str] | None = None,
 ) -> Iterator[tuple[int, int, Record]]:
     """(offset, end offset, record) of each record of one event file from
     byte ``start``, damaged ones marked; the file's damage goes to ``problems``.
@@ -306,12 +308,19 @@ def scan_records(
         stops before it without a problem (read it next time from there),
         unless its header claims more than ``LIVE_RECORD_BYTES``.
       make_reader: how a record's checksums are checked.
+      counted: the intact records before ``start``, read before: a problem
+        counts records from the file's start, whatever ``start``.
+      ends: where the problem that ends the scan early goes (the file cannot
+        be opened, or nothing can be framed past a damaged or truncated
+        record), for a caller that scans a file again to replace rather than
+        repeat; None: to ``problems``.
     """
     name = os.path.basename(path)
+    stop = problems if ends is None else ends
     try:
         f, size = files_for(path).open(path)
     except (OSError, ValueError, LogdirError) as e:
-        problems.append("%s: cannot open (%s)" % (name, e))
+        stop.append("%s: cannot open (%s)" % (name, e))
         return
     window = _Window(f, size, start)
     offset, count = start, 0
@@ -319,7 +328,7 @@ def scan_records(
 
     def cut(what: str) -> str:
         return "%s: %s at byte offset %d of %d after %d record(s); the rest of the file was skipped" % (
-            name, what, offset, size, count,
+            name, what, offset, size, counted + count,
         )
 
     try:
@@ -327,18 +336,18 @@ def scan_records(
         while offset < size:
             if size - offset < _HEADER:
                 if not live:
-                    problems.append(cut("truncated"))
+                    stop.append(cut("truncated"))
                 return
             header = window.at(offset, _HEADER)
             (length,) = struct.unpack_from("<Q", header)
             end = offset + _HEADER + length + _FOOTER
             if end > size:
                 if not (live and _header_ok(header) and length <= LIVE_RECORD_BYTES):
-                    problems.append(cut("truncated" if _header_ok(header) else _bad_header(count + start)))
+                    stop.append(cut("truncated" if _header_ok(header) else _bad_header(count + start)))
                 return
             record = _record_at(window, read, offset, length, header)
             if record is None:
-                problems.append(cut(_bad_header(count + start)))
+                stop.append(cut(_bad_header(count + start)))
                 return
             if record.intact:
                 count += 1
@@ -347,7 +356,7 @@ def scan_records(
             yield offset, end, record
             offset = end
     except (_Short, OSError) as e:
-        problems.append(cut("truncated" if isinstance(e, _Short) else "unreadable (%s)" % e))
+        stop.append(cut("truncated" if isinstance(e, _Short) else "unreadable (%s)" % e))
     finally:
         window.close()
         if skipped:
