@@ -84,6 +84,23 @@ F = metadata.FIELD_INDEX
 _squared_by: contextvars.ContextVar[str] = contextvars.ContextVar("tb_numerics_squared_by", default="")
 
 
+# Set by an op-level recorder of an eager step (``oplevel``): told of each
+# tensor logged with ``allow_neginf``, whose op then intends its -Inf.
+_neginf_intended: contextvars.ContextVar[Callable[[tf.Tensor], None] | None] = contextvars.ContextVar(
+    "tb_numerics_neginf_intended", default=None)
+
+
+@contextlib.contextmanager
+def telling_intended_neginf(listener: Callable[[tf.Tensor], None]):
+    """Inside, ``listener`` is called with each eager tensor logged with
+    ``allow_neginf=True``, even where nothing is written (a replay)."""
+    token = _neginf_intended.set(listener)
+    try:
+        yield
+    finally:
+        _neginf_intended.reset(token)
+
+
 @contextlib.contextmanager
 def gradients_squared_by(optimizer_name: str):
     """Gradient tags first logged inside say that ``optimizer_name`` squares
@@ -397,6 +414,9 @@ def log_numerics(
         _check_role(role)
     x = tf.convert_to_tensor(tensor)
     dtype = stats.check_dtype(x, name)
+    listener = _neginf_intended.get()
+    if allow_neginf and listener is not None and tf.executing_eagerly():
+        listener(x)
     writer = _tf_internal.default_summary_writer()
     if writer is None:
         return tf.constant(False)

@@ -424,3 +424,77 @@ def test_a_function_that_runs_several_steps_a_call_has_its_op_at_the_step_that_f
     assert a["step"] == bad and a["tensor"] == "loss"
     assert a["op"]["type"] == op_type and a["op"]["phase"] == "forward"
     assert a["op"]["source"].endswith("test_step_guard.py:%d (one_step)" % line_of(__file__, "# MULTI_STEP_DENSE"))
+
+
+def _masked_attention_step(mask_logged: bool):
+    """A step of hand-written attention whose mask adds -Inf to the padding
+    key at every step; at step 2 one query row is masked whole, so its
+    softmax is NaN. ``mask_logged``: the scores are logged with
+    ``allow_neginf=True`` (the -Inf is intended)."""
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(4, 3, 4)).astype(np.float32)
+    mask = np.zeros((4, 3, 3), np.float32)
+    mask[:, :, -1] = -np.inf
+    mask[2, 1, :] = -np.inf
+    w = tf.Variable(rng.normal(size=(4, 4)).astype(np.float32))
+
+    def forward(xs, m, log=True):
+        h = xs @ w
+        scores = tf.matmul(h, h, transpose_b=True) + m
+        if log and mask_logged:
+            tbn.log_numerics("attn/scores", scores, allow_neginf=True)
+        p = tf.nn.softmax(scores, axis=-1)  # MASKED_SOFTMAX
+        if log:
+            tbn.log_numerics("attn/probs", p)
+        return tf.reduce_mean(tf.square(p @ h))
+
+    return x, mask, w, forward
+
+
+def _first_op_making_nan_or_posinf(forward, xs, m) -> str:
+    """The oracle: the type of the first op whose output holds a NaN or a +Inf, as an eager op callback sees it."""
+    from tensorflow.python.framework import op_callbacks
+
+    first = []
+
+    def callback(op_type, inputs, attrs, outputs, op_name=None, graph=None):
+        for t in outputs or ():
+            if not first and t.dtype.is_floating and (np.isnan(t.numpy()).any() or np.isposinf(t.numpy()).any()):
+                first.append(op_type.decode() if isinstance(op_type, bytes) else op_type)
+
+    op_callbacks.add_op_callback(callback)
+    try:
+        forward(xs, m, log=False)
+    finally:
+        op_callbacks.remove_op_callback(callback)
+    return first[0]
+
+
+def test_an_intended_neginf_mask_is_not_the_replays_op(tmp_path):
+    """The guard's replay names the first op whose output holds a NaN or an
+    Inf. The mask's add holds the -Inf the user declared intended (its
+    output logged with ``allow_neginf=True``), at the bad step as at every
+    healthy one: the op named is the Softmax that made the NaN, as an op
+    callback's first NaN or +Inf says."""
+    x, mask, w, forward = _masked_attention_step(mask_logged=True)
+    optimizer = keras.optimizers.SGD(0.0)  # the weights stay: the oracle below runs on them
+    optimizer.build([w])
+
+    @tbn.guard(optimizer)
+    @tf.function
+    def train_step(xs, m):
+        with tf.GradientTape() as tape:
+            loss = forward(xs, m)
+        grads = tape.gradient(loss, [w])
+        optimizer.apply_gradients(zip(grads, [w]))
+
+    step = tf.Variable(0, dtype=tf.int64)
+    with tf.summary.create_file_writer(str(tmp_path)).as_default(step=step):
+        for i in range(3):
+            step.assign(i)
+            train_step(tf.constant(x[i]), tf.constant(mask[i]))
+    assert _first_op_making_nan_or_posinf(forward, tf.constant(x[2]), tf.constant(mask[2])) == "Softmax"
+    a = _report(tmp_path)["first_anomaly"]
+    assert a["step"] == 2 and a["tensor"] == "attn/probs"
+    assert a["op"]["type"] == "Softmax"
+    assert a["op"]["source"].endswith("test_step_guard.py:%d (forward)" % line_of(__file__, "# MASKED_SOFTMAX"))

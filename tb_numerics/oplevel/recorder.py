@@ -7,6 +7,7 @@ goes; the pieces it composes are the package's other modules (see
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import threading
 from typing import Any, Callable, Collection, TypeVar
@@ -174,6 +175,8 @@ class OpNumerics:
             self._nested.open_block()
         self._local.step = st
         self._local.busy = False
+        self._local.neginf = summary.telling_intended_neginf(self._intended_neginf)
+        self._local.neginf.__enter__()
         _tf_internal.acquire_gradient_hook()
         _tf_internal.acquire_routes(self._retracer.call, self._retracer.iterate, self._retracer.variant)
         _tf_internal.add_op_callback(self._callback)
@@ -182,6 +185,7 @@ class OpNumerics:
     def __exit__(self, exc_type, exc, tb) -> None:
         st = self._local.step
         self._local.step = None
+        self._local.neginf.__exit__(None, None, None)
         _tf_internal.remove_op_callback(self._callback)
         _tf_internal.release_routes()
         _tf_internal.release_gradient_hook()
@@ -304,10 +308,27 @@ class OpNumerics:
         if st.function_ran:  # nested records that ran so far come before this op
             st.nested_before, st.function_ran = self._nested.position(), False
         vec = stats.op_stats(tensor, tag)
+        st.made[id(tensor)] = (tag, tensor)
         st.eager.append(((st.nested_before, 0, len(st.eager)), tag, vec, info))
         if self._inspect_inputs and st.first_bad is None and nonfinite_count(vec.numpy(), info.neginf_ok) > 0:
             names = [st.producers.get(id(t), (None,))[0] for t in inputs or ()]
             st.first_bad = op_record(tag, vec, info, st.step, inputs, names)
+
+    def _intended_neginf(self, tensor) -> None:
+        """``tensor`` was logged with ``allow_neginf``: the op output it is
+        intends its -Inf (an attention mask added to the scores), as the
+        user's tag does, so that op is not the step's first non-finite one."""
+        st = getattr(self._local, "step", None)
+        made = st.made.get(id(tensor)) if st is not None else None
+        if made is None or made[1] is not tensor:
+            return
+        tag = made[0]
+        info = dataclasses.replace(self._infos[tag], neginf_ok=True)
+        self._infos[tag] = info
+        st.eager = [(key, t, vec, info if t == tag else i) for key, t, vec, i in st.eager]
+        if st.first_bad is not None and st.first_bad.tag == tag and not nonfinite_count(
+                np.asarray(st.first_bad.record, np.float64), True) > 0:
+            st.first_bad = None  # the next non-finite op is looked at, inputs and all
 
     # ------------------------------------------------------------ end of a step
 

@@ -65,6 +65,8 @@ class Step:
         # Inspect mode: id of each eager op output -> (its op's scoped name, the
         # tensor, kept so that the id is not reused), to name an op's inputs.
         self.producers: dict[int, tuple[str, Any]] = {}
+        # Eager step: id of each recorded op output -> (its tag, the tensor, kept so that the id is not reused).
+        self.made: dict[int, tuple[str, Any]] = {}
 
     def describe(self, op: Op, own_graph: bool, where: str, in_backward: bool) -> Described:
         """Role, source line and name of ``op``, made at ``where`` (the user's
