@@ -29,7 +29,6 @@ import os
 import numpy as np
 from google.protobuf.message import DecodeError
 from tensorboard.compat.proto import event_pb2, summary_pb2, tensor_pb2, types_pb2
-from tensorboard.util import tensor_util
 
 from tb_numerics import metadata, packed, records, survive
 from tb_numerics.event_files import LogdirError, check_logdir, find_runs
@@ -57,9 +56,21 @@ def _vector(t: tensor_pb2.TensorProto) -> np.ndarray:
     if t.dtype == types_pb2.DT_DOUBLE and t.tensor_content and len(t.tensor_content) % 8 == 0:
         return np.frombuffer(t.tensor_content, dtype="<f8")
     try:
-        return np.asarray(tensor_util.make_ndarray(t), dtype=np.float64).reshape(-1)
+        return np.asarray(packed.tensor_values(t), dtype=np.float64).reshape(-1)
     except (ValueError, TypeError, KeyError):
         return np.zeros(0)
+
+
+def _scalar(t: tensor_pb2.TensorProto) -> float:
+    """A scalar summary's value.
+
+    Raises:
+      ValueError, TypeError, KeyError: the tensor does not decode to one value.
+    """
+    v = np.asarray(packed.tensor_values(t), dtype=np.float64).reshape(-1)
+    if v.size != 1:
+        raise ValueError("it holds %d values, not one" % v.size)
+    return float(v[0])
 
 
 def _matrix(t: tensor_pb2.TensorProto) -> np.ndarray:
@@ -160,11 +171,11 @@ class _RunReader:
         elif tag in self.scalars or (
             value.HasField("metadata") and value.metadata.plugin_data.plugin_name == _SCALARS_PLUGIN
         ):
-            v = _vector(value.tensor)
-            if v.size != 1:
-                self.problems.append("%s: a scalar summary that does not hold one value skipped" % tag)
+            try:
+                x = _scalar(value.tensor)
+            except (ValueError, TypeError, KeyError) as e:
+                self.problems.append("%s: a scalar summary at step %d skipped: %s" % (tag, step, e))
                 return True
-            x = float(v[0])
         else:
             return False
         steps, values = self.scalars.setdefault(tag, ([], []))
@@ -283,7 +294,7 @@ def action_of(content: bytes, tensor: tensor_pb2.TensorProto | np.ndarray, step:
     with a problem said, where it cannot be read."""
     try:
         metadata.check_action_content(content)
-        array = tensor_util.make_ndarray(tensor) if isinstance(tensor, tensor_pb2.TensorProto) else tensor
+        array = packed.tensor_values(tensor) if isinstance(tensor, tensor_pb2.TensorProto) else tensor
         data = np.asarray(array).reshape(-1)[0]
     except (metadata.FormatError, ValueError, TypeError, KeyError, IndexError) as e:
         problems.append("%s: an action at step %d cannot be read (%s)" % (metadata.ACTIONS_TAG, step, e))

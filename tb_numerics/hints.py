@@ -375,9 +375,9 @@ def _inputs_evidence(op: dict[str, Any] | None) -> str:
         return ""
     parts = []
     for k, i in enumerate(op["inputs"], 1):
-        if isinstance(i, dict) and i.get("zeros"):
+        if isinstance(i, dict) and _finite(i.get("zeros")):
             parts.append("input %d held %s exact zeros of %s (min %s, max %s)" % (
-                k, format(int(i["zeros"]), ","), format(int(i.get("count", 0)), ","), _num(i.get("min")),
+                k, count(i["zeros"]), count(_finite(i.get("count")) or 0), _num(i.get("min")),
                 _num(i.get("max"))))
     return (" At that step its " + "; ".join(parts) + ".") if parts else ""
 
@@ -538,8 +538,12 @@ def input_range(i: dict[str, Any]) -> str:
 
 
 def _finite(x: Any) -> float | None:
-    """A number from untrusted JSON, or None where it is not a finite one."""
-    return x if isinstance(x, (int, float)) and math.isfinite(x) else None
+    """A number from untrusted JSON, or None where it is not a finite one
+    (an integer beyond a float's range included)."""
+    try:
+        return x if isinstance(x, (int, float)) and math.isfinite(x) else None
+    except OverflowError:
+        return None
 
 
 def _num(x: Any) -> str:

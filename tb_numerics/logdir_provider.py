@@ -31,9 +31,8 @@ import numpy as np
 from google.protobuf.message import DecodeError
 from tensorboard.compat.proto import event_pb2
 from tensorboard.data import provider
-from tensorboard.util import tensor_util
 
-from tb_numerics import event_reader, loader_guard, metadata
+from tb_numerics import event_reader, loader_guard, metadata, packed
 
 __all__ = ["DataServerUnavailable", "FailoverProvider", "LogdirProvider"]
 
@@ -104,7 +103,7 @@ def _add_value(tags: dict[str, _Tag], other: set[str], event, value, problems: l
             return
         entry = tags[tag] = _Tag(pd.content, value.metadata.summary_description, {}, pd.plugin_name)
     try:
-        array = tensor_util.make_ndarray(value.tensor)
+        array = packed.tensor_values(value.tensor)  # refuses a shape claiming far more than it holds
     except (ValueError, TypeError, KeyError) as e:
         problems.append("%s: a record at step %d cannot be decoded (%s); it was skipped" % (tag, event.step, e))
         return

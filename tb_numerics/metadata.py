@@ -49,10 +49,11 @@ from __future__ import annotations
 import dataclasses
 import functools
 import json
+import math
 import zlib
 from typing import Any
 
-from tensorboard.compat.proto import summary_pb2
+from tensorboard.compat.proto import summary_pb2, tensor_pb2
 
 PLUGIN_NAME = "numerics"
 
@@ -312,6 +313,88 @@ ACTIONS_PLUGIN = "numerics_actions"
 ACTIONS_TAG = "numerics/actions"
 ACTIONS_FORMAT_VERSION = 1
 
+# How deep the JSON of a log file (metadata, a verdict, an action) may nest:
+# the writers' is a few levels deep. Deeper is refused where it is parsed,
+# before code that recurses through it (str(), json.dumps) meets it.
+MAX_JSON_DEPTH = 32
+# The integers the writers write (steps, counts, orders) fit in 64 bits; a
+# longer one (a 400-digit "max") would overflow float() wherever it is read.
+_MAX_JSON_INT = 2**63
+
+
+def parse_json(text: bytes | str, what: str) -> Any:
+    """JSON read from a log file (untrusted): numerics metadata, a verdict's
+    description, an action.
+
+    Args:
+      text: the JSON, as UTF-8 bytes or text.
+      what: what it is, for the error's words ("numerics metadata").
+
+    Raises:
+      FormatError: not UTF-8 JSON, nested deeper than ``MAX_JSON_DEPTH``, or
+        holding an integer beyond 64 bits.
+    """
+    try:
+        raw = json.loads(bytes(text).decode("utf-8") if isinstance(text, (bytes, bytearray)) else text,
+                         parse_int=_json_int)
+    except (UnicodeDecodeError, ValueError) as e:
+        raise FormatError("%s is not valid JSON: %s" % (what, e)) from None
+    except RecursionError:
+        raise FormatError("%s is JSON nested too deeply" % what) from None
+    if _nests_deeper(raw, MAX_JSON_DEPTH):
+        raise FormatError("%s is JSON nested more than %d deep" % (what, MAX_JSON_DEPTH))
+    return raw
+
+
+def _json_int(text: str) -> int:
+    """A JSON integer, refused beyond 64 bits (its digits counted before any conversion)."""
+    value = int(text) if len(text.lstrip("-")) <= 19 else None
+    if value is None or not -_MAX_JSON_INT <= value < _MAX_JSON_INT:
+        raise ValueError("an integer beyond 64 bits: %s" % (text if len(text) <= 20 else text[:20] + "..."))
+    return value
+
+
+def _nests_deeper(value: Any, limit: int) -> bool:
+    """Whether JSON containers in ``value`` nest more than ``limit`` deep (iteratively: no recursion)."""
+    stack = [(value, 1)]
+    while stack:
+        v, depth = stack.pop()
+        if isinstance(v, (dict, list)):
+            if depth > limit:
+                return True
+            stack.extend((c, depth + 1) for c in (v.values() if isinstance(v, dict) else v))
+    return False
+
+
+# The most elements a tensor proto may make of one value. A proto may hold
+# a single value for a tensor whose values are all equal (``make_ndarray``
+# repeats it); the writers here write none (a numerics record's tensor holds
+# its 11 values, a packed block its rows, a scalar or an action one value),
+# and a shape of 2**40 over one 8-byte value would be 8 TiB to allocate.
+MAX_BROADCAST = 1024
+
+
+def check_tensor_size(tensor: tensor_pb2.TensorProto) -> None:
+    """Refuses a tensor proto whose shape claims more elements than it holds
+    values for, beyond ``MAX_BROADCAST``, before anything is allocated.
+
+    Raises:
+      ValueError: a negative dimension, or such a shape.
+    """
+    dims = [d.size for d in tensor.tensor_shape.dim]
+    if any(d < 0 for d in dims):
+        raise ValueError("a tensor of shape %s: a negative dimension" % _clip(dims))
+    size = math.prod(dims)
+    if tensor.tensor_content or size <= MAX_BROADCAST:
+        return
+    # Every *_val field is repeated, one entry per element (two for a complex
+    # one), but float8_val: bytes, one per element.
+    held = sum(len(v) for f, v in tensor.ListFields() if f.name.endswith("_val"))
+    if size > held:
+        raise ValueError("a tensor of shape %s (%d elements) holding %d value(s): refused, a record repeats no "
+                         "value more than %d times" % (_clip(dims), size, held, MAX_BROADCAST))
+
+
 # A packed block's table: (tag, info) of each row index, in index order.
 BlockTable = tuple[tuple[str, TensorInfo], ...]
 
@@ -353,15 +436,12 @@ def parse_content(content: bytes, description: str = "") -> TensorInfo | BlockTa
 def _parse_content(content: bytes, description: str) -> TensorInfo | BlockTable:
     if content[:1] == _ZLIB_FIRST_BYTE:
         content = _inflate(bytes(content))
-    try:
-        raw = json.loads(bytes(content).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError) as e:
-        raise FormatError("numerics metadata is not valid JSON: %s" % e) from None
+    raw = parse_json(content, "numerics metadata")
     if not isinstance(raw, dict):
         raise FormatError("numerics metadata must be a JSON object")
     version = raw.get("version")
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-        raise FormatError("numerics metadata has no valid format version: %r" % (version,))
+        raise FormatError("numerics metadata has no valid format version: %s" % _clip(version))
     if version > FORMAT_VERSION:
         raise FormatError(
             "numerics record format version %d is newer than this tb-numerics "
@@ -413,46 +493,52 @@ def _parse_table(entries: Any, version: int) -> BlockTable:
 
 def _parse_info(raw: dict[str, Any], description: str, version: int) -> TensorInfo:
     dtype = raw.get("dtype")
-    if dtype not in DTYPE_LIMITS:
-        raise FormatError("numerics metadata names an unsupported dtype: %r" % (dtype,))
+    if not isinstance(dtype, str) or dtype not in DTYPE_LIMITS:
+        raise FormatError("numerics metadata names an unsupported dtype: %s" % _clip(dtype))
     role = raw.get("role", "other")
     if role not in ROLES:
         role = "other"
     order = raw.get("order", 0)
     if not isinstance(order, int) or isinstance(order, bool):
-        raise FormatError("numerics metadata has a non-integer order: %r" % (order,))
+        raise FormatError("numerics metadata has a non-integer order: %s" % _clip(order))
     shape = raw.get("shape")
     if shape is not None:
         if not isinstance(shape, list) or not all(
             d is None or (isinstance(d, int) and not isinstance(d, bool)) for d in shape
         ):
-            raise FormatError("numerics metadata has an invalid shape: %r" % (shape,))
+            raise FormatError("numerics metadata has an invalid shape: %s" % _clip(shape))
         shape = tuple(shape)
-    op_type = raw.get("op_type") or ""
-    if not isinstance(op_type, str):
-        raise FormatError("numerics metadata has a non-string op_type")
-    activation = raw.get("activation") or ""
-    if not isinstance(activation, str):
-        raise FormatError("numerics metadata has a non-string activation")
-    compute_dtype = raw.get("compute_dtype") or ""
+    compute_dtype = _text_field(raw, "compute_dtype")
     if compute_dtype and compute_dtype not in DTYPE_LIMITS:
-        raise FormatError("numerics metadata names an unsupported compute dtype: %r" % (compute_dtype,))
-    squared_by = raw.get("squared_by") or ""
-    if not isinstance(squared_by, str):
-        raise FormatError("numerics metadata has a non-string squared_by")
+        raise FormatError("numerics metadata names an unsupported compute dtype: %s" % _clip(compute_dtype))
     return TensorInfo(
         dtype=dtype,
         shape=shape,
         role=role,
         order=order,
-        op_type=op_type,
+        op_type=_text_field(raw, "op_type"),
         description=description,
         version=version,
         neginf_ok=raw.get("neginf_ok") is True,
-        activation=activation,
+        activation=_text_field(raw, "activation"),
         compute_dtype=compute_dtype,
-        squared_by=squared_by,
+        squared_by=_text_field(raw, "squared_by"),
     )
+
+
+def _text_field(raw: dict[str, Any], name: str) -> str:
+    """An optional string field of the metadata ("" where absent); any other
+    JSON type is refused rather than carried into the ``TensorInfo``."""
+    value = raw.get(name) or ""
+    if not isinstance(value, str):
+        raise FormatError("numerics metadata has a non-string %s: %s" % (name, _clip(value)))
+    return value
+
+
+def _clip(value: Any) -> str:
+    """An untrusted value's repr for a problem line, at most 60 characters."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def create_action_metadata() -> summary_pb2.SummaryMetadata:
@@ -471,13 +557,10 @@ def check_action_content(content: bytes) -> None:
     Raises:
       FormatError: not valid, or of a newer major version than this reader.
     """
-    try:
-        raw = json.loads(bytes(content).decode("utf-8")) if content else {}
-    except (UnicodeDecodeError, ValueError) as e:
-        raise FormatError("action metadata is not valid JSON: %s" % e) from None
+    raw = parse_json(content, "action metadata") if content else {}
     version = raw.get("version") if isinstance(raw, dict) else None
     if not isinstance(version, int) or isinstance(version, bool) or version < 1:
-        raise FormatError("action metadata has no valid format version: %r" % (version,))
+        raise FormatError("action metadata has no valid format version: %s" % _clip(version))
     if version > ACTIONS_FORMAT_VERSION:
         raise FormatError("action format version %d is newer than this tb-numerics understands (%d); upgrade "
                           "tb-numerics to read it" % (version, ACTIONS_FORMAT_VERSION))

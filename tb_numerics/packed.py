@@ -43,6 +43,7 @@ the CLI share it.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from typing import Callable, Iterable, NamedTuple, Sequence
@@ -213,14 +214,17 @@ def tensor_values(tensor) -> np.ndarray:
 
     Raises:
       ValueError, TypeError, KeyError: as ``make_ndarray`` does, for a
-        tensor it cannot decode.
+        tensor it cannot decode; ValueError for one whose shape claims far
+        more elements than it holds (``metadata.check_tensor_size``), which
+        ``make_ndarray`` would allocate.
     """
     dtype = _FLOAT_CONTENT.get(tensor.dtype)
-    content = tensor.tensor_content
+    content = tensor.tensor_content  # a copy of the bytes (protobuf's): taken once
     shape = [d.size for d in tensor.tensor_shape.dim]
-    if dtype is None or not content or len(content) != dtype.itemsize * int(np.prod(shape, dtype=np.int64)):
-        return tensor_util.make_ndarray(tensor)
-    return np.frombuffer(content, dtype=dtype).reshape(shape)
+    if dtype is not None and content and min(shape, default=0) >= 0 and len(content) == dtype.itemsize * math.prod(shape):
+        return np.frombuffer(content, dtype=dtype).reshape(shape)
+    metadata.check_tensor_size(tensor)  # before make_ndarray allocates what the shape claims
+    return tensor_util.make_ndarray(tensor)
 
 
 def block_rows(

@@ -292,13 +292,15 @@ class NumericsPlugin(base_plugin.TBPlugin):
                 ctx, experiment_id=experiment, plugin_name=metadata.ACTIONS_PLUGIN, downsample=_ALL_ACTIONS,
                 run_tag_filter=rtf,
             ).get(run, {}).get(metadata.ACTIONS_TAG, [])
+            # Decoded here too: an action of the log's that the reader fails
+            # on must not fail the summary.
+            events = [event_reader.action_of(listed.plugin_content, d.numpy, d.step, problems) for d in data]
         except Exception as e:  # noqa: BLE001 - any provider's error (a data server that died raises gRPC's)
             # The numerics records stay readable from the files: the summary
             # answers without the actions, and says why.
             problems.append("%s: the run's actions could not be read (%s: %s)" % (
                 metadata.ACTIONS_TAG, type(e).__name__, e))
             return []
-        events = (event_reader.action_of(listed.plugin_content, d.numpy, d.step, problems) for d in data)
         return [e for e in events if e is not None]
 
     def timeline_impl(

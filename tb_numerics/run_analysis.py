@@ -14,8 +14,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
-import json
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -75,14 +74,36 @@ def analyze_run(
     """
     sr = sr or SafeRange()
     series = list(series)
-    replays = [_replay_verdict(s) for s in series if s.tag == metadata.REPLAY_TAG]
-    batches = [_batch_verdict(s) for s in series if s.tag == metadata.BATCH_TAG]
-    marks = [_op_mark(s) for s in series if s.tag == metadata.OP_MARK_TAG]
+    problems = list(problems)
+    replays = _verdicts(series, metadata.REPLAY_TAG, _replay_verdict, problems)
+    batches = _verdicts(series, metadata.BATCH_TAG, _batch_verdict, problems)
+    marks = _verdicts(series, metadata.OP_MARK_TAG, _op_mark, problems)
     ordered = sorted((s for s in series if s.tag not in metadata.VERDICT_TAGS), key=lambda s: s.sort_key)
     health = _each_health(ordered, sr)
     mark_run(health, sr)
-    return RunAnalysis(run, health, sr, list(problems), [r for r in replays if r is not None],
-                       [b for b in batches if b is not None], [m for m in marks if m is not None])
+    return RunAnalysis(run, health, sr, problems, replays, batches, marks)
+
+
+def _verdicts(series: list[TensorSeries], tag: str, read: Callable[[TensorSeries, Any], dict[str, Any] | None],
+              problems: list[str]) -> list[dict[str, Any]]:
+    """The verdicts of ``tag``'s records, each read by ``read`` from its
+    description's JSON (untrusted: ``metadata.parse_json`` refuses what
+    would crash the code that reads it); one that cannot be read is said in
+    ``problems`` and left out, and the run is analysed without it."""
+    out = []
+    for s in series:
+        if s.tag != tag:
+            continue
+        try:
+            verdict = read(s, metadata.parse_json(s.info.description, "its verdict"))
+        except metadata.FormatError as e:
+            problems.append("%s: %s; ignored" % (tag, e))
+            continue
+        if verdict is None:
+            problems.append("%s: its verdict is not one this version reads; ignored" % tag)
+        else:
+            out.append(verdict)
+    return out
 
 
 # A run of more records than this is classified on two threads: numpy's
@@ -99,12 +120,8 @@ def _each_health(ordered: list[TensorSeries], sr: SafeRange) -> list[SeriesHealt
         return list(pool.map(functools.partial(series_health, sr=sr), ordered))
 
 
-def _replay_verdict(s: TensorSeries) -> dict[str, Any] | None:
-    """A replay's verdict, from its record's description (untrusted JSON)."""
-    try:
-        verdict = json.loads(s.info.description)
-    except ValueError:
-        return None
+def _replay_verdict(s: TensorSeries, verdict: Any) -> dict[str, Any] | None:
+    """A replay's verdict, from its record's description's JSON."""
     if not isinstance(verdict, dict) or not isinstance(verdict.get("step"), int):
         return None
     if not isinstance(verdict.get("reproduced"), bool):
@@ -112,25 +129,17 @@ def _replay_verdict(s: TensorSeries) -> dict[str, Any] | None:
     return verdict
 
 
-def _batch_verdict(s: TensorSeries) -> dict[str, Any] | None:
-    """Where a bad batch held its bad values, from its record's description
-    (untrusted JSON): {"step", "tensors": [{"tensor", ...}]}."""
-    try:
-        found = json.loads(s.info.description)
-    except ValueError:
-        return None
+def _batch_verdict(s: TensorSeries, found: Any) -> dict[str, Any] | None:
+    """Where a bad batch held its bad values, from its record's description's
+    JSON: {"step", "tensors": [{"tensor", ...}]}."""
     if not isinstance(found, dict) or type(found.get("step")) is not int or not isinstance(found.get("tensors"), list):
         return None
     return found
 
 
-def _op_mark(s: TensorSeries) -> dict[str, Any] | None:
+def _op_mark(s: TensorSeries, mark: Any) -> dict[str, Any] | None:
     """The op an op-level block marked as the first to go bad, at the step
-    of its record, from the record's description (untrusted JSON)."""
-    try:
-        mark = json.loads(s.info.description)
-    except ValueError:
-        return None
+    of its record, from the record's description's JSON."""
     if not isinstance(mark, dict) or not isinstance(mark.get("tag"), str) or not s.steps.size:
         return None
     occurrence = mark.get("occurrence")

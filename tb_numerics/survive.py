@@ -38,6 +38,7 @@ import json
 import math
 from typing import Any, Iterable, Sequence
 
+from tb_numerics import metadata
 from tb_numerics.rules import numbers
 
 __all__ = [
@@ -228,10 +229,11 @@ def _plain(x: Any) -> Any:
 
 def parse_event(data: bytes, step: int) -> dict[str, Any] | None:
     """An event read from a log (untrusted): a dict with a valid action and
-    trigger, its step the record's; None where it is not one."""
+    trigger, its step the record's; None where it is not one (nor JSON
+    ``metadata.parse_json`` reads: too deep, an integer beyond 64 bits)."""
     try:
-        event = json.loads(bytes(data).decode("utf-8"))
-    except (UnicodeDecodeError, ValueError, TypeError):
+        event = metadata.parse_json(bytes(data), "an action")
+    except (metadata.FormatError, TypeError):
         return None
     if not isinstance(event, dict) or event.get("action") not in ACTIONS or event.get("trigger") not in TRIGGERS:
         return None

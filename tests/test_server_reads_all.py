@@ -259,7 +259,10 @@ def test_runs_whose_names_differ_only_in_bytes_that_are_not_utf8_are_both_served
     name TensorBoard gives each (U+FFFD for the byte) would make them one,
     so both keep the byte escaped, and neither's records are lost."""
     for raw, nan_step in ((b"r\xfe", 3), (b"r\xff", None)):
-        good_run(os.fsdecode(os.path.join(os.fsencode(str(tmp_path)), raw)), nan_step=nan_step)
+        # Framed here: TensorFlow's record writer, where it is imported, refuses such a path.
+        write_events(os.fsdecode(os.path.join(os.fsencode(str(tmp_path)), raw)), [
+            event("t", step, stats_tensor_proto(stats(step, step == nan_step)), CONTENT if step == 0 else None)
+            for step in range(10)])
     summaries, _ = cli.report(str(tmp_path), SR)
     by_cli = {s["run"]: s for s in summaries}
     assert len(by_cli) == 2

@@ -65,23 +65,30 @@ def number(x: float) -> str:
     """A number as people read it: "4000", "0.0123", "4.22e15", "2.5e-7".
 
     Args:
-      x: any real number (numpy scalars too).
+      x: any real number (numpy scalars too; an integer beyond a float's
+        range, as untrusted JSON may hold, exactly).
     """
-    x = float(x)
+    try:
+        x = float(x)
+    except OverflowError:
+        return ("-" if x < 0 else "") + _magnitude(decimal.Decimal(abs(x)))
     if math.isnan(x):
         return NONFINITE_WORDS["nan"]
     if math.isinf(x):
         return NONFINITE_WORDS["posinf" if x > 0 else "neginf"]
     if x == 0:
         return "0"
-    sign = "-" if x < 0 else ""
-    exact = decimal.Decimal(abs(x))
+    return ("-" if x < 0 else "") + _magnitude(decimal.Decimal(abs(x)))
+
+
+def _magnitude(exact: decimal.Decimal) -> str:
+    """A positive number's words (``number``'s), from its exact value."""
     r = _round(exact, NUMBER_FORMAT["digits"])
     if _FIXED_FROM <= r < _FIXED_BELOW:
-        return sign + _plain(r)
+        return _plain(r)
     r = _round(exact, NUMBER_FORMAT["exp_digits"])
     exponent = r.adjusted()
-    return "%s%se%d" % (sign, _plain(r.scaleb(-exponent)), exponent)
+    return "%se%d" % (_plain(r.scaleb(-exponent)), exponent)
 
 
 def count(n: float) -> str:
