@@ -92,7 +92,7 @@ def _int_param(
     if raw is None or raw == "":
         return default
     raw = raw.strip()
-    if not re.fullmatch(r"[+-]?\d{1,20}", raw):
+    if not re.fullmatch(r"[+-]?[0-9]{1,20}", raw):  # decimal digits only (\d takes any script's)
         raise _BadRequest("%s must be a whole number, got %r" % (name, raw[:100]))
     value = int(raw)
     if not lo <= value <= hi:

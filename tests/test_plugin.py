@@ -307,6 +307,9 @@ def test_series_full_and_downsampled(tb):
         ("/timeline", {"run": "bad", "width": "1e3"}, 400),
         ("/timeline", {"run": "bad", "width": "NaN"}, 400),
         ("/timeline", {"run": "bad", "width": "9" * 40}, 400),
+        ("/timeline", {"run": "bad", "width": "\uff15"}, 400),  # a fullwidth 5: digits are 0-9
+        ("/timeline", {"run": "bad", "start": "\u0661"}, 400),  # an Arabic-Indic 1
+        ("/series", {"run": "bad", "tensor": "loss", "max_points": "\u0968"}, 400),  # a Devanagari 2
         ("/timeline", {"run": "bad", "start": "10", "end": "5"}, 400),
         ("/timeline", {"run": "bad", "start": "-1"}, 400),
         ("/series", {"run": "bad"}, 400),
