@@ -24,13 +24,19 @@ const EMPTY_MESSAGE =
   "No numerics in this logdir yet: call tb_numerics.log_numerics(...) in your training step " +
   "and point TensorBoard at its logdir.";
 
-/** The run to open on: the earliest first anomaly, else the earliest first warning, else the first. */
+/**
+ * The run to open on: the earliest first anomaly, else the earliest first
+ * warning, else the first run with records (one whose files could not be
+ * read at all is listed, not opened first), else the first.
+ */
 export function defaultRun(runs) {
   const earliest = (key) => {
     const with_ = runs.filter((r) => r[key] !== null && r[key] !== undefined);
     return with_.length ? with_.reduce((a, b) => (b[key] < a[key] ? b : a)).run : null;
   };
-  return earliest("first_anomaly_step") ?? earliest("first_warning_step") ?? runs[0]?.run ?? null;
+  return (
+    earliest("first_anomaly_step") ?? earliest("first_warning_step") ?? (runs.find((r) => r.records > 0) ?? runs[0])?.run ?? null
+  );
 }
 
 export class Dashboard {

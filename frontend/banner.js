@@ -280,14 +280,24 @@ function actionsList(s) {
   );
 }
 
+/** No anomaly: "Healthy" only where every record was read (as the CLI's exit code 3 says). */
 function healthyBanner(s) {
   const range = s.first_step === null ? "" : ` in steps ${fmt.steps(s.first_step, s.last_step)}`;
   const warn = s.first_warning ? "" : " and nothing outside the safe range";
+  const unread = Array.isArray(s.problems) && s.problems.length > 0;
+  const read = s.records ? `across ${fmt.count(s.tensors)} tensors (${fmt.count(s.records)} records)` : "";
   return el(
     "section",
-    { class: "banner healthy" },
-    el("h3", { class: "headline" }, "Healthy: no NaN or Inf"),
-    el("p", {}, `No non-finite values${warn}${range} across ${fmt.count(s.tensors)} tensors (${fmt.count(s.records)} records).`)
+    { class: unread ? "banner unread" : "banner healthy" },
+    el("h3", { class: "headline" }, unread ? "Not all read: no NaN or Inf among the records read" : "Healthy: no NaN or Inf"),
+    el(
+      "p",
+      {},
+      unread && !s.records
+        ? "No record of this run could be read, so none was checked: see below."
+        : `No non-finite values${warn}${range} ${read}.` +
+            (unread ? " What could not be read was not checked: see below." : "")
+    )
   );
 }
 

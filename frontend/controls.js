@@ -35,7 +35,7 @@ function placeholderOf(key, value) {
 function healthWords(r) {
   if (r.first_anomaly_step !== null) return `NaN/Inf at step ${r.first_anomaly_step}`;
   if (r.first_warning_step !== null) return `warning at step ${r.first_warning_step}`;
-  return "healthy";
+  return Array.isArray(r.problems) && r.problems.length ? "not all read" : "healthy";
 }
 
 /**

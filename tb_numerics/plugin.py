@@ -237,11 +237,12 @@ class NumericsPlugin(base_plugin.TBPlugin):
         return rules.published()
 
     def runs_impl(self, ctx, experiment: str, safe_range: analysis.SafeRange) -> dict[str, Any]:
-        """Every run with numerics records and its headline health."""
+        """Every run with numerics records, or whose files could not be read
+        (``RunStore.unread_problems``), and its headline health."""
         listing = self._store.listing(ctx, experiment)
         runs = []
         for run in sorted(listing):
-            if not listing[run]:
+            if not listing[run] and not self._store.unread_problems(run):
                 continue
             answer = self._store.answer(ctx, experiment, run, safe_range, listing[run])
             summary = analysis.run_summary(answer.analysis)

@@ -314,14 +314,23 @@ class RunStore:
         """
         if listing is None:
             listing = self.listing(ctx, experiment, [run]).get(run)
-            if not listing:
+        if not listing:
+            unread = self.unread_problems(run) if listing is not None else []
+            if not unread:
                 raise RunNotFound("no numerics data for run %r" % run)
+            return Answer(analysis.analyze_run(run, (), safe_range, unread), False, None, None)
         latest = max(int(ts.max_step) for ts in listing.values())
         cache = self._cache(experiment, run)
         cache.remember(safe_range, self._limits.analyses_per_run)
         snapshot, fresh = self._snapshot_to_answer_from(ctx, experiment, run, cache, listing)
         result = snapshot.analysis(run, safe_range, self._extra_problems(run))
         return Answer(result, not fresh, snapshot.as_of_step, latest, snapshot.restarts)
+
+    def unread_problems(self, run: str) -> list[str]:
+        """What kept ``run``'s files from being read, for a run of no numerics
+        records: one whose only file is cut in its first record is listed
+        with them, as ``tb-numerics report`` lists it, not left out."""
+        return self._run_problems(run) if self._run_problems is not None else []
 
     def refresh_round(self) -> None:
         """One round of the refresher: the runs that ``answer`` left stale,
@@ -387,7 +396,7 @@ class RunStore:
         return max(period, 4 * self._listing_seconds)
 
     def _extra_problems(self, run: str) -> list[str]:
-        out = self._run_problems(run) if self._run_problems is not None else []
+        out = self.unread_problems(run)
         if not self._sample_limit:
             return out
         return out + [

@@ -657,3 +657,55 @@ def test_op_level_charts_show_sums_as_not_recorded(open_page, tmp_path):
             box = canvas.bounding_box()
             page.mouse.move(box["x"] + box["width"] * 0.9, box["y"] + box["height"] / 2)
             expect(chart.locator(".readout")).to_contain_text(words)
+
+
+def test_a_run_with_nothing_readable_names_its_damage(open_page, tmp_path):
+    """A run whose only file is cut inside its first record (finished long
+    ago) opens with what went wrong said, not an empty tab or a broken one;
+    a readable run beside it is the one opened first; a run whose last
+    record is cut is not called healthy (the record lost may hold the NaN)."""
+    import time
+
+    import numpy as np
+
+    from tb_numerics import metadata
+    from tb_numerics.record_writer import NumericsRecordWriter
+    from tb_numerics.records import numpy_stats
+
+    def write_run(run_dir, steps):
+        with NumericsRecordWriter(run_dir) as w:
+            for step in range(steps):
+                w.write("dense/output", step, numpy_stats(np.float32([1.0, -2.0, step])),
+                        metadata.TensorInfo(role="activation"))
+
+    logdir = tmp_path / "logs"
+    write_run(str(logdir / "a_cut"), 3)
+    (cut,) = [str(f) for f in (logdir / "a_cut").iterdir()]
+    with open(cut, "rb") as f:
+        head = f.read(20)
+    with open(cut, "wb") as f:
+        f.write(head)
+    os.utime(cut, (time.time() - 3600,) * 2)
+    write_run(str(logdir / "b_good"), 10)
+    write_run(str(logdir / "c_tail"), 10)  # its last record cut: read but for that one
+    (tail,) = [str(f) for f in (logdir / "c_tail").iterdir()]
+    with open(tail, "rb") as f:
+        data = f.read()
+    with open(tail, "wb") as f:
+        f.write(data[:-5])
+    os.utime(tail, (time.time() - 3600,) * 2)
+    with tb_process.tensorboard(str(logdir)) as cut_tb:
+        tb_process.wait_for(lambda: len(cut_tb.get_json("/data/plugin/numerics/runs")["runs"]) == 3, timeout=60)
+        p = dashboard(open_page, cut_tb)
+        run = p.page.locator('select[aria-label="Run"]')
+        expect(run).to_have_value("b_good")
+        expect(run.locator("option")).to_have_text(["a_cut (not all read)", "b_good (healthy)", "c_tail (not all read)"])
+        run.select_option("a_cut")
+        banner = p.page.locator(".banner-row").first
+        expect(banner.locator(".problems")).to_contain_text("truncated at byte offset 0")
+        expect(banner.locator(".headline")).to_have_text("Not all read: no NaN or Inf among the records read")
+        expect(banner).to_contain_text("No record of this run could be read")
+        expect(p.page.locator(".banner.healthy")).to_have_count(0)
+        run.select_option("c_tail")
+        expect(banner.locator(".headline")).to_have_text("Not all read: no NaN or Inf among the records read")
+        expect(banner).to_contain_text("in steps 0–8 across 1 tensors (9 records). What could not be read")

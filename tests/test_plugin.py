@@ -16,6 +16,7 @@ import math
 import os
 import subprocess
 import sys
+import time
 import urllib.parse
 
 import numpy as np
@@ -399,6 +400,38 @@ def test_unreadable_metadata_is_skipped_and_reported(tmp_path, caplog):
             tb.ok(P + "/summary", run="run")
     logged = [r.getMessage() for r in caplog.records if "from_the_future" in r.getMessage()]
     assert len(logged) == 1 and "newer" in logged[0]
+
+
+def test_a_run_with_nothing_readable_is_listed_with_what_went_wrong(tmp_path):
+    """A run whose only file is cut inside its first record (a job killed
+    as it started, long ago) is listed as ``tb-numerics report`` lists it,
+    its summary and timeline answer with the damage named; a run of no
+    numerics records and no damage stays unlisted."""
+    write_run(str(tmp_path / "good"), range(10), None)
+    write_run(str(tmp_path / "cut"), range(3), None)
+    (cut,) = [str(f) for f in (tmp_path / "cut").iterdir()]
+    with open(cut, "rb") as f:
+        head = f.read(20)
+    with open(cut, "wb") as f:
+        f.write(head)
+    os.utime(cut, (time.time() - 3600,) * 2)  # finished long ago: not a record being written
+    other = EventFileWriter(str(tmp_path / "scalars_only"))
+    other.add_event(event_pb2.Event(step=0, summary=summary_pb2.Summary(
+        value=[summary_pb2.Summary.Value(tag="loss", simple_value=1.0)])))
+    other.close()
+    (reference,) = [s for s in cli.report(str(tmp_path), analysis.SafeRange())[0] if s["run"] == "cut"]
+    assert reference["problems"] and "truncated" in reference["problems"][0]
+    tb = TB(str(tmp_path))
+    runs = {r["run"]: r for r in tb.ok(P + "/runs")["runs"]}
+    assert set(runs) == {"cut", "good"}
+    assert (runs["cut"]["records"], runs["cut"]["problems"]) == (0, reference["problems"])
+    s = tb.ok(P + "/summary", run="cut")
+    assert (s["first_anomaly"], s["records"], s["problems"]) == (None, 0, reference["problems"])
+    assert tb.ok(P + "/timeline", run="cut", width="100")["rows"] == []
+    status, body = tb.get(P + "/series", run="cut", tensor="x")
+    assert status == 404 and "x" in body["error"]
+    status, _ = tb.get(P + "/summary", run="scalars_only")
+    assert status == 404
 
 
 # ------------------------------------------------------------- frontend files
