@@ -68,6 +68,7 @@ class Diagnosis:
         self._square_rows = np.array([r for _, r in rows], np.int64)
         self._square_limits = np.array([detectors.square_limit(str(plan.variables[j].dtype)) for j, _ in rows])
         self.update_found: int | None = None
+        self._unscaled: set[int] = set()  # skipped steps whose gradients were non-finite with the scale at 1
 
     @property
     def can_replay(self) -> bool:
@@ -138,18 +139,27 @@ class Diagnosis:
         replica = self._bad_replica()
         return self._replay.replay(step, self._model.train_step, replica,
                                    check=functools.partial(self._replay_differs, step_stats, replica),
-                                   loss_scale=loss_scale)
+                                   loss_scale=1.0 if step in self._unscaled else loss_scale,
+                                   unscaled=step in self._unscaled)
 
-    def skip_went_bad_forward(self, step: int, loss_scale: float | None) -> bool:
+    def skip_beyond_scaling(self, step: int, loss_scale: float | None) -> bool:
         """At a step a LossScaleOptimizer skipped: whether its replay's first
         non-finite op is in the forward pass (or reads the batch), where no
-        loss scale reaches, rather than a gradient op the scale overflowed.
-        The replay writes nothing here: the step's anomaly, if it is one, is
-        replayed again and written as any first anomaly is."""
+        loss scale reaches, or its gradients are still non-finite with the
+        scale at 1 (a sqrt's gradient at 0), rather than a gradient op the
+        scale overflowed. The replay writes nothing here: the step's
+        anomaly, if it is one, is replayed again (at 1 in the second case)
+        and written as any first anomaly is."""
         if not self.can_replay:
             return False
-        found = self._replay.probe(step, self._model.train_step, self._bad_replica(), loss_scale)
-        return found is not None and found.beyond_loss_scaling()
+        train_step, replica = self._model.train_step, self._bad_replica()
+        found = self._replay.probe(step, train_step, replica, loss_scale)
+        if found is None or found.beyond_loss_scaling():
+            return found is not None
+        if self._replay.probe(step, train_step, replica, 1.0) is None:
+            return False
+        self._unscaled.add(step)
+        return True
 
     def _rows_bad_in_step(self, step_stats: np.ndarray, replica: int | None) -> np.ndarray:
         """Per row before the weights': whether the step's record (that

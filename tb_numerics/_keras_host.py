@@ -283,12 +283,13 @@ class NumericsCallbackBase(keras.callbacks.Callback):
         """The replay's verdict on the first bad step, written into the run."""
         return self._host.replay_verdict(values.step, lambda: self._replay_at(values.step))
 
-    def _skip_went_bad_forward(self, values: StepValues) -> bool:
+    def _skip_beyond_scaling(self, values: StepValues) -> bool:
         """At a step a LossScaleOptimizer skipped: whether its forward pass
         (which no loss scale changes) made a NaN or an Inf inside a layer,
-        whose output stayed finite (``x / sqrt(inf)`` is 0). Then the skip is
-        the run's anomaly, not the scale's calibration. False where the
-        backend cannot tell."""
+        whose output stayed finite (``x / sqrt(inf)`` is 0), or its gradients
+        are non-finite with the scale at 1 too (a sqrt's gradient at 0). Then
+        the skip is the run's anomaly, not the scale's calibration. False
+        where the backend cannot tell."""
         return False
 
     def _policy_acts_on(self, steps: list[Step]) -> bool:
@@ -411,7 +412,7 @@ class NumericsCallbackBase(keras.callbacks.Callback):
         it (the bad batch, the replay) and stops where asked. True to stop."""
         step_records, anomaly = self._host.write_step(step_stats, values)
         if not anomaly and self._host.skip_to_probe and self.replay and self.replay_verdict is None:
-            anomaly = self._skip_went_bad_forward(values)
+            anomaly = self._skip_beyond_scaling(values)
         if not anomaly:
             return False
         self._host.note_bad_batch(values.step, step_records, self._kept_batches)
@@ -448,7 +449,7 @@ class HostRecords:
     Attributes:
       writer: the run's record writer.
       skip_to_probe: whether the last step written was a LossScaleOptimizer
-        skip after an applied update (``NumericsCallbackBase._skip_went_bad_forward``).
+        skip after an applied update (``NumericsCallbackBase._skip_beyond_scaling``).
     """
 
     def __init__(self, log_dir: str, plan: RowPlan, *, every_n_steps: int, update_ratios: bool, lso: bool,

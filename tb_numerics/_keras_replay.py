@@ -166,7 +166,8 @@ class StepReplay:
         return None if kept is None else kept[0]
 
     def replay(self, step: int, train_step: Callable[[Any], Any], replica: int | None = None,
-               check: Callable[[], str | None] | None = None, loss_scale: float | None = None) -> dict[str, Any]:
+               check: Callable[[], str | None] | None = None, loss_scale: float | None = None,
+               unscaled: bool = False) -> dict[str, Any]:
         """Runs ``train_step`` on the kept batch once more at op level, at
         ``step``; writes and returns the verdict (``first_anomaly.replay``).
         It never raises: a replay that fails says why in the verdict.
@@ -181,8 +182,10 @@ class StepReplay:
             wrong one), or None where they agree.
           loss_scale: a LossScaleOptimizer's scale as the step ran (its skip
             has lowered it since); None without one.
+          unscaled: ``loss_scale`` is 1 because the step's gradients were
+            non-finite at 1 too (said in the verdict: ``rules.kinds``).
         """
-        verdict: dict[str, Any] = {"step": int(step)}
+        verdict: dict[str, Any] = {"step": int(step), **({"unscaled": True} if unscaled else {})}
         if replica is not None:
             verdict["replica"] = int(replica)
         try:

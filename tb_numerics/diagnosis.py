@@ -88,9 +88,11 @@ def _op_of(ra: RunAnalysis, step: int, row: int) -> tuple[dict[str, Any] | None,
                 transient = {"reproducible": False} if verdict.get("reproducible") is False else {}
                 return None, {"reproduced": False, "why": str(verdict.get("why", "")), **transient, **where}
             op = verdict.get("op")
+            # Replayed with the loss scale at 1: no loss scale makes or handles it.
+            unscaled = {"unscaled": True} if verdict.get("unscaled") is True else {}
             if isinstance(op, dict):
                 return {k: op.get(k) for k in ("name", "type", "source", "phase", "inputs")}, {
-                    "reproduced": True, **where}
+                    "reproduced": True, **unscaled, **where}
     for h in ra.health:  # in execution order: the first op that went bad at that step
         if is_op_level(h.series.tag) and np.any((h.series.steps == step) & (h.codes == rules.NONFINITE)):
             return _op_json(h), None

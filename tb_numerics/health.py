@@ -14,6 +14,7 @@ Health of one record (one tensor at one step):
 from __future__ import annotations
 
 import dataclasses
+from typing import Sequence
 
 import numpy as np
 
@@ -60,14 +61,17 @@ def series_health(series: TensorSeries, sr: SafeRange) -> SeriesHealth:
     return SeriesHealth(series, codes, kinds)
 
 
-def mark_run(health: list[SeriesHealth], sr: SafeRange) -> None:
+def mark_run(health: list[SeriesHealth], sr: SafeRange, unscaled_bad: Sequence[int] = ()) -> None:
     """Applies the run masks (kinds that compare a run's rows) to ``health``, in place,
     after taking back the warnings the run does not confirm.
 
     Args:
       health: every row of one run, in execution order.
       sr: the safe range.
+      unscaled_bad: the steps a replay found non-finite with the loss scale
+        at 1: no skip that loss scaling handles (``rules.kinds``).
     """
+    unscaled = np.asarray(sorted(unscaled_bad), np.int64)
     for k in rules.KINDS:
         if k.unconfirmed is None or k.name in sr.off:
             continue
@@ -78,6 +82,8 @@ def mark_run(health: list[SeriesHealth], sr: SafeRange) -> None:
     for k in rules.KINDS:
         if k.marks is None or k.name in sr.off:
             continue
-        for row, mask in k.marks(health, k.parameters(sr)):
+        p = k.parameters(sr)
+        p.unscaled_bad = unscaled
+        for row, mask in k.marks(health, p):
             health[row].kinds[mask] = rules.kind_code(k.name)
             health[row].codes[mask] = k.health

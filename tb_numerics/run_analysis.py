@@ -80,7 +80,9 @@ def analyze_run(
     marks = _verdicts(series, metadata.OP_MARK_TAG, _op_mark, problems)
     ordered = sorted((s for s in series if s.tag not in metadata.VERDICT_TAGS), key=lambda s: s.sort_key)
     health = _each_health(ordered, sr)
-    mark_run(health, sr)
+    # A step whose gradients a replay found non-finite with the loss scale
+    # at 1 (a sqrt or a division at 0): no skip that loss scaling handles.
+    mark_run(health, sr, [r["step"] for r in replays if r.get("unscaled") is True and r["reproduced"]])
     return RunAnalysis(run, health, sr, problems, replays, batches, marks)
 
 

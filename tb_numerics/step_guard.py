@@ -43,7 +43,9 @@ the run's anomaly); at each of its skips the guard looks at the
 step's replay, writing nothing, and where its first non-finite op is a
 forward one (which no loss scale makes: a log(0), a float16 overflow
 inside a layer), that step is replayed as a held one; a gradient op that
-overflowed float16 is the scale's to handle. The guard replays the first non-finite step;
+overflowed float16 is the scale's to handle, unless the step's gradients are
+still non-finite with the scale at 1 (a sqrt's gradient at 0): then that
+step is replayed at 1 and is the anomaly (the verdict says ``unscaled``). The guard replays the first non-finite step;
 later ones are gated, and replayed where an ``on_anomaly`` policy acts on
 them (three replays in all).
 
@@ -100,6 +102,21 @@ def guard(*optimizers: Any, replay: bool = True, on_anomaly: "str | survive.OnAn
     if not optimizers:
         raise ValueError("tbn.guard needs the optimizer(s) the step applies")
     return lambda fn: StepGuard(fn, optimizers, replay=replay, on_anomaly=on_anomaly, variables=variables)
+
+
+@contextlib.contextmanager
+def _loss_scale_one(optimizers: Sequence[Any]):
+    """Every LossScaleOptimizer's scale at 1 inside, put back after: what a
+    step's gradients are without loss scaling."""
+    scales = [s for s in (getattr(opt, "dynamic_scale", None) for opt in optimizers) if s is not None]
+    saved = [s.numpy() for s in scales]
+    for s in scales:
+        s.assign(tf.ones_like(s))
+    try:
+        yield
+    finally:
+        for s, value in zip(scales, saved):
+            s.assign(value)
 
 
 def _sq_sum(g: Any) -> tf.Tensor:
@@ -284,15 +301,21 @@ class StepGuard:
         replay's first non-finite op, looked at writing nothing. A forward
         one (a log(0), or a float16 overflow inside a layer whose output
         stayed finite), which no loss scale makes, is the step's anomaly:
-        the step is replayed again as any held one. A gradient op is the
-        scale overflowing float16, which the skip handles."""
+        the step is replayed again as any held one. A gradient op may be
+        the scale overflowing float16, which the skip handles: the step is
+        looked at again with the scale at 1, and a gradient still non-finite
+        there (a sqrt's or a division's at 0) is the anomaly, replayed at 1."""
         try:
             with tf.summary.record_if(False):
                 found = self._replay_op(step, args, kwargs)
+                unscaled = found is not None and not found.beyond_loss_scaling()
+                if unscaled:
+                    with _loss_scale_one(self._opts):
+                        found = self._replay_op(step, args, kwargs)
         except Exception:  # noqa: BLE001 - a look must never stop training
             return
-        if found is not None and found.beyond_loss_scaling():
-            self.verdict = self._replayed(step, args, kwargs)
+        if found is not None:
+            self.verdict = self._replayed(step, args, kwargs, unscaled)
 
     def _replay_op(self, step: int, args: tuple, kwargs: dict) -> Any:
         """The step's first non-finite op, run again at op level with every
@@ -303,12 +326,14 @@ class StepGuard:
             stack.enter_context(_tf_internal.variable_writes_undone())
             return oplevel.replay_step(_unrecorded(self._fn), *args, step=step, **kwargs)
 
-    def _replayed(self, step: int, args: tuple, kwargs: dict) -> dict[str, Any]:
-        """Runs the step again at op level (see the module) and writes the verdict."""
+    def _replayed(self, step: int, args: tuple, kwargs: dict, unscaled: bool = False) -> dict[str, Any]:
+        """Runs the step again at op level (see the module) and writes the
+        verdict; ``unscaled``: with every loss scale at 1 (said in the verdict)."""
         self._replays += 1
-        verdict: dict[str, Any] = {"step": step}
+        verdict: dict[str, Any] = {"step": step, **({"unscaled": True} if unscaled else {})}
         try:
-            found = self._replay_op(step, args, kwargs)
+            with _loss_scale_one(self._opts) if unscaled else contextlib.nullcontext():
+                found = self._replay_op(step, args, kwargs)
         except Exception as e:  # noqa: BLE001 - a replay must never stop training
             found, verdict["why"] = None, "the replay raised %s: %s" % (type(e).__name__, e)
         if found is None:

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+from op_records import line_of
 from tb_numerics import analysis, event_reader
 from tb_numerics.keras import NumericsCallback
 
@@ -148,3 +149,61 @@ def test_a_skip_whose_forward_overflowed_inside_a_layer_is_the_anomaly(tmp_path,
     assert first["op"]["type"] == op_type
     assert first["op"]["phase"] == "forward"
     assert first["op"]["source"].split(" ")[0].endswith("%s:%d" % (os.path.basename(__file__), line))
+
+
+def _sqrt_model() -> keras.Model:
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(3, use_bias=False, name="d1"),
+                              keras.layers.Lambda(lambda t: tf.sqrt(tf.abs(t)), name="root"),  # ROOT_AT_ZERO
+                              keras.layers.Dense(1, dtype="float32", name="out")], name="net")
+    opt = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(1e-2), initial_scale=2.0**19)
+    model.compile(optimizer=opt, loss="mse")
+    return model
+
+
+def test_a_skip_whose_gradients_are_non_finite_at_any_scale_is_the_anomaly(tmp_path, mixed_float16):
+    """sqrt(|h|) meets h = 0 in batch SQRT_BAD: its gradient is inf at any loss scale, unscaled
+    too (the oracle: the batch's gradients without a scale, and check_numerics over them), so
+    the LossScaleOptimizer's skip there is the run's first anomaly, at that step and op, not a
+    handled skip; the skips of its first steps (a scale too large for float16) stay handled."""
+    sqrt_bad, batches = 7, 10  # applied steps after it: not a run of skips that nothing follows
+    rs = np.random.RandomState(0)
+    x, y = (rs.rand(8 * batches, 4) + 0.1).astype("float32"), rs.rand(8 * batches, 1).astype("float32")
+    x[8 * sqrt_bad] = 0.0
+    model = _sqrt_model()
+    truth, ops, iterations = [], [], []
+
+    class Oracle(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            xb, yb = x[8 * batch:8 * batch + 8], y[8 * batch:8 * batch + 8]
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean((tf.cast(model(xb, training=True), tf.float32) - yb) ** 2)
+            tf.debugging.enable_check_numerics()
+            try:
+                grads = tape.gradient(loss, model.trainable_variables)
+            except tf.errors.InvalidArgumentError as e:
+                truth.append(batch)
+                ops.append(re.search(r'op "(\w+)"', str(e)).group(1))
+            else:
+                if not all(np.isfinite(np.asarray(g)).all() for g in grads):
+                    truth.append(batch)
+            finally:
+                tf.debugging.disable_check_numerics()
+
+        def on_train_batch_end(self, batch, logs=None):
+            iterations.append(int(model.optimizer.iterations))
+
+    model.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[Oracle(), NumericsCallback(str(tmp_path))])
+    skipped = [i for i in range(sqrt_bad) if iterations[i] == (iterations[i - 1] if i else 0)]
+    assert truth == [sqrt_bad] and skipped and skipped[-1] < sqrt_bad - 1  # calibrated, then the sqrt at 0
+    assert iterations[sqrt_bad] == iterations[sqrt_bad - 1]  # the LossScaleOptimizer skipped it too
+    (run,) = event_reader.read_logdir(str(tmp_path))
+    summary = analysis.run_summary(analysis.analyze_run(run.run, run.series))
+    first = summary["first_anomaly"]
+    assert first is not None, "the skip read as handled: a sqrt's infinite gradient was missed"
+    assert first["step"] == sqrt_bad
+    assert first["op"]["type"] == ops[0] == "SqrtGrad" and first["op"]["phase"] == "backward"
+    assert first["op"]["source"].split(" ")[0].endswith("%s:%d" % (
+        os.path.basename(__file__), line_of(__file__, "# ROOT_AT_ZERO")))
+    assert first["replay"]["unscaled"] is True
+    assert summary["skipped_steps"] == skipped

@@ -379,6 +379,65 @@ def test_under_a_loss_scale_skips_the_scale_handled_are_no_anomaly_where_gradien
     assert run["skipped_steps"] == skipped
 
 
+def _unscaled_grads_finite(d1, d2, x, y) -> bool:
+    """Whether the step's gradients are finite without any loss scale (the oracle)."""
+    variables = d1.trainable_variables + d2.trainable_variables
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean((d2(tf.cast(tf.sqrt(tf.abs(d1(x))), tf.float32)) - y) ** 2)
+    return all(np.isfinite(np.asarray(g)).all() for g in tape.gradient(loss, variables))
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "function"])
+def test_under_a_loss_scale_a_gradient_non_finite_at_any_scale_is_the_anomaly(tmp_path, compiled):
+    """sqrt(|h|) meets h = 0 at step SQRT_BAD: its gradient is inf at any loss scale (unscaled
+    too, by the oracle), so the LossScaleOptimizer's skip there handles nothing; the scale's
+    own first skips (a scale too large for float16) stay handled skips."""
+    sqrt_bad, steps = 7, 10  # applied steps after it: not a run of skips that nothing follows
+    keras.utils.set_random_seed(0)
+    d1, d2 = keras.layers.Dense(3, use_bias=False, dtype="mixed_float16"), keras.layers.Dense(1)
+    d1(tf.zeros([1, 4]))
+    d2(tf.zeros([1, 3]))
+    variables = d1.trainable_variables + d2.trainable_variables
+    optimizer = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01), initial_scale=2.0**19)
+    optimizer.build(variables)
+
+    def step_fn(x, y):
+        with tf.GradientTape() as tape:
+            h = tf.sqrt(tf.abs(d1(x)))  # SQRT_AT_ZERO
+            tbn.log_numerics("sqrt/output", h)
+            loss = tf.reduce_mean((d2(tf.cast(h, tf.float32)) - y) ** 2)
+            scaled = optimizer.scale_loss(loss)
+        grads = tape.gradient(scaled, variables)
+        tbn.log_gradients(grads, variables)
+        optimizer.apply_gradients(zip(grads, variables))
+
+    train_step = tbn.guard(optimizer)(tf.function(step_fn) if compiled else step_fn)
+    rng = np.random.default_rng(0)
+    x = (rng.random((steps, 8, 4)) + 0.1).astype(np.float32)
+    x[sqrt_bad, 0] = 0.0
+    y = rng.random((steps, 8, 1)).astype(np.float32)
+    writer, step, truth, iterations = tf.summary.create_file_writer(str(tmp_path)), tf.Variable(0, dtype=tf.int64), [], []
+    with writer.as_default(step=step):
+        for i in range(steps):
+            step.assign(i)
+            if not _unscaled_grads_finite(d1, d2, x[i], y[i]):
+                truth.append(i)
+            train_step(tf.constant(x[i]), tf.constant(y[i]))
+            iterations.append(int(optimizer.iterations.numpy()))
+    writer.close()
+    skipped = [i for i in range(sqrt_bad) if iterations[i] == (iterations[i - 1] if i else 0)]
+    assert truth == [sqrt_bad] and skipped and skipped[-1] < sqrt_bad - 1  # calibrated, then the sqrt at 0
+    assert iterations[sqrt_bad] == iterations[sqrt_bad - 1]
+    op_type, lines = _check_numerics_names(step_fn, (tf.constant(x[sqrt_bad]), tf.constant(y[sqrt_bad])))
+    run = _report(tmp_path)
+    a = run["first_anomaly"]
+    assert a is not None and a["step"] == sqrt_bad, (iterations, run)
+    assert a["op"]["type"] == op_type == "SqrtGrad" and a["op"]["phase"] == "backward"
+    assert a["op"]["source"].endswith("test_step_guard.py:%d (step_fn)" % line_of(__file__, "# SQRT_AT_ZERO"))
+    assert a["replay"]["unscaled"] is True
+    assert run["skipped_steps"] == skipped
+
+
 PER_CALL = 4  # training steps a call of the multi-step function runs
 
 

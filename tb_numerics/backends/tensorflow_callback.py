@@ -171,8 +171,8 @@ class TensorFlowNumericsCallback(NumericsCallbackBase):
         # The TensorFlow replay writes its verdict itself (``_keras_replay``).
         return self._diagnosis.replay(values.step, step_stats, self._scale(values))
 
-    def _skip_went_bad_forward(self, values: StepValues) -> bool:
-        return self._diagnosis.skip_went_bad_forward(values.step, self._scale(values))
+    def _skip_beyond_scaling(self, values: StepValues) -> bool:
+        return self._diagnosis.skip_beyond_scaling(values.step, self._scale(values))
 
     def _scale(self, values: StepValues) -> float | None:
         """The loss scale the step ran with (its replay runs with it too), or None."""

@@ -262,8 +262,11 @@ def _skipped_marks(rows: Rows, p: Any) -> list[tuple[int, np.ndarray]]:
     # A step whose forward pass (or batch) went non-finite is no skip that loss
     # scaling handles: its layer records say so, or the op-level records of a
     # look inside it (a float16 overflow inside a layer whose output stayed
-    # finite, e.g. x / sqrt(inf)).
+    # finite, e.g. x / sqrt(inf)); nor is one whose gradients a replay found
+    # non-finite with the loss scale at 1 (``p.unscaled_bad``: a sqrt's
+    # gradient at 0 is inf at any scale).
     bad = [h.series.steps[h.codes == NONFINITE] for h in rows if h.series.info.phase != "backward"]
+    bad.append(p.unscaled_bad)
     forward_bad = np.unique(np.concatenate(bad)) if bad else np.zeros(0, np.int64)
     return [(r, m & (rows[r].series.steps < recovered_before) & ~np.isin(rows[r].series.steps, forward_bad))
             for r, m in candidates]
