@@ -391,10 +391,10 @@ class NumericsCallbackBase(keras.callbacks.Callback):
         self._host.collect()
         if self._check_update(steps) and self.stop_on_anomaly:
             self._stop(*steps[-1], why="an update left the weights or the optimizer's slots non-finite")
-        replay_due = self.replay and self.replay_verdict is None
-        if self._policy_acts_on(steps) or (
-                (self.stop_on_anomaly or replay_due) and any(self._host.may_be_anomaly(*s) for s in steps)):
-            # Inline, before the next step changes the weights the replay needs.
+        if self._policy_acts_on(steps) or any(self._host.may_be_anomaly(*s) for s in steps):
+            # Inline, before the next step changes the weights the replay
+            # needs, and so that a step holding a NaN is on disk before the
+            # callbacks after this one run (one may end the process).
             self._host.wait()
             self._write_steps(steps)
         else:
@@ -416,6 +416,7 @@ class NumericsCallbackBase(keras.callbacks.Callback):
         if not anomaly:
             return False
         self._host.note_bad_batch(values.step, step_records, self._kept_batches)
+        self._host.writer.flush()  # the step holding the NaN and its batch's verdict, on disk at once
         if self.replay and self.replay_verdict is None:
             self.replay_verdict = self._replay_verdict(step_stats, values)
         if not self._stops_at(values):

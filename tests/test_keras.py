@@ -1,6 +1,9 @@
 """NumericsCallback on real Keras 3 training: records, stop_on_anomaly, allowlist, tf.distribute."""
 
 import json
+import os
+import subprocess
+import sys
 
 import keras
 import numpy as np
@@ -113,6 +116,45 @@ def test_an_epochs_steps_are_on_disk_when_the_next_epoch_starts(tmp_path):
 
     model.fit(x, y, batch_size=16, epochs=2, verbose=0, callbacks=[NumericsCallback(str(tmp_path)), Probe()])
     assert seen == {0: [], 1: [0, 1, 2, 3]}
+
+
+_KILLED_AFTER_THE_NAN = """
+import os, sys
+import keras, numpy as np
+from tb_numerics.keras import NumericsCallback
+logdir, bad, args = sys.argv[1], int(sys.argv[2]), eval(sys.argv[3])
+
+
+class Preempted(keras.callbacks.Callback):  # after NumericsCallback: the process ends there
+    def on_train_batch_end(self, batch, logs=None):
+        if batch == bad:
+            os._exit(0)
+
+
+keras.utils.set_random_seed(0)
+model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, name="d")], name="net")
+model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+rs = np.random.RandomState(0)
+x, y = rs.randn(8 * 80, 8).astype("float32"), rs.randn(8 * 80, 4).astype("float32")
+x[8 * bad + 2, 5] = np.nan
+model.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[NumericsCallback(logdir, **args), Preempted()])
+"""
+
+
+@pytest.mark.parametrize("callback_args", [{"replay": False}, {"replay": False, "every_n_steps": 10}, {}],
+                         ids=["no_replay", "no_replay_every_10", "defaults"])
+def test_a_step_holding_a_nan_is_on_disk_before_the_next_callback_runs(tmp_path, callback_args):
+    """A callback after NumericsCallback may end the process (a preemption, an
+    os._exit) at the batch whose input holds the NaN (the injected fault):
+    that step is on disk by then, whatever the replay setting."""
+    bad = 61
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    out = subprocess.run([sys.executable, "-c", _KILLED_AFTER_THE_NAN, str(tmp_path), str(bad), repr(callback_args)],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    (run,) = event_reader.read_logdir(str(tmp_path))
+    first = analysis.run_summary(analysis.analyze_run(run.run, run.series))["first_anomaly"]
+    assert first is not None and first["step"] == bad, first
 
 
 def _fit_with_nan_in_batch_5(logdir, **callback_args) -> analysis.RunAnalysis:
