@@ -25,8 +25,10 @@ kept batch and the replay of a step at op level.
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import dataclasses
+import functools
 import json
 import sys
 import weakref
@@ -86,6 +88,17 @@ class StepValues(NamedTuple):
                    held=bool(head["held"] > 0), trigger=int(head["trigger"]), loss_value=float(head["loss_value"]),
                    grad_norm=float(head["grad_norm"]), spike_mean=float(head["spike_mean"]),
                    spike_std=float(head["spike_std"]))
+
+
+def _end_at_exit(callback: "weakref.ref[NumericsCallbackBase]") -> None:
+    """At interpreter exit, a fit an exception ended: its last steps written, its writer closed."""
+    cb = callback()
+    if cb is not None and cb._host is not None:  # noqa: SLF001 - the callback's own end
+        try:
+            cb.on_train_end()
+        except Exception as e:  # noqa: BLE001 - at exit, what can be written is; nothing may raise
+            print("tb_numerics: the last steps of an interrupted fit could not be written: %s: %s"
+                  % (type(e).__name__, e), file=sys.stderr)
 
 
 class Patches:
@@ -236,6 +249,7 @@ class NumericsCallbackBase(keras.callbacks.Callback):
         self._batch = 0  # the index of the batch last ended in its epoch
         self._patched: Any = None  # the train function this fit runs, once built (``_begin``)
         self._traced: _Traced | None = None  # the last fit's, between fits
+        self._at_exit: Callable[[], None] | None = None  # ends a fit the interpreter leaves (``_end_at_exit``)
 
     # ------------------------------------------------------------ for a backend
 
@@ -327,6 +341,11 @@ class NumericsCallbackBase(keras.callbacks.Callback):
         if not self._resume(model):
             self._build(model)
         self._patches.set(model, _FITTING, self)
+        # A fit that an exception ends (a callback before this one raising
+        # at a NaN loss) gets no on_train_end: its last steps are written
+        # when the interpreter exits, or when the next fit begins (above).
+        self._at_exit = functools.partial(_end_at_exit, weakref.ref(self))
+        atexit.register(self._at_exit)
 
     def _build(self, model: keras.Model) -> None:
         """The plan, the records' host and the backend's wrapped step, for this fit."""
@@ -365,6 +384,11 @@ class NumericsCallbackBase(keras.callbacks.Callback):
         return True
 
     def on_train_end(self, logs=None) -> None:
+        if self._at_exit is not None:
+            atexit.unregister(self._at_exit)
+            self._at_exit = None
+        if self._host is not None:
+            self._write_left()
         model, host, patched = self.model, self._host, self._patched
         ours = patched is not None and model is not None and model.train_function is patched
         self._patched = None
@@ -375,6 +399,16 @@ class NumericsCallbackBase(keras.callbacks.Callback):
             host.close()
         if ours and host is not None and self.anomaly is None and self.keeps_step:
             self._traced = _Traced(weakref.ref(model), self._fit_key(model), model.train_function, patched, host)
+
+    def _write_left(self) -> None:
+        """The steps the step ran that no ``on_train_batch_end`` of this
+        callback took (an exception ended the batch before it): written
+        as any step is, without a replay (the weights have moved on)."""
+        steps = self._new_steps()
+        if steps:
+            self._host.wait()
+            for step_stats, values in steps:
+                self._host.write_step(step_stats, values)
 
     def on_epoch_end(self, epoch, logs=None) -> None:
         if self._host is not None:

@@ -157,6 +157,45 @@ def test_a_step_holding_a_nan_is_on_disk_before_the_next_callback_runs(tmp_path,
     assert first is not None and first["step"] == bad, first
 
 
+_RAISED_BEFORE_IT = """
+import sys
+import keras, numpy as np
+from tb_numerics.keras import NumericsCallback
+logdir, bad, args = sys.argv[1], int(sys.argv[2]), eval(sys.argv[3])
+
+
+class RaiseOnNan(keras.callbacks.Callback):  # before NumericsCallback: its batch end never runs
+    def on_train_batch_end(self, batch, logs=None):
+        if not np.isfinite(logs["loss"]):
+            raise RuntimeError("NaN loss at batch %d" % batch)
+
+
+keras.utils.set_random_seed(0)
+model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, name="d")], name="net")
+model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+rs = np.random.RandomState(0)
+x, y = rs.randn(8 * 80, 8).astype("float32"), rs.randn(8 * 80, 4).astype("float32")
+x[8 * bad + 2, 5] = np.nan
+model.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[RaiseOnNan(), NumericsCallback(logdir, **args)])
+"""
+
+
+@pytest.mark.parametrize("bad", [4, 61])
+@pytest.mark.parametrize("callback_args", [{}, {"every_n_steps": 10}], ids=["defaults", "every_10"])
+def test_a_fit_a_callback_before_it_ended_by_raising_keeps_the_nan_step(tmp_path, callback_args, bad):
+    """A callback listed before NumericsCallback raises at the NaN loss (the
+    fault injected in batch ``bad``): Keras runs no later callback and no
+    on_train_end, and the process ends with the exception. The records of
+    the steps run, that one included, are on disk."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    out = subprocess.run([sys.executable, "-c", _RAISED_BEFORE_IT, str(tmp_path), str(bad), repr(callback_args)],
+                         capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 1 and "NaN loss at batch %d" % bad in out.stderr, out.stderr[-2000:]
+    (run,) = event_reader.read_logdir(str(tmp_path))
+    first = analysis.run_summary(analysis.analyze_run(run.run, run.series))["first_anomaly"]
+    assert first is not None and first["step"] == bad, first
+
+
 def _fit_with_nan_in_batch_5(logdir, **callback_args) -> analysis.RunAnalysis:
     """8 steps of a one-layer model whose batch 5 holds a NaN, with the callback; its records."""
     keras.utils.set_random_seed(0)

@@ -105,6 +105,7 @@ class TensorFlowNumericsCallback(NumericsCallbackBase):
                                     weights_every_n_steps=self.weights_every_n_steps, safe_range=self.safe_range,
                                     policy=policy is not None, spike=policy.spike if policy is not None else None,
                                     listed=bool(self._skip_batches))
+        self._last_call = -1  # before the policy's check, whose refusal ends the fit here (on_train_end)
         try:
             self._check_policy(model)
         except ValueError:
@@ -113,7 +114,6 @@ class TensorFlowNumericsCallback(NumericsCallbackBase):
         hooks = StepHooks(model, self._program, self._replay)
         self._diagnosis = Diagnosis(model, self.plan, self._program, hooks, self._host, self._replay,
                                     safe_range=self.safe_range, squared_by=self._squared_by(model.optimizer))
-        self._last_call = -1
         self._survival = None if policy is None else SurvivalHost(
             model, policy, self.plan, self._program, self._diagnosis, self._host, safe_range=self.safe_range,
             set_attribute=self._patches.set, first_verdict=lambda: self.replay_verdict,
