@@ -118,50 +118,17 @@ def test_an_epochs_steps_are_on_disk_when_the_next_epoch_starts(tmp_path):
     assert seen == {0: [], 1: [0, 1, 2, 3]}
 
 
-_KILLED_AFTER_THE_NAN = """
+_ENDED_AT_THE_NAN = """
 import os, sys
 import keras, numpy as np
 from tb_numerics.keras import NumericsCallback
-logdir, bad, args = sys.argv[1], int(sys.argv[2]), eval(sys.argv[3])
+logdir, bad, how, args = sys.argv[1], int(sys.argv[2]), sys.argv[3], eval(sys.argv[4])
 
 
 class Preempted(keras.callbacks.Callback):  # after NumericsCallback: the process ends there
     def on_train_batch_end(self, batch, logs=None):
         if batch == bad:
             os._exit(0)
-
-
-keras.utils.set_random_seed(0)
-model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4, name="d")], name="net")
-model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
-rs = np.random.RandomState(0)
-x, y = rs.randn(8 * 80, 8).astype("float32"), rs.randn(8 * 80, 4).astype("float32")
-x[8 * bad + 2, 5] = np.nan
-model.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[NumericsCallback(logdir, **args), Preempted()])
-"""
-
-
-@pytest.mark.parametrize("callback_args", [{"replay": False}, {"replay": False, "every_n_steps": 10}, {}],
-                         ids=["no_replay", "no_replay_every_10", "defaults"])
-def test_a_step_holding_a_nan_is_on_disk_before_the_next_callback_runs(tmp_path, callback_args):
-    """A callback after NumericsCallback may end the process (a preemption, an
-    os._exit) at the batch whose input holds the NaN (the injected fault):
-    that step is on disk by then, whatever the replay setting."""
-    bad = 61
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    out = subprocess.run([sys.executable, "-c", _KILLED_AFTER_THE_NAN, str(tmp_path), str(bad), repr(callback_args)],
-                         capture_output=True, text=True, env=env, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    (run,) = event_reader.read_logdir(str(tmp_path))
-    first = analysis.run_summary(analysis.analyze_run(run.run, run.series))["first_anomaly"]
-    assert first is not None and first["step"] == bad, first
-
-
-_RAISED_BEFORE_IT = """
-import sys
-import keras, numpy as np
-from tb_numerics.keras import NumericsCallback
-logdir, bad, args = sys.argv[1], int(sys.argv[2]), eval(sys.argv[3])
 
 
 class RaiseOnNan(keras.callbacks.Callback):  # before NumericsCallback: its batch end never runs
@@ -176,8 +143,32 @@ model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
 rs = np.random.RandomState(0)
 x, y = rs.randn(8 * 80, 8).astype("float32"), rs.randn(8 * 80, 4).astype("float32")
 x[8 * bad + 2, 5] = np.nan
-model.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[RaiseOnNan(), NumericsCallback(logdir, **args)])
+numerics = NumericsCallback(logdir, **args)
+callbacks = [numerics, Preempted()] if how == "preempted" else [RaiseOnNan(), numerics]
+model.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=callbacks)
 """
+
+
+def _first_anomaly_of_a_fit_ended_at_the_nan(logdir, bad: int, how: str, callback_args: dict) -> tuple:
+    """(the child's stderr and exit code, the first anomaly on disk) of a fit
+    whose batch ``bad`` holds a NaN and that ends there ``how``."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    out = subprocess.run([sys.executable, "-c", _ENDED_AT_THE_NAN, str(logdir), str(bad), how, repr(callback_args)],
+                         capture_output=True, text=True, env=env, timeout=300)
+    runs = event_reader.read_logdir(str(logdir))
+    assert len(runs) == 1, (runs, out.stderr[-2000:])
+    return out, analysis.run_summary(analysis.analyze_run(runs[0].run, runs[0].series))["first_anomaly"]
+
+
+@pytest.mark.parametrize("callback_args", [{"replay": False}, {"replay": False, "every_n_steps": 10}, {}],
+                         ids=["no_replay", "no_replay_every_10", "defaults"])
+def test_a_step_holding_a_nan_is_on_disk_before_the_next_callback_runs(tmp_path, callback_args):
+    """A callback after NumericsCallback may end the process (a preemption, an
+    os._exit) at the batch whose input holds the NaN (the injected fault):
+    that step is on disk by then, whatever the replay setting."""
+    out, first = _first_anomaly_of_a_fit_ended_at_the_nan(tmp_path, 61, "preempted", callback_args)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert first is not None and first["step"] == 61, first
 
 
 @pytest.mark.parametrize("bad", [4, 61])
@@ -187,12 +178,8 @@ def test_a_fit_a_callback_before_it_ended_by_raising_keeps_the_nan_step(tmp_path
     fault injected in batch ``bad``): Keras runs no later callback and no
     on_train_end, and the process ends with the exception. The records of
     the steps run, that one included, are on disk."""
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
-    out = subprocess.run([sys.executable, "-c", _RAISED_BEFORE_IT, str(tmp_path), str(bad), repr(callback_args)],
-                         capture_output=True, text=True, env=env, timeout=300)
+    out, first = _first_anomaly_of_a_fit_ended_at_the_nan(tmp_path, bad, "raised", callback_args)
     assert out.returncode == 1 and "NaN loss at batch %d" % bad in out.stderr, out.stderr[-2000:]
-    (run,) = event_reader.read_logdir(str(tmp_path))
-    first = analysis.run_summary(analysis.analyze_run(run.run, run.series))["first_anomaly"]
     assert first is not None and first["step"] == bad, first
 
 
