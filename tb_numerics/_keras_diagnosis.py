@@ -139,8 +139,7 @@ class Diagnosis:
         replica = self._bad_replica()
         return self._replay.replay(step, self._model.train_step, replica,
                                    check=functools.partial(self._replay_differs, step_stats, replica),
-                                   loss_scale=1.0 if step in self._unscaled else loss_scale,
-                                   unscaled=step in self._unscaled)
+                                   loss_scale=loss_scale, unscaled=step in self._unscaled)
 
     def skip_beyond_scaling(self, step: int, loss_scale: float | None) -> bool:
         """At a step a LossScaleOptimizer skipped: whether its replay's first

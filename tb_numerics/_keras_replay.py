@@ -182,10 +182,12 @@ class StepReplay:
             wrong one), or None where they agree.
           loss_scale: a LossScaleOptimizer's scale as the step ran (its skip
             has lowered it since); None without one.
-          unscaled: ``loss_scale`` is 1 because the step's gradients were
-            non-finite at 1 too (said in the verdict: ``rules.kinds``).
+          unscaled: run with the scale at 1 instead, where the step's
+            gradients were non-finite at 1 too (said in the verdict: ``rules.kinds``).
         """
         verdict: dict[str, Any] = {"step": int(step), **({"unscaled": True} if unscaled else {})}
+        if unscaled:
+            loss_scale = 1.0
         if replica is not None:
             verdict["replica"] = int(replica)
         try:
