@@ -178,6 +178,7 @@ class Diagnosis:
         records may differ: XLA's ReluGrad masks a NaN the eager one passes.
         """
         in_step = self._rows_bad_in_step(step_stats, replica)
+        in_step[list(self._plan.state_rows)] = False  # state the replay restores, not a tensor it records
         if not in_step.any():
             return None
         first = int(np.argmax(in_step))

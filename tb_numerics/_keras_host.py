@@ -165,6 +165,12 @@ class NumericsCallbackBase(keras.callbacks.Callback):
     * ``gradients/<variable path>`` (gradient, unscaled), in backward order
       as ``log_gradients`` writes them, and ``gradients/global_norm``;
     * ``<variable path>`` (weight), before the update;
+    * ``<variable path>`` (weight) of the state a forward pass updates, each
+      trainable layer's non-trainable float variables (BatchNormalization's
+      moving statistics), as the forward pass left it: computed every step,
+      written with the weights and at any step where it is not finite (a
+      finite batch of huge values can make a moving variance +Inf while the
+      output, the loss and the gradients stay finite);
     * ``update_ratio/<layer>`` (weight): ||w_new - w_old|| / ||w_old|| over
       the layer's trainable variables, an early sign of a too-large learning
       rate. It keeps one copy of the trainable weights (``update_ratios=False``
@@ -569,8 +575,10 @@ class HostRecords:
         for r, row in enumerate(plan.rows):
             if not row.present or (r >= plan.weight_row0 and not values.weights_due):
                 continue
-            info = self.info(row.tag, row.role, row.dtype, row.shape, row.op_type, activation=row.activation,
-                             compute_dtype=row.compute_dtype)
+            if r in plan.state_rows and not values.weights_due and not records.nonfinite_count(step_stats[r]) > 0:
+                continue  # computed every step, written with the weights or where it went bad
+            info = self.info(row.tag, row.role, row.dtype, row.shape, row.op_type, row.description,
+                             activation=row.activation, compute_dtype=row.compute_dtype)
             out.append((row.tag, step_stats[r], info))
             if row.role == "gradient":
                 grads.append(step_stats[r])

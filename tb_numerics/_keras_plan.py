@@ -2,9 +2,11 @@
 
 One row per record the step computes, in execution order: the batch (model
 inputs, targets, sample weights; see ``_keras_batch``), each top-level
-layer's outputs, the loss, each gradient in backward order, then each
-weight. The rows before the weights' are computed on every step; the
-weights' only on the steps that record them. A row's tag, dtype and shape
+layer's outputs, the loss, the state the forward pass updated (the
+non-trainable float variables: BatchNormalization's moving statistics),
+each gradient in backward order, then each weight. The rows before the
+weights' are computed on every step; the weights' only on the steps that
+record them. A row's tag, dtype and shape
 are what its metadata will say; those known only when the step runs (a
 layer's output dtype, the batch's keys) are filled in then.
 
@@ -54,6 +56,12 @@ class RowPlan:
         ``batch_rows`` of them (0 without ``inputs``) start at ``batch_row0``.
       act_rows: top-level layer index -> its output row.
       loss_row: the loss's row.
+      states: the float variables the forward pass updates (``_forward_state``)
+        in layer order; with ``weights``, their records (``state_rows``) are
+        computed every step and written with the weights' or where not
+        finite: a forward pass can make a moving statistic non-finite while
+        its output, the loss and the gradients stay finite (training
+        normalises by the batch's own statistics), and only inference shows it.
       variables: the trainable variables in layer order (those of no
         top-level layer last); ``var_layer`` their layers' indices (-1: none).
       grad_rows: variable index -> its gradient's row.
@@ -80,6 +88,12 @@ class RowPlan:
                                      compute_dtype=_compute_dtype(layer)))
         self.loss_row = len(self.rows)
         self.rows.append(Row("loss", "loss", activation=_function_name(getattr(model, "loss", None))))
+        states = sorted(_forward_state(model), key=lambda vt: owner.get(id(vt[0]), len(layers))) if weights else []
+        self.states = [v for v, _ in states]
+        self.state_rows = range(len(self.rows), len(self.rows) + len(states))
+        self.rows += [Row(v.path, "weight", _dtype(v), tuple(v.shape), present=True,
+                          description="non-trainable variable of a %s, updated by the forward pass" % kind)
+                      for v, kind in states]
         self.variables = sorted(model.trainable_variables, key=lambda v: owner.get(id(v), len(layers)))
         self.var_layer = [owner.get(id(v), -1) for v in self.variables]
         self.grad_rows: dict[int, int] = {}
@@ -148,6 +162,19 @@ def _compute_dtype(layer: Any) -> str:
     """The dtype a layer computes in ("" where unknown)."""
     dtype = getattr(layer, "compute_dtype", None)
     return str(dtype) if dtype else ""
+
+
+def _forward_state(model: keras.Model) -> list[tuple[Any, str]]:
+    """The float variables a forward pass may update: each trainable layer's
+    non-trainable ones (BatchNormalization's moving statistics). A frozen
+    layer's variables are non-trainable too, but stay as they are."""
+    out: dict[int, tuple[Any, str]] = {}
+    for layer in model._flatten_layers(include_self=True):  # noqa: SLF001 - every nested layer, once
+        if layer.trainable:
+            for v in getattr(layer, "_non_trainable_variables", []):  # noqa: SLF001 - made non-trainable
+                if _dtype(v) in metadata.DTYPE_LIMITS:
+                    out.setdefault(id(v), (v, type(layer).__name__))
+    return list(out.values())
 
 
 def _dtype(variable: Any) -> str:

@@ -265,7 +265,8 @@ class StepProgram:
 
     def _forward_and_gradient_rows(self, trace: Trace, grads: list, variables: list, scale: tf.Tensor) -> list:
         """The records computed before the weights': the batch's, each layer's
-        outputs, the loss and each gradient (None where absent), in row order."""
+        outputs, the loss, the state the forward pass updated and each
+        gradient (None where absent), in row order."""
         plan = self._plan
         rows: list[tf.Tensor | None] = [None] * plan.weight_row0
         self._batch_records(trace, rows)
@@ -288,6 +289,9 @@ class StepProgram:
             row = plan.rows[plan.loss_row]
             row.dtype, row.shape, row.present = trace.loss.dtype.base_dtype.name, tuple(trace.loss.shape), True
             forward.append((plan.loss_row, [trace.loss]))
+        # Read after the forward pass's own assignments (the automatic control
+        # dependencies order reads and writes of one variable).
+        forward += [(r, [tf.convert_to_tensor(v)]) for r, v in zip(plan.state_rows, plan.states)]
         records, _ = _batched_records([(tensors, plan.rows[r].tag) for r, tensors in forward])
         for (r, _), record in zip(forward, records):
             rows[r] = record

@@ -225,7 +225,7 @@ def _by_op(ev: Evidence) -> str:
         phase = ev.op.get("phase")
     else:
         family, phase = op_family(ev.tag, ev.info.op_type, ev.info.activation), ev.info.phase
-    if family is None:
+    if family is None or (family == "pow" and phase != "backward" and _overflowed(ev)):
         return ""
     text = _OP_HINTS[(family, "backward" if phase == "backward" else "forward")]
     return text + _inputs_evidence(ev.op) + _data_note(ev)
@@ -257,6 +257,18 @@ _NAN_PASSING = frozenset({
     "Maximum", "Minimum", "StopGradient", "ConcatV2", "Pack", "GatherV2", "StridedSlice", "Slice", "Tile", "Pad",
     "PadV2", "SelectV2", "Floor", "Ceil", "Round", "Sign",
 })
+
+
+def _overflowed(ev: Evidence) -> bool:
+    """Whether the op made Inf and no NaN from inputs with no zero: a large
+    value raised beyond its dtype's range (x ** 2 of 1e20), not one of the
+    cases the op's own hint names (a zero base's Inf, a negative base's NaN).
+    The rules after the op's say where the large value came from."""
+    out, inputs = ev.op_output or {}, (ev.op or {}).get("inputs")
+    if _count(out.get("nan")) != 0 or not (_count(out.get("posinf")) or _count(out.get("neginf"))):
+        return False
+    return isinstance(inputs, list) and bool(inputs) and all(
+        isinstance(i, dict) and _count(i.get("zeros")) == 0 for i in inputs)
 
 
 def _by_nan_carried_in(ev: Evidence) -> str:

@@ -211,6 +211,58 @@ def run_weights(root: str) -> dict:
     return out
 
 
+HUGE = 3e19  # finite, but its square is beyond float32's range
+
+
+def bn_data() -> tuple[np.ndarray, np.ndarray]:
+    """Standard-normal inputs; the batch at ``BAD_STEP`` scaled by ``HUGE``."""
+    rng = np.random.default_rng(4)
+    x = rng.standard_normal((STEPS * BATCH, 5)).astype(np.float32)
+    y = rng.standard_normal((STEPS * BATCH, 1)).astype(np.float32)
+    x[BAD_STEP * BATCH:(BAD_STEP + 1) * BATCH] *= HUGE
+    return x, y
+
+
+def bn_model() -> keras.Model:
+    keras.utils.set_random_seed(5)
+    m = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, name="dense_0"),
+                          keras.layers.BatchNormalization(name="bn"), keras.layers.ReLU(name="relu"),
+                          keras.layers.Dense(1, name="head")], name="normed")
+    m.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    return m
+
+
+class _MovingVarianceOracle(keras.callbacks.Callback):
+    """The batches after which BatchNormalization's moving variance, as
+    Keras holds it, is not finite: outside the product."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.bad: list[int] = []
+
+    def on_train_batch_end(self, batch, logs=None) -> None:
+        state = getattr(self.model, "_jax_state", None)
+        names = [v.path for v in self.model.non_trainable_variables]
+        values = state["non_trainable_variables"] if state else [v.value for v in self.model.non_trainable_variables]
+        mv = values[names.index(self.model.get_layer("bn").moving_variance.path)]
+        if not np.isfinite(keras.ops.convert_to_numpy(mv)).all():
+            self.bad.append(batch)
+
+
+def run_moving_variance(root: str) -> dict:
+    """A finite batch of 3e19 makes the moving variance +Inf while the loss
+    and the gradients stay finite (training normalises by the batch's own
+    variance): the run's first anomaly, and the batches the oracle saw."""
+    logdir = os.path.join(root, "moving_variance")
+    x, y = bn_data()
+    oracle = _MovingVarianceOracle()
+    m = bn_model()
+    history = m.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0,
+                    callbacks=[NumericsCallback(logdir), oracle])
+    return {"report": report(logdir), "oracle_bad": oracle.bad, "path": m.get_layer("bn").moving_variance.path,
+            "losses_finite": bool(np.isfinite(history.history["loss"]).all())}
+
+
 def jax_debug_oracle(kind: str) -> str:
     """JAX's own word on the bad batch: the forward pass and the loss, then
     their gradient, run un-jitted under ``jax_debug_nans`` and ``jax_debug_infs``,
@@ -244,6 +296,40 @@ def jax_debug_oracle(kind: str) -> str:
     return ""
 
 
+def bn_forward_oracle() -> str:
+    """The backend's own word on the first op of the bad batch's forward pass
+    (in training) to make a NaN or an Inf: the op type TensorFlow's
+    ``enable_check_numerics`` names, or the primitive ``jax_debug_infs`` names;
+    "" where it names none (PyTorch has no such check of a forward pass)."""
+    m = bn_model()
+    x, _ = bn_data()
+    xb = x[BAD_STEP * BATCH:(BAD_STEP + 1) * BATCH]
+    if BACKEND == "tensorflow":
+        import tensorflow as tf
+
+        tf.debugging.enable_check_numerics()
+        try:
+            m(xb, training=True)
+        except tf.errors.InvalidArgumentError as e:
+            found = re.search(r'Detected Infinity or NaN in output \d+ of \S+ op "([^"]+)"', e.message)
+            return found.group(1) if found else e.message
+        finally:
+            tf.debugging.disable_check_numerics()
+    elif BACKEND == "jax":
+        import jax
+
+        jax.config.update("jax_debug_infs", True)
+        try:
+            with jax.disable_jit():
+                m(jax.numpy.asarray(xb), training=True)
+        except FloatingPointError as e:
+            found = re.search(r"invalid value \(inf\) encountered in (\w+)", str(e))
+            return found.group(1) if found else str(e)
+        finally:
+            jax.config.update("jax_debug_infs", False)
+    return ""
+
+
 def torch_anomaly_oracle(kind: str) -> str:
     """PyTorch's own word on the bad batch: the step's forward and backward
     passes under ``torch.autograd.detect_anomaly()``, which raises at the
@@ -274,6 +360,8 @@ def main(out: str, root: str) -> None:
         elif BACKEND == "torch":
             results[kind]["oracle"] = torch_anomaly_oracle(kind)
     results["weights"] = run_weights(root)
+    results["moving_variance"] = run_moving_variance(root)
+    results["moving_variance"]["oracle_op"] = bn_forward_oracle()
     results["refit"] = run_refit(root)
     from demo.stories import keras_fit
 

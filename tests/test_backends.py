@@ -186,3 +186,29 @@ def test_a_later_fit_runs_the_step_the_first_traced_and_finds_the_same_anomaly(r
     assert got["report"]["steps"]["fault/output"] == list(range(backend_runs.STEPS))
     assert a["op"]["source"] == b["op"]["source"] and a["op"]["source"].startswith(
         "backend_runs.py:%d (" % whole["line"]), (a["op"], b["op"])
+
+
+def test_a_moving_statistic_that_went_non_finite_is_the_first_anomaly_at_its_step(runs):
+    """A finite batch of 3e19 makes BatchNormalization's moving variance +Inf.
+    On TensorFlow and JAX the layer's output, the loss and the gradients stay
+    finite (training normalises by the batch's own variance): only inference
+    would show it, so only the variable's own record can. The truth: the
+    batch after which Keras' moving variance was first not finite (a callback
+    reading it), and the op the backend's own check names in that batch's
+    forward pass (TensorFlow's enable_check_numerics, JAX's jax_debug_infs)."""
+    for b in BACKENDS:
+        r = runs[b]["moving_variance"]
+        a = r["report"]["first_anomaly"]
+        assert r["oracle_bad"] and a is not None, b
+        assert a["step"] == r["oracle_bad"][0] == backend_runs.BAD_STEP, b
+        if r["losses_finite"]:  # else the output went bad too, and is the step's first record (PyTorch's pow)
+            assert (a["tensor"], a["posinf"]) == (r["path"], a["size"]), (b, a)
+        assert a["op"]["phase"] == "forward" and a["op"]["name"].split("/")[-2] == "bn", (b, a["op"])
+        if r["oracle_op"]:
+            assert a["op"]["type"] == r["oracle_op"], (b, a["op"], r["oracle_op"])
+        # The cause is the batch, not the op: no op's own hint (pow's negative base) is given.
+        assert a["hint"].startswith("The batch at step %d was already far out of range" % backend_runs.BAD_STEP), (b, a)
+        # Computed every step, written with the weights' (0, 10) and from the step it went bad.
+        assert r["report"]["steps"][r["path"]] == [0] + list(range(backend_runs.BAD_STEP, backend_runs.STEPS)), b
+    assert runs["tensorflow"]["moving_variance"]["losses_finite"] and runs["jax"]["moving_variance"]["losses_finite"]
+    assert runs["tensorflow"]["moving_variance"]["oracle_op"] and runs["jax"]["moving_variance"]["oracle_op"]

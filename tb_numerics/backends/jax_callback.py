@@ -160,6 +160,8 @@ class JaxNumericsCallback(NumericsCallbackBase):
         self._calls = 0
         self._n_ntv = len(model.non_trainable_variables)
         self._seed_index = [i for i, v in enumerate(model.non_trainable_variables) if v.name == _SEED_STATE]
+        ntv_index = {id(v): i for i, v in enumerate(model.non_trainable_variables)}
+        self._state_index = [ntv_index[id(v)] for v in self.plan.states]
         self._tv_index = {id(v): k for k, v in enumerate(model.trainable_variables)}
         self._scale_index = next((k for k, v in enumerate(opt.variables) if v is getattr(opt, "dynamic_scale", None)),
                                  None) if self._lso else None
@@ -250,13 +252,14 @@ class JaxNumericsCallback(NumericsCallbackBase):
                 return loss, aux
             trace.forward_done = True
             unscaled_loss, y_pred, ntv, mv = aux
-            forward = self._forward_records(trace, unscaled_loss)
+            forward = self._forward_records(trace, unscaled_loss, ntv)
             return loss, (unscaled_loss, y_pred, list(ntv) + [forward], mv)
 
         return wrapped
 
-    def _forward_records(self, trace: _Trace, loss) -> dict[int, tuple]:
-        """row -> record of the batch, each layer's outputs and the loss."""
+    def _forward_records(self, trace: _Trace, loss, ntv: list) -> dict[int, tuple]:
+        """row -> record of the batch, each layer's outputs, the loss and the
+        state the forward pass left (``ntv``, the non-trainable variables)."""
         plan, tensors = self.plan, {}
         if self.inputs:
             for i, tag, ts in plan.batch.assign(trace.data):
@@ -272,6 +275,8 @@ class JaxNumericsCallback(NumericsCallbackBase):
             row = plan.rows[plan.loss_row]
             row.dtype, row.shape = jnp.dtype(loss.dtype).name, tuple(loss.shape)
             tensors[plan.loss_row] = (loss, "loss")
+        for r, k in zip(plan.state_rows, self._state_index):
+            tensors[r] = (ntv[k], plan.rows[r].tag)
         return _records(tensors)
 
     def _wrap_apply(self, stateless_apply):

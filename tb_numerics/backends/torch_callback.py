@@ -171,8 +171,9 @@ class TorchNumericsCallback(NumericsCallbackBase):
         return result
 
     def _forward_tensors(self, trace: _Trace) -> dict[int, torch.Tensor]:
-        """row -> tensor of the batch, each layer's outputs and the loss; each
-        row's dtype and shape noted from the tensors the step made."""
+        """row -> tensor of the batch, each layer's outputs, the loss and the
+        state the forward pass updated; each row's dtype and shape noted from
+        the tensors the step made."""
         plan, out = self.plan, {}
         if self.inputs and trace.data is not None:
             for i, tag, ts in plan.batch.assign(trace.data):
@@ -189,6 +190,8 @@ class TorchNumericsCallback(NumericsCallbackBase):
             row = plan.rows[plan.loss_row]
             row.dtype, row.shape = torch_stats.check_dtype(trace.loss, "loss"), tuple(trace.loss.shape)
             out[plan.loss_row] = trace.loss
+        for r, v in zip(plan.state_rows, plan.states):
+            out[r] = v.value.detach()  # as the forward pass left it
         return out
 
     def _fill(self, stats: np.ndarray, tensors: dict[int, torch.Tensor]) -> None:
