@@ -572,11 +572,13 @@ class HostRecords:
         out: list[Record] = []
         grads = []
         plan = self._plan
+        # The state is computed every step, written with the weights or where it went bad.
+        states = plan.state_rows
+        quiet = set() if values.weights_due else {
+            states[k] for k in np.flatnonzero(records.nonfinite_count(step_stats[states.start:states.stop]) == 0)}
         for r, row in enumerate(plan.rows):
-            if not row.present or (r >= plan.weight_row0 and not values.weights_due):
+            if not row.present or (r >= plan.weight_row0 and not values.weights_due) or r in quiet:
                 continue
-            if r in plan.state_rows and not values.weights_due and not records.nonfinite_count(step_stats[r]) > 0:
-                continue  # computed every step, written with the weights or where it went bad
             info = self.info(row.tag, row.role, row.dtype, row.shape, row.op_type, row.description,
                              activation=row.activation, compute_dtype=row.compute_dtype)
             out.append((row.tag, step_stats[r], info))
