@@ -414,3 +414,31 @@ def test_callback_under_mirrored_strategy_records_all_replicas_once(tmp_path):
     # The weights are the same on every replica: recorded once, not doubled.
     np.testing.assert_allclose(got["net/d/kernel"][1][0], res["kernel"], rtol=1e-6)
     assert got["gradients/net/d/kernel"][0] == [0, 1] and got["gradients/net/d/kernel"][1][0][0] == 8 * 4 * 2
+
+
+def test_the_state_of_trainable_layers_is_recorded_and_a_frozen_layers_is_not(tmp_path):
+    """The non-trainable variables a forward pass updates (a trainable
+    BatchNormalization's moving statistics) are written with the weights;
+    a frozen layer's, which never change (a frozen base of a fine-tuned
+    model, millions of values), are not computed every step. The truth:
+    which variables Keras changed over the fit."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, name="frozen_dense"),
+                              keras.layers.BatchNormalization(name="frozen_bn"), keras.layers.Dense(16, name="dense"),
+                              keras.layers.BatchNormalization(name="bn"), keras.layers.Dense(4, name="head")], name="net")
+    for name in ("frozen_dense", "frozen_bn"):
+        model.get_layer(name).trainable = False
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    before = {v.path: v.numpy().copy() for v in model.non_trainable_variables}
+    x, y = _data(n=12 * 4)
+    model.fit(x, y, batch_size=4, epochs=1, shuffle=False, verbose=0, callbacks=[NumericsCallback(str(tmp_path))])
+    after = {v.path: v.numpy() for v in model.non_trainable_variables}
+    changed = {p for p, v in before.items() if not np.array_equal(v, after[p])}
+    assert changed == {"net/bn/moving_mean", "net/bn/moving_variance"}  # the oracle: what the forward passes updated
+    ra = _analysis(tmp_path)
+    steps = {h.series.tag: sorted(int(s) for s in h.series.steps) for h in ra.health}
+    for path in changed:
+        assert steps[path] == [0, 10], path  # with the weights (every 10 steps), none of them non-finite
+        assert [h.series.info.description for h in ra.health if h.series.tag == path] == [
+            "non-trainable variable of a BatchNormalization, updated by the forward pass"]
+    assert not {p for p in steps if p.startswith(("net/frozen_dense/", "net/frozen_bn/"))}
