@@ -1,4 +1,4 @@
-"""Warnings on custom loops that log every intermediate with ``log_numerics`` (issue 26).
+"""Custom loops that log every intermediate with ``log_numerics`` (issue 26), and the model's state.
 
 Healthy loops whose tensors are mostly exact zeros by design raise nothing;
 a ReLU that the fault kills is still called dead; a log(0) beside a one-hot
@@ -133,15 +133,57 @@ def vae_loop(logdir, scale):
                              optimizer=keras.optimizers.Adam(3e-2), steps=8)
 
 
+MOVING_VARIANCE_BAD_STEP = 5
+
+
+def moving_variance_loop(logdir):
+    """A BatchNormalization model; the fault: the batch of step 5 scaled by
+    3e19, finite, whose variance is +Inf. The output, the loss and the
+    gradients stay finite (training normalises by the batch's own variance);
+    the moving variance does not. The loop logs the model's non-trainable
+    float variables after the forward pass, as the README says."""
+    keras.utils.set_random_seed(0)
+    rs = np.random.RandomState(0)
+    x, y = rs.randn(10, 32, 8).astype("float32"), rs.randn(10, 32, 1).astype("float32")
+    x[MOVING_VARIANCE_BAD_STEP] *= 3e19
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, name="dense"),
+                              keras.layers.BatchNormalization(name="bn"), keras.layers.Dropout(0.1),
+                              keras.layers.Dense(1, name="head")], name="normed")
+    optimizer = keras.optimizers.SGD(0.01)
+    step = tf.Variable(0, dtype=tf.int64, trainable=False)
+
+    @tf.function
+    def train_step(xb, yb):
+        with tf.GradientTape() as tape:
+            out = model(xb, training=True)
+            loss = tf.reduce_mean(tf.square(out - yb))
+        tbn.log_numerics("output", out)
+        tbn.log_numerics("loss", loss)
+        for v in model.non_trainable_variables:
+            if "float" in v.dtype:
+                tbn.log_numerics(v.path, v, role="weight")
+        mv = model.get_layer("bn").moving_variance
+        tf.summary.scalar("oracle/moving_variance_finite", tf.cast(tf.reduce_all(tf.math.is_finite(mv)), tf.float32))
+        tf.summary.scalar("oracle/loss_finite", tf.cast(tf.math.is_finite(loss), tf.float32))
+        grads = tape.gradient(loss, model.trainable_variables)
+        tbn.log_gradients(grads, model.trainable_variables)
+        optimizer.apply(grads, model.trainable_variables)
+
+    with tf.summary.create_file_writer(os.path.join(logdir, "moving_variance")).as_default(step=step):
+        for i in range(len(x)):
+            train_step(x[i], y[i])
+            step.assign_add(1)
+
+
 def _first_step_where(logdir, run, tag, holds):
-    """The first step at which the oracle scalar ``tag`` satisfied ``holds``, from the event files."""
+    """The first step at which the oracle scalar ``tag`` satisfied ``holds``, from the event files (None: never)."""
     steps = []
     for name in os.listdir(os.path.join(logdir, run)):
         for event in tf.compat.v1.train.summary_iterator(os.path.join(logdir, run, name)):
             for v in event.summary.value:
                 if v.tag == tag and holds(float(tf.make_ndarray(v.tensor))):
                     steps.append(event.step)
-    return min(steps)
+    return min(steps, default=None)
 
 
 def _first_false_step(logdir, run, tag):
@@ -160,6 +202,7 @@ def logdir(tmp_path_factory):
     float16_gradient_loop(logdir, eager=True)
     vae_loop(logdir, scale=1)
     vae_loop(logdir, scale=255)
+    moving_variance_loop(logdir)
     return logdir
 
 
@@ -216,3 +259,13 @@ def test_raw_pixels_under_a_cross_entropy_are_named_not_the_learning_rate(logdir
 def test_compute_dtype_must_be_a_float_dtype():
     with pytest.raises(ValueError, match="compute_dtype must be one of"):
         tbn.log_gradients([tf.ones(2)], [tf.Variable(tf.ones(2))], compute_dtype="int8")
+
+
+def test_a_loop_that_logs_the_models_state_finds_a_moving_variance_gone_inf_at_its_step(logdir, report):
+    """The README's advice for a custom loop with BatchNormalization; the
+    truth is tf.summary's: the first step whose moving variance was not finite."""
+    oracle = _first_false_step(logdir, "moving_variance", "oracle/moving_variance_finite")
+    assert oracle == MOVING_VARIANCE_BAD_STEP
+    assert _first_step_where(logdir, "moving_variance", "oracle/loss_finite", lambda v: v == 0.0) is None
+    first = report["moving_variance"]["first_anomaly"]
+    assert (first["step"], first["tensor"], first["role"]) == (oracle, "normed/bn/moving_variance", "weight")
