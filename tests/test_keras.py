@@ -149,10 +149,11 @@ model.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=callbacks)
 """
 
 
-def _first_anomaly_of_a_fit_ended_at_the_nan(logdir, bad: int, how: str, callback_args: dict) -> tuple:
+def _first_anomaly_of_a_fit_ended_at_the_nan(logdir, bad: int, how: str, callback_args: dict,
+                                             backend: str = "tensorflow") -> tuple:
     """(the child's stderr and exit code, the first anomaly on disk) of a fit
-    whose batch ``bad`` holds a NaN and that ends there ``how``."""
-    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2")
+    whose batch ``bad`` holds a NaN and that ends there ``how``, on Keras' ``backend``."""
+    env = dict(os.environ, TF_CPP_MIN_LOG_LEVEL="2", KERAS_BACKEND=backend)
     out = subprocess.run([sys.executable, "-c", _ENDED_AT_THE_NAN, str(logdir), str(bad), how, repr(callback_args)],
                          capture_output=True, text=True, env=env, timeout=300)
     runs = event_reader.read_logdir(str(logdir))
@@ -181,6 +182,17 @@ def test_a_fit_a_callback_before_it_ended_by_raising_keeps_the_nan_step(tmp_path
     out, first = _first_anomaly_of_a_fit_ended_at_the_nan(tmp_path, bad, "raised", callback_args)
     assert out.returncode == 1 and "NaN loss at batch %d" % bad in out.stderr, out.stderr[-2000:]
     assert first is not None and first["step"] == bad, first
+
+
+@pytest.mark.parametrize("backend", ["jax", "torch"])
+def test_a_fit_a_callback_before_it_ended_by_raising_keeps_the_nan_step_on_jax_and_torch(tmp_path, backend):
+    """The test above on Keras' other backends, whose step's records reach the
+    callback another way (JAX: beside the batch's logs, taken out before any
+    callback sees them; PyTorch: from the optimizer's apply)."""
+    pytest.importorskip(backend)
+    out, first = _first_anomaly_of_a_fit_ended_at_the_nan(tmp_path, 61, "raised", {}, backend)
+    assert out.returncode == 1 and "NaN loss at batch 61" in out.stderr, out.stderr[-2000:]
+    assert first is not None and first["step"] == 61, first
 
 
 def _fit_with_nan_in_batch_5(logdir, **callback_args) -> analysis.RunAnalysis:
