@@ -172,7 +172,7 @@ def _forward_state(model: keras.Model) -> list[tuple[Any, str]]:
     for layer in model._flatten_layers(include_self=True):  # noqa: SLF001 - every nested layer, once
         if layer.trainable:
             for v in getattr(layer, "_non_trainable_variables", []):  # noqa: SLF001 - made non-trainable
-                if _dtype(v) in metadata.DTYPE_LIMITS:
+                if not v.trainable and _dtype(v) in metadata.DTYPE_LIMITS:  # one a user made trainable is a weight
                     out.setdefault(id(v), (v, type(layer).__name__))
     return list(out.values())
 
