@@ -161,18 +161,22 @@ def _evidence(ra: RunAnalysis, cell, cause: dict[str, Any] | None, op: dict[str,
                           unscaled=evidence.unscaled(every, step), amplified=evidence.amplified(every, step),
                           saturating=evidence.saturating(every, step),
                           large_update=evidence.large_update(every, step, ra.safe_range.update_ratio_max),
-                          op_output=evidence.op_output(every, op, step) or _verdict_output(ra, step),
+                          op_output=evidence.op_output(every, op, step) or _verdict_output(ra, op, step),
                           zero_labels=evidence.zero_labels(every, step),
                           unbounded=evidence.unbounded(every, step))
 
 
-def _verdict_output(ra: RunAnalysis, step: int) -> dict[str, Any] | None:
-    """The non-finite counts of the op a replay's verdict on ``step`` names,
-    where no op-level records of the step hold them (the JAX and PyTorch replays)."""
+def _verdict_output(ra: RunAnalysis, op: dict[str, Any] | None, step: int) -> dict[str, Any] | None:
+    """The non-finite counts of ``op`` (the first anomaly's) as the replay's
+    verdict on ``step`` that named it gives them, where no op-level records
+    of the step hold them (the JAX and PyTorch replays); as
+    ``evidence.op_output``, by the op's name."""
+    name = (op or {}).get("name")
     for verdict in ra.replays:
-        op = verdict.get("op")
-        if verdict["step"] == step and verdict["reproduced"] and isinstance(op, dict):
-            return {k: op.get(k) for k in ("nan", "posinf", "neginf")} | {"count": op.get("size")}
+        found = verdict.get("op")
+        if (verdict["step"] == step and verdict["reproduced"] and isinstance(found, dict) and isinstance(name, str)
+                and found.get("name") == name):
+            return {k: found.get(k) for k in ("nan", "posinf", "neginf")} | {"count": found.get("size")}
     return None
 
 
