@@ -452,3 +452,20 @@ def test_the_state_of_trainable_layers_is_recorded_and_a_frozen_layers_is_not(tm
         assert [h.series.info.description for h in ra.health if h.series.tag == path] == [
             "non-trainable variable of a BatchNormalization, updated by the forward pass"]
     assert not {p for p in steps if p.startswith(("net/frozen_dense/", "net/frozen_bn/"))}
+
+
+def test_a_state_variable_a_user_made_trainable_is_recorded_once_as_a_weight(tmp_path):
+    """BatchNorm's moving mean, created non-trainable, made trainable by the
+    user: Keras lists it with the trainable variables (the truth), so its
+    record is a weight's, once per weights step, not a state's beside it."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8), keras.layers.BatchNormalization(name="bn"),
+                              keras.layers.Dense(1)], name="net")
+    model.get_layer("bn").moving_mean.trainable = True
+    assert "net/bn/moving_mean" in [v.path for v in model.trainable_variables]
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    x, y = _data(n=64, d=4)
+    model.fit(x, y[:, :1], batch_size=8, verbose=0, callbacks=[NumericsCallback(str(tmp_path))])
+    ra = _analysis(tmp_path)
+    steps = {h.series.tag: [int(s) for s in h.series.steps] for h in ra.health}
+    assert steps["net/bn/moving_mean"] == [0] and steps["net/bn/moving_variance"] == [0]
