@@ -5,11 +5,16 @@ Inside the training step, around each optimizer update the step applies
 optimizer the model holds, as a GAN's second one), ``UpdateGate`` decides
 whether the update runs: not where the step's loss or a gradient holds a
 NaN or an Inf when a replay or an ``on_anomaly`` policy may need the
-weights that step used, not where the spike trigger fired, and not after
-an update of the same step that was held back, so that a step is held back
-whole. It also computes, from the step's records, the values an
-``on_anomaly`` policy acts on: the loss, the global gradient norm and the
-trigger (``_survive_tf.TRIGGER_CODES``).
+weights that step used, not where the spike trigger fired, with a policy
+not where the state the forward pass updated (BatchNormalization's moving
+statistics) went non-finite, and not after an update of the same step that
+was held back, so that a step is held back whole: where it is, that state
+is put back as the step began (a batch of NaN inputs makes the moving
+statistics NaN in the forward pass, before any update: a skipped step that
+left them would leave a model whose every prediction is NaN). It also
+computes, from the step's records, the values an ``on_anomaly`` policy acts
+on: the loss, the global gradient norm and the trigger
+(``_survive_tf.TRIGGER_CODES``).
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ class UpdateGate:
       spike: the spike trigger, or None.
       gates: whether updates are gated at all (a replay or a policy).
       listed: whether the host may hold a batch's update back (``listed``).
+      policy: whether an ``on_anomaly`` policy acts on the held steps (then
+        a step whose forward-pass state went non-finite is held back too).
 
     Attributes:
       held_vars: the variables the gated updates hold back at a bad step.
@@ -46,8 +53,10 @@ class UpdateGate:
     """
 
     def __init__(self, plan: RowPlan, safe_range: analysis.SafeRange, *, lso: bool, spike: Spike | None, gates: bool,
-                 listed: bool = False):
+                 listed: bool = False, policy: bool = False):
         self._plan, self._safe_range, self.lso, self.gates = plan, safe_range, lso, gates
+        # A policy holds back a step whose recorded state went non-finite.
+        self._state_rows = list(plan.state_rows) if policy and gates else []
         self.spike = _survive_tf.SpikeWindow(spike) if spike is not None and gates else None
         # Set by the host before a batch the user listed to skip (``skip_batches``).
         self.listed = _tf_internal.untracked_variable(np.bool_(False), "tb_numerics_listed") if listed else None
@@ -67,6 +76,9 @@ class UpdateGate:
         bad = stats.nonfinite_count(head, plan.neginf_ok(self._safe_range)[: plan.weight_row0]) > 0
         code, mean, std = (self.spike.check(loss, grad_norm) if self.spike is not None else
                            (tf.constant(0, tf.int64), tf.constant(0.0, tf.float64), tf.constant(0.0, tf.float64)))
+        if plan.state_rows:
+            state_bad = tf.reduce_any(tf.gather(bad, list(plan.state_rows)))
+            code = tf.where(state_bad, tf.constant(codes["nonfinite_state"], tf.int64), code)
         grads_bad = tf.reduce_any(tf.gather(bad, grad_rows)) if grad_rows else tf.constant(False)
         code = tf.where(grads_bad, tf.constant(codes["nonfinite_gradients"], tf.int64), code)
         code = tf.where(bad[plan.loss_row], tf.constant(codes["nonfinite"], tf.int64), code)
@@ -76,8 +88,9 @@ class UpdateGate:
                     trigger: tf.Tensor) -> Any:
         """The optimizer's update, not applied where the loss or a gradient
         holds a NaN or an Inf when a replay or a policy may need the weights
-        that step used, where a spike trigger fired (``trigger``), or where
-        an update before it in the step was held back.
+        that step used, where a spike trigger fired (``trigger``), with a
+        policy where the forward pass's state went non-finite (``trigger``),
+        or where an update before it in the step was held back.
 
         The decision rests on each gradient's plain sum, which its statistics
         compute first anyway, so a healthy update waits for no other
@@ -89,10 +102,13 @@ class UpdateGate:
         cross-replica context (``_apply_if_all_finite``), under the
         strategies a replay supports (MirroredStrategy).
         """
-        if not self.gates or (self.lso and self.spike is None and self.listed is None and trace.applied_so_far is None):
+        if not self.gates or (self.lso and self.spike is None and self.listed is None and not self._state_rows
+                              and trace.applied_so_far is None):
             return apply(grads, variables)
         self._hold(variables, grads)
         ok = tf.constant(True) if self.lso else self._finite(grads, variables, trace)
+        if self._state_rows:
+            ok = tf.logical_and(ok, tf.not_equal(trigger, _survive_tf.TRIGGER_CODES["nonfinite_state"]))
         if self.listed is not None:
             ok = tf.logical_and(ok, tf.logical_not(self.listed.read_value()))
         if self.spike is not None:
@@ -113,6 +129,39 @@ class UpdateGate:
         ok = stats.all_finite(present) if present else tf.constant(True)
         self._apply_if(ok, apply, grads, variables, trace, stats.replica_context())
         return None
+
+    def state_before(self) -> list[tf.Tensor] | None:
+        """The state the forward pass updates, read as the step begins (the
+        automatic control dependencies order these reads before the forward
+        pass's writes), for ``put_back``; None where no update is gated or
+        there is no such state. Under several replicas, each replica's own."""
+        if not self.gates or not self._plan.forward_state:
+            return None
+        return [tf.identity(tf.convert_to_tensor(v)) for v in self._plan.forward_state]
+
+    def put_back(self, trace: Any, held: tf.Tensor, trigger: tf.Tensor) -> None:
+        """Where the step's update was held back (``held``), puts the state
+        the forward pass updated back as the step began, so that the step
+        leaves no trace; not where a LossScaleOptimizer skipped an update
+        whose loss was finite (its scale's calibration: the forward pass
+        was sound)."""
+        before = trace.state_before
+        if not before:
+            return
+        if self.lso:
+            held = tf.logical_and(held, tf.not_equal(trigger, _survive_tf.TRIGGER_CODES["nonfinite_gradients"]))
+        ctx = stats.replica_context()
+        if ctx is not None:  # the decision is the same on every replica; their variables are written outside them
+            ctx.merge_call(functools.partial(_put_back_every_replica, variables=self._plan.forward_state),
+                           args=(held, *before))
+            return
+
+        def restore() -> tf.Tensor:
+            for v, value in zip(self._plan.forward_state, before):
+                v.assign(value)
+            return tf.constant(True)
+
+        tf.cond(held, restore, lambda: tf.constant(False))
 
     def _hold(self, variables: list, grads: list) -> None:
         known = {id(v) for v in self.held_vars}
@@ -171,3 +220,19 @@ def _apply_if_all_finite(strategy: Any, finite: Any, grads: Any, *, apply: Calla
         return tf.constant(True)
 
     return tf.cond(every, update, lambda: tf.constant(False))
+
+
+def _put_back_every_replica(strategy: Any, held: Any, *before: Any, variables: list) -> tf.Tensor:
+    """Under several replicas, in the cross-replica context: where the step
+    was held back (one decision for all replicas), writes each replica's
+    copy of ``variables`` back to its own value ``before`` the step, as the
+    optimizer's update writes them (``extended.update``)."""
+    held = strategy.experimental_local_results(held)[0]
+
+    def restore() -> tf.Tensor:
+        for v, value in zip(variables, before):
+            strategy.extended.update(_survive_tf.tf_variable(v), lambda var, b: var.assign(b), args=(value,),
+                                     group=False)
+        return tf.constant(True)
+
+    return tf.cond(held, restore, lambda: tf.constant(False))

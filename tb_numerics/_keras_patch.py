@@ -94,7 +94,7 @@ class StepHooks:
                     self._trace = None
             if self._replay is not None and not self._replay.why_not:
                 self._replay.step_begins()
-            self._trace = self._step_trace = Trace(data=data)
+            self._trace = self._step_trace = Trace(data=data, state_before=self._program.gate.state_before())
             try:
                 return train_step(data)
             finally:

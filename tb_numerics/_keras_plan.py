@@ -56,8 +56,9 @@ class RowPlan:
         ``batch_rows`` of them (0 without ``inputs``) start at ``batch_row0``.
       act_rows: top-level layer index -> its output row.
       loss_row: the loss's row.
-      states: the float variables the forward pass updates (``_forward_state``)
-        in layer order; with ``weights``, their records (``state_rows``) are
+      forward_state: the float variables the forward pass updates
+        (``_forward_state``) in layer order: what a step held back puts back.
+      states: ``forward_state`` with ``weights``, else none; their records (``state_rows``) are
         computed every step and written with the weights' or where not
         finite: a forward pass can make a moving statistic non-finite while
         its output, the loss and the gradients stay finite (training
@@ -88,7 +89,9 @@ class RowPlan:
                                      compute_dtype=_compute_dtype(layer)))
         self.loss_row = len(self.rows)
         self.rows.append(Row("loss", "loss", activation=_function_name(getattr(model, "loss", None))))
-        states = sorted(_forward_state(model), key=lambda vt: owner.get(id(vt[0]), len(layers))) if weights else []
+        every_state = sorted(_forward_state(model), key=lambda vt: owner.get(id(vt[0]), len(layers)))
+        self.forward_state = [v for v, _ in every_state]
+        states = every_state if weights else []
         self.states = [v for v, _ in states]
         self.state_rows = range(len(self.rows), len(self.rows) + len(states))
         self.rows += [Row(v.path, "weight", _dtype(v), tuple(v.shape), present=True,

@@ -61,6 +61,9 @@ class Trace:
     # that a second optimizer's update is held back with the first's; None
     # before the step's first gated update.
     applied_so_far: Any = None
+    # The state the forward pass updates, as the step began (``UpdateGate.
+    # state_before``): put back where the step's update is held back.
+    state_before: list | None = None
 
 
 def _merged_stats(tensors: list[tf.Tensor], name: str) -> tf.Tensor:
@@ -192,7 +195,8 @@ class StepProgram:
         # taken across them (MirroredStrategy).
         replicas_ok = replicas == 1 or isinstance(strategy, tf.distribute.MirroredStrategy)
         self.gate = UpdateGate(plan, safe_range, lso=self.lso, spike=spike, listed=listed,
-                               gates=replicas_ok and (replay is not None or policy or spike is not None))
+                               gates=replicas_ok and (replay is not None or policy or spike is not None),
+                               policy=policy)
 
     # ------------------------------------------------------------ host
 
@@ -235,6 +239,7 @@ class StepProgram:
         if self.lso:  # a LossScaleOptimizer's own skip leaves the iterations where they were
             its_after = tf.cast(tf.convert_to_tensor(opt.iterations), tf.int64)
             applied = tf.logical_and(applied, tf.not_equal(its_after, its_before))
+        self.gate.put_back(trace, tf.logical_not(applied), trigger["trigger"])
         skipped = tf.cast(tf.logical_not(applied), tf.int64)
         aux = _aux_row(self._update_norms(due, weight_rows), call=self._calls.read_value(), step=step,
                        loss_scale=scale, weights_due=due, held=skipped, **trigger)

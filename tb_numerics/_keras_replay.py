@@ -332,7 +332,8 @@ def _num(x: Any) -> Any:
 
 def _state(model: Any) -> list[tuple[tf.Variable, np.ndarray]]:
     """The values of the variables a replayed step may change besides the
-    trainable weights: non-trainable ones and the metrics'."""
+    trainable weights: non-trainable ones and the metrics' (each replica's
+    copy of a distributed one)."""
     variables = list(model.non_trainable_variables)
     for m in getattr(model, "metrics", []):
         variables.extend(m.variables)
@@ -341,5 +342,8 @@ def _state(model: Any) -> list[tuple[tf.Variable, np.ndarray]]:
     for v in variables:
         if id(v) not in seen:
             seen.add(id(v))
-            out.append((v, v.numpy()))
+            # Under several replicas, each replica's own copy: BatchNormalization's
+            # moving statistics differ between replicas (each normalises its own part).
+            copies = getattr(getattr(v, "value", v), "values", None)
+            out += [(c, c.numpy()) for c in copies] if isinstance(copies, tuple) else [(v, v.numpy())]
     return out

@@ -50,7 +50,8 @@ __all__ = ["SurvivalHost"]
 _MAX_REPLAYS = 3
 # The event's trigger of a step's code (0: held back after another optimizer's non-finite update).
 _TRIGGER_OF_CODE = {0: "nonfinite", TRIGGER_CODES["nonfinite"]: "nonfinite",
-                    TRIGGER_CODES["nonfinite_gradients"]: "nonfinite", TRIGGER_CODES["loss_spike"]: "loss_spike",
+                    TRIGGER_CODES["nonfinite_gradients"]: "nonfinite", TRIGGER_CODES["nonfinite_state"]: "nonfinite",
+                    TRIGGER_CODES["loss_spike"]: "loss_spike",
                     TRIGGER_CODES["grad_norm_spike"]: "grad_norm_spike"}
 
 

@@ -29,15 +29,18 @@ import tensorflow as tf
 from tb_numerics import _tf_internal, stats
 from tb_numerics.survive import Spike
 
-__all__ = ["LearningRate", "SpikeWindow", "StateSnapshot", "optimizer_state", "TRIGGER_CODES"]
+__all__ = ["LearningRate", "SpikeWindow", "StateSnapshot", "optimizer_state", "tf_variable", "TRIGGER_CODES"]
 
 # A step's trigger as a number inside the step (0: none). A non-finite loss
 # and non-finite gradients with a finite loss are told apart for a
-# LossScaleOptimizer, whose skips of the second kind are its own business.
-TRIGGER_CODES = {"nonfinite": 1, "loss_spike": 2, "grad_norm_spike": 3, "nonfinite_gradients": 4}
+# LossScaleOptimizer, whose skips of the second kind are its own business;
+# a non-finite state the forward pass updated (BatchNormalization's moving
+# statistics) with the loss and gradients finite is the last kind.
+TRIGGER_CODES = {"nonfinite": 1, "loss_spike": 2, "grad_norm_spike": 3, "nonfinite_gradients": 4,
+                 "nonfinite_state": 5}
 
 
-def _tf_variable(v: Any) -> Any:
+def tf_variable(v: Any) -> Any:
     """The TensorFlow variable behind a Keras one (or ``v`` itself)."""
     return getattr(v, "value", v) if isinstance(v, keras.Variable) else v
 
@@ -83,10 +86,10 @@ class StateSnapshot:
         seen: set[int] = set()
         self._vars = [v for v in variables if not (id(v) in seen or seen.add(id(v)))]
         self._strategy = strategy
-        self._buffers = [[_tf_internal.untracked_variable(tf.zeros(v.shape, _tf_variable(v).dtype),
+        self._buffers = [[_tf_internal.untracked_variable(tf.zeros(v.shape, tf_variable(v).dtype),
                                                           "tb_numerics_snapshot")
                           for v in self._vars] for _ in range(2)]
-        self.nbytes = 2 * int(sum(np.prod(v.shape, dtype=np.int64) * _tf_variable(v).dtype.size for v in self._vars))
+        self.nbytes = 2 * int(sum(np.prod(v.shape, dtype=np.int64) * tf_variable(v).dtype.size for v in self._vars))
         self._steps: list[int | None] = [None, None]  # the step each buffer's state starts
         self._takes = [tf.function(functools.partial(self._take_if_finite, b), autograph=False) for b in self._buffers]
         self._puts = [tf.function(functools.partial(self._put_back, b), autograph=False) for b in self._buffers]
@@ -95,7 +98,7 @@ class StateSnapshot:
         return self._strategy.scope() if self._strategy is not None else contextlib.nullcontext()
 
     def _take_if_finite(self, copies: list) -> tf.Tensor:
-        values = [tf.convert_to_tensor(_tf_variable(v)) for v in self._vars]
+        values = [tf.convert_to_tensor(tf_variable(v)) for v in self._vars]
         floats = [x for x in values if x.dtype.is_floating]
         finite = stats.all_finite(floats) if floats else tf.constant(True)
 
@@ -108,7 +111,7 @@ class StateSnapshot:
 
     def _put_back(self, copies: list) -> None:
         for v, c in zip(self._vars, copies):
-            _tf_variable(v).assign(c.read_value())
+            tf_variable(v).assign(c.read_value())
 
     def take(self, step: int) -> bool:
         """Copies the variables, as the state ``step`` starts from, over the

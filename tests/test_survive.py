@@ -22,6 +22,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
+import backend_runs
 import tb_numerics as tbn
 import two_replicas
 from tb_numerics import cli
@@ -164,6 +165,65 @@ def test_skip_batches_is_refused_where_it_cannot_hold_one_batch_back(tmp_path):
         model.fit(x, y, batch_size=16, epochs=1, verbose=0, callbacks=[
             NumericsCallback(str(tmp_path), on_anomaly="skip", skip_batches=[(0, 1)])])
     assert int(model.optimizer.iterations) == 0
+
+
+# ---------------------------------------------------------------- the state a forward pass updates
+
+
+def _bn_fit(x, y, callbacks=()) -> keras.Model:
+    """backend_runs' BatchNormalization model, one epoch of ``x`` in order."""
+    model = backend_runs.bn_model()
+    model.fit(x, y, batch_size=backend_runs.BATCH, epochs=1, shuffle=False, verbose=0, callbacks=list(callbacks))
+    return model
+
+
+def _without_batch(x, y, batch: int):
+    keep = np.r_[0 : batch * backend_runs.BATCH, (batch + 1) * backend_runs.BATCH : len(x)]
+    return x[keep], y[keep]
+
+
+def _assert_same_variables(model, reference) -> None:
+    """Every variable, trainable or not (BatchNormalization's moving statistics), equal to the reference's."""
+    assert [v.path for v in model.variables] == [v.path for v in reference.variables]
+    for a, b in zip(model.variables, reference.variables):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-7, err_msg=a.path)
+
+
+@pytest.mark.parametrize("policy", ["skip", None], ids=["skip", "held_for_the_replay"])
+def test_a_held_back_step_leaves_no_trace_in_the_moving_statistics(tmp_path, policy):
+    """A batch of NaN inputs makes BatchNormalization's moving statistics NaN
+    in the forward pass, before any update. A step held back (skipped, or
+    held for the replay without a policy) leaves the model as the same
+    training without that batch leaves it (plain Keras, the oracle): its
+    predictions finite, not NaN for ever."""
+    x, y = backend_runs.bn_data()
+    bad = backend_runs.BAD_STEP
+    x[bad * backend_runs.BATCH : (bad + 1) * backend_runs.BATCH] = np.nan
+    model = _bn_fit(x, y, [NumericsCallback(str(tmp_path), on_anomaly=policy)])
+    _assert_same_variables(model, _bn_fit(*_without_batch(x, y, bad)))
+    assert np.isfinite(model.predict(x[:8], verbose=0)).all()
+    run = _report(tmp_path)
+    assert run["first_anomaly"]["step"] == bad and run["first_anomaly"]["tensor"] == "input"
+    assert [e["step"] for e in (run["actions"] or {"events": []})["events"]] == ([bad] if policy else [])
+
+
+def test_a_moving_statistic_gone_inf_is_skipped_with_its_step(tmp_path):
+    """A finite batch of 3e19 makes the moving variance +Inf while the loss and
+    the gradients stay finite (backend_runs.run_moving_variance). Under
+    ``on_anomaly="skip"`` that step is held back whole, at the step after
+    which plain Keras' own moving variance first went non-finite (a callback
+    reading it, in a training without tb-numerics): the model is then as the
+    training without that batch leaves it."""
+    x, y = backend_runs.bn_data()
+    oracle = backend_runs._MovingVarianceOracle()  # noqa: SLF001 - the tests' own oracle
+    _bn_fit(x, y, [oracle])
+    assert oracle.bad, "the fault did not make the moving variance non-finite"
+    truth = oracle.bad[0]
+    model = _bn_fit(x, y, [NumericsCallback(str(tmp_path), on_anomaly="skip")])
+    _assert_same_variables(model, _bn_fit(*_without_batch(x, y, truth)))
+    (event,) = _report(tmp_path)["actions"]["events"]
+    assert (event["step"], event["action"], event["trigger"]) == (truth, "skip", "nonfinite")
+    assert event["tensor"] == model.get_layer("bn").moving_variance.path
 
 
 # ---------------------------------------------------------------- persistent NaN: K skips, then stop
@@ -374,13 +434,30 @@ _MIRRORED = """
         refused = None
     except ValueError as e:
         refused = [str(e), int(model.optimizer.iterations.numpy())]
-    print(json.dumps([skip_stop, rewind, refused]))
+    # A BatchNormalization model and a batch of NaN inputs, skipped: every
+    # replica's moving statistics as the training without that batch leaves them.
+    def bn_fit(x, y, callbacks):
+        with strategy.scope():
+            keras.utils.set_random_seed(0)
+            model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(4), keras.layers.BatchNormalization(),
+                                      keras.layers.Dense(1)])
+            model.compile(keras.optimizers.SGD(1e-3), "mse")
+        model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
+        return [[t.numpy() for t in v.value.values] for v in model.variables]
+
+    nan_batch = x.copy()
+    nan_batch[16 * 4 : 16 * 5, 0] = np.nan
+    skipped = bn_fit(nan_batch, y, [NumericsCallback(args["logdir"] + "/bn", on_anomaly="skip")])
+    keep = np.r_[0 : 16 * 4, 16 * 5 : len(x)]
+    without = bn_fit(x[keep], y[keep], [])
+    bn_diff = max(float(np.max(np.abs(a - b))) for va, vb in zip(skipped, without) for a, b in zip(va, vb))
+    print(json.dumps([skip_stop, rewind, refused, bn_diff]))
 """
 
 
 def test_under_mirrored_strategy_one_decision_holds_for_every_replica(tmp_path):
     arg = json.dumps({"logdir": str(tmp_path)})
-    skip_stop, rewind, refused = two_replicas.run(_MIRRORED, arg)
+    skip_stop, rewind, refused, bn_diff = two_replicas.run(_MIRRORED, arg)
     # A NaN on replica 1 alone: the update held back on both, training went on;
     # then a NaN in every batch: one more skip, and the stop. Finite throughout.
     actions = _report(tmp_path / "skip_stop")["actions"]
@@ -396,6 +473,8 @@ def test_under_mirrored_strategy_one_decision_holds_for_every_replica(tmp_path):
     # Another strategy with two replicas is refused, with the reason, before any update.
     assert refused == ["NumericsCallback: on_anomaly='skip' holds a bad step's update back, which it can under one "
                        "device or MirroredStrategy, not CentralStorageStrategy", 0]
+    # A skipped batch of NaN inputs left no trace in any replica's moving statistics (NaN is not <= 1e-6).
+    assert bn_diff <= 1e-6, bn_diff
 
 
 # ---------------------------------------------------------------- two optimizers (issue 25, zoo)

@@ -64,12 +64,15 @@ class TensorFlowNumericsCallback(NumericsCallbackBase):
 
     Args:
       on_anomaly: what to do at a step whose loss or gradients hold a NaN
-        or an Inf: ``"skip"`` its update, ``"rewind"`` to the last good
+        or an Inf, or whose forward pass made the state it updates (a
+        moving statistic) NaN or Inf: ``"skip"`` it (its update held back,
+        that state put back as the step began), ``"rewind"`` to the last good
         state, ``"stop"`` (as ``stop_on_anomaly=True``), or a
         ``tb_numerics.OnAnomaly`` with its limits and a spike trigger (see
         ``tb_numerics.survive``). Each action is an event in the run
-        (``actions`` in ``tb-numerics report --json``). None: the update of
-        such a step is held back for the replay, and nothing else is done.
+        (``actions`` in ``tb-numerics report --json``). None: a step whose
+        loss or gradients are not finite is held back for the replay (its
+        update and state, as a skip), and nothing else is done.
       skip_batches: (epoch, batch) pairs whose update is held back whatever
         they hold, each a skip event: the batches an earlier run failed on
         (``tb_numerics.survive.failed_batches(its log_dir)``), for a run
