@@ -59,7 +59,9 @@ step (up to ``max_skips`` in a row), ``"rewind"`` puts back a snapshot of
 the variables the optimizers write, their slots and step counters and
 ``variables=`` (e.g. ``model.non_trainable_variables`` for BatchNorm's
 statistics), taken every ``snapshot_every`` applied steps, and ``"stop"``
-raises ``survive.TrainingStopped``, whose message says why. Each action is
+raises ``survive.TrainingStopped``, whose message says why. A skip and a
+stop put ``variables=`` back as the call began (a batch of NaN inputs makes
+BatchNorm's moving statistics NaN before any update is held back). Each action is
 an event written to the default writer at the step's ``tf.summary`` step.
 The spike trigger watches each optimizer's global gradient norm (the guard
 does not see the loss).
@@ -97,7 +99,8 @@ def guard(*optimizers: Any, replay: bool = True, on_anomaly: "str | survive.OnAn
       on_anomaly: ``"skip"``, ``"rewind"``, ``"stop"`` or a ``tb_numerics.OnAnomaly``;
         None: hold a bad step's update back and go on.
       variables: more variables a rewind puts back (the optimizers' own and
-        the ones they update always are), e.g. ``model.non_trainable_variables``.
+        the ones they update always are), and a skip or a stop puts back as
+        the call began, e.g. ``model.non_trainable_variables``.
     """
     if not optimizers:
         raise ValueError("tbn.guard needs the optimizer(s) the step applies")
@@ -173,6 +176,7 @@ class StepGuard:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         step = _current_step()
         self._applied = None
+        before = self._policy.state_before() if self._policy is not None else None
         with contextlib.ExitStack() as stack:
             for i, opt in enumerate(self._opts):
                 stack.enter_context(_apply_as(opt, functools.partial(self._gated, i)))
@@ -193,7 +197,7 @@ class StepGuard:
         elif self.verdict is None and bad is not None and new[_SCALE_SKIPPED] and self._replay:
             self._look_inside_skip(bad, args, kwargs)
         if self._policy is not None:
-            self._survive(bad, new, args, kwargs)
+            self._survive(bad, new, args, kwargs, before)
         self._prev_step = step
         return out
 
@@ -349,9 +353,10 @@ class StepGuard:
         _write([(metadata.REPLAY_TAG, records.numpy_stats(np.zeros(0, np.float32)), info)], step)
         return verdict
 
-    def _survive(self, step: int | None, new: np.ndarray, args: tuple, kwargs: dict) -> None:
+    def _survive(self, step: int | None, new: np.ndarray, args: tuple, kwargs: dict, before: list | None) -> None:
         """The policy's part after a call: nothing on a healthy step (but a
-        snapshot every ``snapshot_every``), else an action and its event."""
+        snapshot every ``snapshot_every``), else an action and its event
+        (``before``: ``variables=`` as the call began)."""
         if not (new[_HELD] or new[_SPIKED]):
             self._policy.applied(self._written)
             return
@@ -371,7 +376,7 @@ class StepGuard:
                 "global gradient norm %s is more than %s σ above the mean %s (σ %s) of the recent steps" % (
                     rules.number(norm), rules.number(self._policy.policy.spike.z), rules.number(mean),
                     rules.number(std))))
-        self._policy.act(step, event)
+        self._policy.act(step, event, before)
 
 
 class _GuardPolicy:
@@ -401,10 +406,20 @@ class _GuardPolicy:
             self._snapshot.take(self._applied)
         self._applied += 1
 
-    def act(self, step: int | None, event: dict[str, Any]) -> None:
+    def state_before(self) -> list[tf.Tensor] | None:
+        """``variables=`` as a call begins (copies on their device), for a
+        skip or a stop to put back; None where there are none."""
+        return [tf.identity(v) for v in self._extra] if self._extra else None
+
+    def act(self, step: int | None, event: dict[str, Any], before: list | None = None) -> None:
         """Decides and acts on a held step, and writes its event; raises
-        ``survive.TrainingStopped`` where training stops."""
+        ``survive.TrainingStopped`` where training stops. A skip or a stop
+        puts ``variables=`` back to ``before``: the forward pass of the held
+        step updated them (a rewind puts back its snapshot)."""
         action, why = self._survival.decide()
+        if action in ("skip", "stop") and before is not None:
+            for v, value in zip(self._extra, before):
+                v.assign(value)
         if action == "rewind":
             to = self._snapshot.restore() if self._snapshot is not None else None
             if to is None:

@@ -645,6 +645,42 @@ def test_a_custom_loop_under_the_guard_skips_and_stops(tmp_path, compiled):
     assert [(e["step"], e["action"]) for e in actions["events"]] == [(BAD, "skip"), (BAD + 1, "stop")]
 
 
+def test_a_custom_loop_skip_puts_back_the_variables_it_was_given(tmp_path):
+    """A guarded ``tf.function`` loop over a BatchNormalization model, given
+    ``variables=model.non_trainable_variables``, skips a batch of NaN inputs:
+    the model is then as the same plain loop without that batch leaves it
+    (no tb-numerics: the oracle), its moving statistics finite."""
+    x, y = backend_runs.bn_data()
+    bad = backend_runs.BAD_STEP
+    x[bad * backend_runs.BATCH : (bad + 1) * backend_runs.BATCH] = np.nan
+
+    def train(xs, ys, guarded: bool):
+        model = backend_runs.bn_model()
+        opt = keras.optimizers.SGD(0.01)
+
+        def step_fn(xb, yb):
+            with tf.GradientTape() as tape:
+                loss = tf.reduce_mean(tf.square(model(xb, training=True) - yb))
+            opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
+
+        step_fn = tf.function(step_fn)
+        if guarded:
+            step_fn = tbn.guard(opt, on_anomaly="skip", variables=model.non_trainable_variables)(step_fn)
+        writer = tf.summary.create_file_writer(str(tmp_path))
+        step = tf.Variable(0, dtype=tf.int64)  # a traced step reads the variable (TensorFlow's advice)
+        with writer.as_default(step=step):
+            for i in range(0, len(xs), backend_runs.BATCH):
+                step.assign(i // backend_runs.BATCH)
+                step_fn(tf.constant(xs[i : i + backend_runs.BATCH]), tf.constant(ys[i : i + backend_runs.BATCH]))
+        writer.close()
+        return model
+
+    model = train(x, y, guarded=True)
+    _assert_same_variables(model, train(*_without_batch(x, y, bad), guarded=False))
+    (event,) = _report(tmp_path)["actions"]["events"]
+    assert (event["step"], event["action"]) == (bad, "skip")
+
+
 # ------------------------------------------------ the spike trigger, and a fault that does not reproduce
 
 _FLIP = tf.Variable(0.0, trainable=False)  # 1 while the fault is injected: no variable of the model
