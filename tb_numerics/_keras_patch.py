@@ -4,7 +4,8 @@ Keras callbacks never see gradients or inner activations. For the duration
 of ``fit`` the callback sets, on the instances only (``_keras_host.Patches``,
 which remembers how to put each one back):
 
-* each top-level layer's ``call``, to keep its outputs;
+* each layer's ``call`` (``RowPlan.layers``: a nested model's layers
+  too), to keep its outputs;
 * the model's ``train_step``, to know which layer calls belong to a training
   step (validation and ``predict`` calls are not recorded);
 * the optimizer's ``scale_loss`` (for the loss) and ``apply`` (for the
@@ -54,7 +55,7 @@ class StepHooks:
 
     def install(self, patches: Patches, activations: bool, train_function: Any = None) -> Any:
         """Wraps the model's step, the optimizer and (with ``activations``)
-        each top-level layer, and rebuilds the train function around them;
+        each recorded layer, and rebuilds the train function around them;
         returns it. ``train_function``: the one these hooks' last install
         built, taken up again instead (already traced around them)."""
         model, opt = self._model, self._model.optimizer
@@ -64,7 +65,7 @@ class StepHooks:
         for other in other_optimizers(model):
             patches.set(other, "apply", self._wrap_other_apply(other.apply))
         if activations:
-            for i, layer in enumerate(model.layers):
+            for i, layer in enumerate(self._program.plan.layers):
                 patches.set(layer, "call", self._wrap_call(i, layer.call))
         old_function = model.train_function
         patches.on_restore(lambda: setattr(model, "train_function", old_function))

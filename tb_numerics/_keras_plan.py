@@ -1,8 +1,8 @@
 """The rows the Keras callback's training step computes, planned before training, on every backend.
 
 One row per record the step computes, in execution order: the batch (model
-inputs, targets, sample weights; see ``_keras_batch``), each top-level
-layer's outputs, the loss, the state the forward pass updated (the
+inputs, targets, sample weights; see ``_keras_batch``), each layer's
+outputs (a nested model's layers too: ``recorded_layers``), the loss, the state the forward pass updated (the
 non-trainable float variables: BatchNormalization's moving statistics),
 each gradient in backward order, then each weight. The rows before the
 weights' are computed on every step; the weights' only on the steps that
@@ -25,7 +25,7 @@ import numpy as np
 
 from tb_numerics import _keras_batch, analysis, metadata
 
-__all__ = ["Row", "RowPlan", "float_tensors"]
+__all__ = ["Row", "RowPlan", "float_tensors", "recorded_layers"]
 
 
 @dataclasses.dataclass
@@ -54,7 +54,9 @@ class RowPlan:
       rows: every row, in execution order.
       batch: how the batch's rows are assigned (``_keras_batch.BatchPlan``);
         ``batch_rows`` of them (0 without ``inputs``) start at ``batch_row0``.
-      act_rows: top-level layer index -> its output row.
+      layers: the layers whose outputs are recorded (``recorded_layers``),
+        in the order their outputs are complete; act_rows: layer index ->
+        its output row.
       loss_row: the loss's row.
       forward_state: the float variables the forward pass updates
         (``_forward_state``) in layer order: what a step held back puts back.
@@ -64,16 +66,18 @@ class RowPlan:
         its output, the loss and the gradients stay finite (training
         normalises by the batch's own statistics), and only inference shows it.
       variables: the trainable variables in layer order (those of no
-        top-level layer last); ``var_layer`` their layers' indices (-1: none).
+        recorded layer last); ``var_layer`` their layers' indices (-1: none).
       grad_rows: variable index -> its gradient's row.
       weight_row0: the first weight row: rows before it are computed every step.
-      layer_names: the top-level layers' names.
+      layer_names: the recorded layers' names (a nested model's layer's
+        as ``model/layer``).
     """
 
     def __init__(self, model: keras.Model, *, inputs: bool, activations: bool, gradients: bool, weights: bool):
-        layers = list(model.layers)
-        owner = _layer_of_variables(model)
-        self.layer_names = [layer.name for layer in layers]
+        named = recorded_layers(model)
+        self.layers = layers = [layer for _, layer in named]
+        owner = _layer_of_variables(layers)
+        self.layer_names = [name for name, _ in named]
         self.rows: list[Row] = []
         self.batch = _keras_batch.BatchPlan.for_model(model)
         self.batch_row0 = len(self.rows)
@@ -84,7 +88,7 @@ class RowPlan:
         if activations:
             for i, layer in enumerate(layers):
                 self.act_rows[i] = len(self.rows)
-                self.rows.append(Row("%s/output" % layer.name, "activation", op_type=type(layer).__name__,
+                self.rows.append(Row("%s/output" % self.layer_names[i], "activation", op_type=type(layer).__name__,
                                      activation=_function_name(getattr(layer, "activation", None)),
                                      compute_dtype=_compute_dtype(layer)))
         self.loss_row = len(self.rows)
@@ -185,10 +189,35 @@ def _dtype(variable: Any) -> str:
     return keras.backend.standardize_dtype(variable.dtype)
 
 
-def _layer_of_variables(model: keras.Model) -> dict[int, int]:
-    """id(variable) -> index of the top-level layer that owns it."""
+def recorded_layers(model: keras.Model) -> list[tuple[str, Any]]:
+    """The layers whose outputs the callback records, with their names:
+    the model's own layers, and inside each nested model (a pretrained base
+    in a ``Sequential``, a GAN's generator) its layers first, named
+    ``model/layer``, then the nested model itself (its ``call`` may compute
+    more than its last layer). So a NaN born inside a nested model is first
+    seen at the layer that made it, as in a model built flat. A layer
+    reached twice (a shared one) is recorded once, where first reached."""
+    out: list[tuple[str, Any]] = []
+    seen: set[int] = set()
+
+    def add(layers: list, prefix: str) -> None:
+        for layer in layers:
+            if id(layer) in seen:
+                continue
+            seen.add(id(layer))
+            if isinstance(layer, keras.Model):
+                add(list(layer.layers), prefix + layer.name + "/")
+            out.append((prefix + layer.name, layer))
+
+    add(list(model.layers), "")
+    return out
+
+
+def _layer_of_variables(layers: list) -> dict[int, int]:
+    """id(variable) -> index of the first of ``layers`` that owns it (a
+    nested model's layers come before the model)."""
     owner: dict[int, int] = {}
-    for i, layer in enumerate(model.layers):
+    for i, layer in enumerate(layers):
         for v in layer.weights:
             owner.setdefault(id(v), i)
     return owner

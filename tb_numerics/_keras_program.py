@@ -198,6 +198,11 @@ class StepProgram:
                                gates=replicas_ok and (replay is not None or policy or spike is not None),
                                policy=policy)
 
+    @property
+    def plan(self) -> RowPlan:
+        """The step's rows."""
+        return self._plan
+
     # ------------------------------------------------------------ host
 
     def new_steps(self, last_call: int) -> list[tuple[np.ndarray, StepValues]]:

@@ -211,6 +211,27 @@ def run_weights(root: str) -> dict:
     return out
 
 
+def run_nested(root: str) -> dict:
+    """``log0``'s fault inside a nested model (a base in a ``Sequential``, as
+    a pretrained one is used), and the truth beside it: the first layer, in
+    the order the forward pass runs them, whose output Keras itself computes
+    non-finite on the bad batch, each layer called on the one before's output."""
+    logdir = os.path.join(root, "nested")
+    x, y = data("log0")
+    keras.utils.set_random_seed(5)
+    base = keras.Sequential([keras.Input((5,)), Fault("log0", name="fault"),
+                             keras.layers.Dense(8, activation="relu", name="dense_0")], name="base")
+    m = keras.Sequential([keras.Input((5,)), base, keras.layers.Dense(1, name="head")], name="outer")
+    m.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    m.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[NumericsCallback(logdir)])
+    h, first = x[BAD_STEP * BATCH:(BAD_STEP + 1) * BATCH], None
+    for name, layer in [("base/" + layer.name, layer) for layer in base.layers] + [("head", m.get_layer("head"))]:
+        h = layer(h)
+        if first is None and not np.isfinite(keras.ops.convert_to_numpy(h)).all():
+            first = name
+    return {"report": report(logdir), "oracle_layer": first}
+
+
 HUGE = 3e19  # finite, but its square is beyond float32's range
 
 
@@ -363,6 +384,7 @@ def main(out: str, root: str) -> None:
     results["moving_variance"] = run_moving_variance(root)
     results["moving_variance"]["oracle_op"] = bn_forward_oracle()
     results["refit"] = run_refit(root)
+    results["nested"] = run_nested(root)
     from demo.stories import keras_fit
 
     keras_fit.run(root)

@@ -188,6 +188,20 @@ def test_a_later_fit_runs_the_step_the_first_traced_and_finds_the_same_anomaly(r
         "backend_runs.py:%d (" % whole["line"]), (a["op"], b["op"])
 
 
+def test_a_nan_born_inside_a_nested_model_is_first_seen_at_the_layer_that_made_it(runs):
+    """A model inside a model (a base in a ``Sequential``): the first anomaly
+    is the output of the inner layer that Keras itself, calling the layers
+    one by one on the injected batch, finds non-finite first, not the nested
+    model's output, at the injected step, on every backend."""
+    for b in BACKENDS:
+        r = runs[b]["nested"]
+        a = r["report"]["first_anomaly"]
+        assert r["oracle_layer"] == "base/fault", (b, r["oracle_layer"])
+        assert (a["step"], a["tensor"]) == (backend_runs.BAD_STEP, r["oracle_layer"] + "/output"), (b, a)
+        # Every layer's output is recorded, the nested model's own too.
+        assert {"base/fault/output", "base/dense_0/output", "base/output", "head/output"} <= set(r["report"]["steps"])
+
+
 def test_a_moving_statistic_that_went_non_finite_is_the_first_anomaly_at_its_step(runs):
     """A finite batch of 3e19 makes BatchNormalization's moving variance +Inf.
     On TensorFlow and JAX the layer's output, the loss and the gradients stay

@@ -177,7 +177,7 @@ class JaxNumericsCallback(NumericsCallbackBase):
         patches.set(model, "compute_loss_and_updates", self._wrap_clu(model.compute_loss_and_updates))
         patches.set(opt, "stateless_apply", self._wrap_apply(opt.stateless_apply))
         if self.activations:
-            for i, layer in enumerate(model.layers):
+            for i, layer in enumerate(self.plan.layers):
                 patches.set(layer, "call", self._wrap_call(i, layer.call))
         old_function = model.train_function
         patches.on_restore(lambda: setattr(model, "train_function", old_function))

@@ -80,7 +80,7 @@ class TorchNumericsCallback(NumericsCallbackBase):
         patches.set(model, "train_step", self._wrap_train_step(model.train_step))
         patches.set(opt, "scale_loss", self._wrap_scale_loss(opt.scale_loss))
         patches.set(opt, "apply", self._wrap_apply(opt.apply))
-        for i, layer in enumerate(model.layers):
+        for i, layer in enumerate(self.plan.layers):
             patches.set(layer, "call", self._wrap_call(i, layer.call))
         old_function = model.train_function
         patches.on_restore(lambda: setattr(model, "train_function", old_function))
