@@ -56,7 +56,7 @@ class UpdateGate:
                  listed: bool = False, policy: bool = False):
         self._plan, self._safe_range, self.lso, self.gates = plan, safe_range, lso, gates
         # A policy holds back a step whose recorded state went non-finite.
-        self._state_rows = list(plan.state_rows) if policy and gates else []
+        self._holds_state = bool(policy and gates and plan.state_rows)
         self.spike = _survive_tf.SpikeWindow(spike) if spike is not None and gates else None
         # Set by the host before a batch the user listed to skip (``skip_batches``).
         self.listed = _tf_internal.untracked_variable(np.bool_(False), "tb_numerics_listed") if listed else None
@@ -102,12 +102,12 @@ class UpdateGate:
         cross-replica context (``_apply_if_all_finite``), under the
         strategies a replay supports (MirroredStrategy).
         """
-        if not self.gates or (self.lso and self.spike is None and self.listed is None and not self._state_rows
+        if not self.gates or (self.lso and self.spike is None and self.listed is None and not self._holds_state
                               and trace.applied_so_far is None):
             return apply(grads, variables)
         self._hold(variables, grads)
         ok = tf.constant(True) if self.lso else self._finite(grads, variables, trace)
-        if self._state_rows:
+        if self._holds_state:
             ok = tf.logical_and(ok, tf.not_equal(trigger, _survive_tf.TRIGGER_CODES["nonfinite_state"]))
         if self.listed is not None:
             ok = tf.logical_and(ok, tf.logical_not(self.listed.read_value()))

@@ -2,9 +2,9 @@
 
 One row per record the step computes, in execution order: the batch (model
 inputs, targets, sample weights; see ``_keras_batch``), each layer's
-outputs (a nested model's layers too: ``recorded_layers``), the loss, the state the forward pass updated (the
-non-trainable float variables: BatchNormalization's moving statistics),
-each gradient in backward order, then each weight. The rows before the
+outputs (a nested model's layers too: ``recorded_layers``), the loss, the
+state the forward pass updated (the non-trainable float variables:
+BatchNormalization's moving statistics), each gradient in backward order, then each weight. The rows before the
 weights' are computed on every step; the weights' only on the steps that
 record them. A row's tag, dtype and shape
 are what its metadata will say; those known only when the step runs (a
@@ -60,8 +60,8 @@ class RowPlan:
       loss_row: the loss's row.
       forward_state: the float variables the forward pass updates
         (``_forward_state``) in layer order: what a step held back puts back.
-      states: ``forward_state`` with ``weights``, else none; their records (``state_rows``) are
-        computed every step and written with the weights' or where not
+      states: ``forward_state`` with ``weights``, else none; their records
+        (``state_rows``) are computed every step and written with the weights' or where not
         finite: a forward pass can make a moving statistic non-finite while
         its output, the loss and the gradients stay finite (training
         normalises by the batch's own statistics), and only inference shows it.

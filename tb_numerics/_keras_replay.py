@@ -62,7 +62,7 @@ from typing import Any, Callable
 import numpy as np
 import tensorflow as tf
 
-from tb_numerics import _tf_internal, metadata, records, stats
+from tb_numerics import _survive_tf, _tf_internal, metadata, records, stats
 
 __all__ = ["REPLAY_TAG", "StepReplay", "seed_states"]
 
@@ -344,6 +344,6 @@ def _state(model: Any) -> list[tuple[tf.Variable, np.ndarray]]:
             seen.add(id(v))
             # Under several replicas, each replica's own copy: BatchNormalization's
             # moving statistics differ between replicas (each normalises its own part).
-            copies = getattr(getattr(v, "value", v), "values", None)
+            copies = getattr(_survive_tf.tf_variable(v), "values", None)
             out += [(c, c.numpy()) for c in copies] if isinstance(copies, tuple) else [(v, v.numpy())]
     return out
