@@ -84,7 +84,7 @@ class SurvivalHost:
             optimizers = [model.optimizer] + other_optimizers(model)
             variables = (list(model.trainable_variables) + list(model.non_trainable_variables)
                          + optimizer_state(optimizers))
-            self.snapshot = StateSnapshot(variables, strategy_of(model))
+            self.snapshot = StateSnapshot(variables)
         scales_lr = policy.lr_factor is not None and policy.may_rewind
         self._lr = LearningRate(model.optimizer, set_attribute) if scales_lr else None
         self._replays = 0

@@ -18,7 +18,6 @@ learning-rate factor. Shared by the Keras callback and ``tbn.guard``.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 from typing import Any, Callable, Sequence
 
@@ -72,33 +71,29 @@ class StateSnapshot:
     about 100 steps before a spike); the newer one, taken on the way to the
     failure, is dropped.
 
+    Under several replicas each replica's own copy of a variable is kept
+    and put back (on its own device): the forward pass writes each one's
+    BatchNormalization statistics from its own part of the batch, so they
+    differ.
+
     Args:
       variables: what a rewind restores (Keras or TensorFlow variables).
-      strategy: the distribution strategy the variables live under (their
-        copies are plain variables on the default device; putting them back
-        writes every replica).
 
     Attributes:
-      nbytes: the device memory the copies take (both buffers).
+      nbytes: the device memory the copies take (both buffers, every replica).
     """
 
-    def __init__(self, variables: Sequence[Any], strategy: tf.distribute.Strategy | None = None):
+    def __init__(self, variables: Sequence[Any]):
         seen: set[int] = set()
-        self._vars = [v for v in variables if not (id(v) in seen or seen.add(id(v)))]
-        self._strategy = strategy
-        self._buffers = [[_tf_internal.untracked_variable(tf.zeros(v.shape, tf_variable(v).dtype),
-                                                          "tb_numerics_snapshot")
-                          for v in self._vars] for _ in range(2)]
-        self.nbytes = 2 * int(sum(np.prod(v.shape, dtype=np.int64) * tf_variable(v).dtype.size for v in self._vars))
+        self._vars = [c for v in variables if not (id(v) in seen or seen.add(id(v))) for c in _replica_copies(v)]
+        self._buffers = [[_copy_buffer(v) for v in self._vars] for _ in range(2)]
+        self.nbytes = 2 * int(sum(np.prod(v.shape, dtype=np.int64) * v.dtype.size for v in self._vars))
         self._steps: list[int | None] = [None, None]  # the step each buffer's state starts
         self._takes = [tf.function(functools.partial(self._take_if_finite, b), autograph=False) for b in self._buffers]
         self._puts = [tf.function(functools.partial(self._put_back, b), autograph=False) for b in self._buffers]
 
-    def _scope(self) -> Any:
-        return self._strategy.scope() if self._strategy is not None else contextlib.nullcontext()
-
     def _take_if_finite(self, copies: list) -> tf.Tensor:
-        values = [tf.convert_to_tensor(tf_variable(v)) for v in self._vars]
+        values = [v.read_value() for v in self._vars]
         floats = [x for x in values if x.dtype.is_floating]
         finite = stats.all_finite(floats) if floats else tf.constant(True)
 
@@ -111,14 +106,13 @@ class StateSnapshot:
 
     def _put_back(self, copies: list) -> None:
         for v, c in zip(self._vars, copies):
-            tf_variable(v).assign(c.read_value())
+            v.assign(c.read_value())
 
     def take(self, step: int) -> bool:
         """Copies the variables, as the state ``step`` starts from, over the
         older copy, where all of them are finite; whether it did."""
         older = self._older()
-        with self._scope():
-            ok = bool(self._takes[older]())
+        ok = bool(self._takes[older]())
         if ok:
             self._steps[older] = int(step)
         return ok
@@ -131,8 +125,7 @@ class StateSnapshot:
         if not held:
             return None
         i = min(held, key=lambda k: self._steps[k])
-        with self._scope():
-            self._puts[i]()
+        self._puts[i]()
         self._steps[1 - i] = None
         return self._steps[i]
 
@@ -141,6 +134,21 @@ class StateSnapshot:
         if None in self._steps:
             return self._steps.index(None)
         return 0 if self._steps[0] < self._steps[1] else 1
+
+
+def _replica_copies(v: Any) -> list[tf.Variable]:
+    """The plain variables behind ``v``: each replica's copy of a
+    distributed one (read and written apart, as a replica's own), else
+    its TensorFlow variable."""
+    tv = tf_variable(v)
+    copies = getattr(tv, "values", None)
+    return list(copies) if isinstance(copies, tuple) else [tv]
+
+
+def _copy_buffer(v: tf.Variable) -> tf.Variable:
+    """A plain variable on ``v``'s device to hold a copy of it."""
+    with tf.device(v.device):
+        return _tf_internal.untracked_variable(tf.zeros(v.shape, v.dtype), "tb_numerics_snapshot")
 
 
 class SpikeWindow:

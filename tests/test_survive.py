@@ -451,13 +451,33 @@ _MIRRORED = """
     keep = np.r_[0 : 16 * 4, 16 * 5 : len(x)]
     without = bn_fit(x[keep], y[keep], [])
     bn_diff = max(float(np.max(np.abs(a - b))) for va, vb in zip(skipped, without) for a, b in zip(va, vb))
-    print(json.dumps([skip_stop, rewind, refused, bn_diff]))
+
+    # The same model rewound: each replica's variables as they began the step
+    # the rewind goes back to (read by a callback after the product's).
+    class Begins(keras.callbacks.Callback):
+        def __init__(self):
+            super().__init__()
+            self.at = {}
+
+        def on_train_batch_begin(self, batch, logs=None):
+            self.at[batch] = [[t.numpy() for t in v.value.values] for v in self.model.variables]
+
+    begins = Begins()
+    apart = x.copy()
+    apart[8::16] *= 5  # each replica normalises its own half: their moving statistics differ
+    apart[16 * 6 : 16 * 7, 0] = np.nan
+    bn_fit(apart, y, [NumericsCallback(args["logdir"] + "/bn_rewind", on_anomaly=tbn.OnAnomaly(
+        "rewind", snapshot_every=2), replay=False), begins])
+    replicas_apart = max(float(np.max(np.abs(v[0] - v[1]))) for v in begins.at[4])
+    rewound_to = {b: max(float(np.max(np.abs(a - b_))) for va, vb in zip(begins.at[7], begins.at[b])
+                         for a, b_ in zip(va, vb)) for b in begins.at}
+    print(json.dumps([skip_stop, rewind, refused, bn_diff, replicas_apart, rewound_to]))
 """
 
 
 def test_under_mirrored_strategy_one_decision_holds_for_every_replica(tmp_path):
     arg = json.dumps({"logdir": str(tmp_path)})
-    skip_stop, rewind, refused, bn_diff = two_replicas.run(_MIRRORED, arg)
+    skip_stop, rewind, refused, bn_diff, replicas_apart, rewound_to = two_replicas.run(_MIRRORED, arg)
     # A NaN on replica 1 alone: the update held back on both, training went on;
     # then a NaN in every batch: one more skip, and the stop. Finite throughout.
     actions = _report(tmp_path / "skip_stop")["actions"]
@@ -475,6 +495,11 @@ def test_under_mirrored_strategy_one_decision_holds_for_every_replica(tmp_path):
                        "device or MirroredStrategy, not CentralStorageStrategy", 0]
     # A skipped batch of NaN inputs left no trace in any replica's moving statistics (NaN is not <= 1e-6).
     assert bn_diff <= 1e-6, bn_diff
+    # A NaN batch at step 6, rewound to the snapshot taken as step 4 began:
+    # step 7 begins with every replica's own variables as step 4 began them.
+    bn_rewind = _report(tmp_path / "bn_rewind")["actions"]["events"]
+    assert [(e["step"], e["action"], e.get("to_step")) for e in bn_rewind] == [(6, "rewind", 4)], bn_rewind
+    assert replicas_apart > 1e-3 and rewound_to["4"] == 0.0, (replicas_apart, rewound_to)
 
 
 # ---------------------------------------------------------------- two optimizers (issue 25, zoo)
