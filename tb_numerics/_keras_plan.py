@@ -2,7 +2,7 @@
 
 One row per record the step computes, in execution order: the batch (model
 inputs, targets, sample weights; see ``_keras_batch``), each layer's
-outputs (a nested model's layers too: ``recorded_layers``), the loss, the
+outputs (a nested model's and a user-written layer's layers too: ``recorded_layers``), the loss, the
 state the forward pass updated (the non-trainable float variables:
 BatchNormalization's moving statistics), each gradient in backward order, then each weight. The rows before the
 weights' are computed on every step; the weights' only on the steps that
@@ -69,8 +69,8 @@ class RowPlan:
         recorded layer last); ``var_layer`` their layers' indices (-1: none).
       grad_rows: variable index -> its gradient's row.
       weight_row0: the first weight row: rows before it are computed every step.
-      layer_names: the recorded layers' names (a nested model's layer's
-        as ``model/layer``).
+      layer_names: the recorded layers' names (a layer inside another
+        as ``outer/layer``).
     """
 
     def __init__(self, model: keras.Model, *, inputs: bool, activations: bool, gradients: bool, weights: bool):
@@ -191,12 +191,13 @@ def _dtype(variable: Any) -> str:
 
 def recorded_layers(model: keras.Model) -> list[tuple[str, Any]]:
     """The layers whose outputs the callback records, with their names:
-    the model's own layers, and inside each nested model (a pretrained base
-    in a ``Sequential``, a GAN's generator) its layers first, named
-    ``model/layer``, then the nested model itself (its ``call`` may compute
-    more than its last layer). So a NaN born inside a nested model is first
-    seen at the layer that made it, as in a model built flat. A layer
-    reached twice (a shared one) is recorded once, where first reached."""
+    the model's own layers, and inside each layer that holds layers it calls
+    itself (``_opened_layers``: a pretrained base in a ``Sequential``, a
+    user-written Transformer block) those layers first, named
+    ``outer/layer``, then the outer layer itself (its ``call`` may compute
+    more than its last layer). So a NaN born inside is first seen at the
+    layer that made it, as in a model built flat. A layer reached twice (a
+    shared one) is recorded once, where first reached."""
     out: list[tuple[str, Any]] = []
     seen: set[int] = set()
 
@@ -205,12 +206,25 @@ def recorded_layers(model: keras.Model) -> list[tuple[str, Any]]:
             if id(layer) in seen:
                 continue
             seen.add(id(layer))
-            if isinstance(layer, keras.Model):
-                add(list(layer.layers), prefix + layer.name + "/")
+            add(_opened_layers(layer), prefix + layer.name + "/")
             out.append((prefix + layer.name, layer))
 
     add(list(model.layers), "")
     return out
+
+
+def _opened_layers(layer: Any) -> list:
+    """The layers recorded inside ``layer``: a nested model's, and those a
+    user-written layer holds (its ``call`` is the user's: what it calls is
+    the user's model). A Keras layer's own (an RNN's cell, called in a
+    loop; MultiHeadAttention's projections) are its implementation, not
+    opened."""
+    if isinstance(layer, keras.Model):
+        return list(layer.layers)
+    if (getattr(type(layer).call, "__module__", None) or "keras.").startswith("keras."):
+        return []
+    # Keras' own list of a layer's tracked sublayers, as Model.layers reads it.
+    return list(layer._flatten_layers(include_self=False, recursive=False))  # noqa: SLF001
 
 
 def _layer_of_variables(layers: list) -> dict[int, int]:

@@ -232,6 +232,50 @@ def run_nested(root: str) -> dict:
     return {"report": report(logdir), "oracle_layer": first}
 
 
+class Block(keras.layers.Layer):
+    """A layer written as users write a Transformer block: layers it holds, called in its own ``call``."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.fault = Fault("log0", name="fault")
+        self.dense = keras.layers.Dense(8, activation="relu", name="dense_0")
+
+    def call(self, x):
+        return self.dense(self.fault(x))
+
+
+class Looped(keras.layers.Layer):
+    """A layer that calls the layer it holds inside a loop of the graph (``keras.ops.fori_loop``)."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.inner = keras.layers.Dense(8, name="inner")
+
+    def call(self, x):
+        return keras.ops.fori_loop(0, 2, lambda i, h: self.inner(h), x)
+
+
+def run_block(root: str) -> dict:
+    """``log0``'s fault inside a user-written layer (then a layer looping over
+    one of its own), and the truth beside it: the first layer, in the order
+    the forward pass runs them, whose output Keras itself computes
+    non-finite on the bad batch, each layer called on the one before's output."""
+    logdir = os.path.join(root, "block")
+    x, y = data("log0")
+    keras.utils.set_random_seed(5)
+    block, looped = Block(name="block"), Looped(name="looped")
+    m = keras.Sequential([keras.Input((5,)), block, looped, keras.layers.Dense(1, name="head")], name="outer")
+    m.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    m.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[NumericsCallback(logdir)])
+    h, first = x[BAD_STEP * BATCH:(BAD_STEP + 1) * BATCH], None
+    for name, layer in [("block/fault", block.fault), ("block/dense_0", block.dense), ("looped", looped),
+                        ("head", m.get_layer("head"))]:
+        h = layer(h)
+        if first is None and not np.isfinite(keras.ops.convert_to_numpy(h)).all():
+            first = name
+    return {"report": report(logdir), "oracle_layer": first}
+
+
 HUGE = 3e19  # finite, but its square is beyond float32's range
 
 
@@ -385,6 +429,7 @@ def main(out: str, root: str) -> None:
     results["moving_variance"]["oracle_op"] = bn_forward_oracle()
     results["refit"] = run_refit(root)
     results["nested"] = run_nested(root)
+    results["block"] = run_block(root)
     from demo.stories import keras_fit
 
     keras_fit.run(root)

@@ -202,6 +202,24 @@ def test_a_nan_born_inside_a_nested_model_is_first_seen_at_the_layer_that_made_i
         assert {"base/fault/output", "base/dense_0/output", "base/output", "head/output"} <= set(r["report"]["steps"])
 
 
+def test_a_nan_born_inside_a_layer_the_user_wrote_is_first_seen_at_the_layer_that_made_it(runs):
+    """A user-written layer holding layers (as a Transformer block is
+    written): the first anomaly is the output of the inner layer that Keras
+    itself, calling the layers one by one, finds non-finite first, at the
+    injected step, on every backend. A layer the user's ``call`` runs inside
+    a loop of the graph (``keras.ops.fori_loop``) is not recorded there
+    (its tensors cannot leave the loop) and training runs on."""
+    for b in BACKENDS:
+        r = runs[b]["block"]
+        a = r["report"]["first_anomaly"]
+        assert r["oracle_layer"] == "block/fault", (b, r["oracle_layer"])
+        assert (a["step"], a["tensor"]) == (backend_runs.BAD_STEP, r["oracle_layer"] + "/output"), (b, a)
+        steps = r["report"]["steps"]
+        assert {"block/fault/output", "block/dense_0/output", "block/output", "looped/output", "head/output"} <= set(
+            steps), (b, sorted(steps))
+        assert all(len(steps[t]) > backend_runs.BAD_STEP for t in steps if t.endswith("/output")), b
+
+
 def test_a_moving_statistic_that_went_non_finite_is_the_first_anomaly_at_its_step(runs):
     """A finite batch of 3e19 makes BatchNormalization's moving variance +Inf.
     On TensorFlow and JAX the layer's output, the loss and the gradients stay

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import keras
 import numpy as np
 from jax import lax
+from jax.extend import core as _jax_core
 
 from tb_numerics import metadata
 from tb_numerics._keras_host import NumericsCallbackBase, Step, StepValues
@@ -63,6 +64,7 @@ class _Trace:
         self.scale = None  # a LossScaleOptimizer's scale
         self.step = None
         self.forward_done = False  # one forward pass and one update per step are recorded
+        self.forward_trace = None  # JAX's trace the forward pass runs in (its layers' outputs may leave it)
         self.apply_done = False
 
 
@@ -237,8 +239,12 @@ class JaxNumericsCallback(NumericsCallbackBase):
         @functools.wraps(call)
         def wrapped(*args, **kwargs):
             out = call(*args, **kwargs)
-            if self._trace is not None and not self._trace.forward_done:
-                self._trace.outputs.setdefault(index, []).extend(_float_leaves(out))
+            trace = self._trace
+            # Not a call inside a loop or a checkpoint of the forward pass
+            # (keras.ops.scan in a layer): its tracers cannot leave that trace.
+            if (trace is not None and not trace.forward_done
+                    and trace.forward_trace == _jax_core.get_opaque_trace_state()):
+                trace.outputs.setdefault(index, []).extend(_float_leaves(out))
             return out
 
         return wrapped
@@ -247,6 +253,8 @@ class JaxNumericsCallback(NumericsCallbackBase):
         @functools.wraps(compute_loss_and_updates)
         def wrapped(*args, **kwargs):
             trace = self._trace
+            if trace is not None and not trace.forward_done:
+                trace.forward_trace = _jax_core.get_opaque_trace_state()
             loss, aux = compute_loss_and_updates(*args, **kwargs)
             if trace is None or trace.forward_done or not kwargs.get("training", False):
                 return loss, aux
