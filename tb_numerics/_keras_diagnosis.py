@@ -176,6 +176,9 @@ class Diagnosis:
         They agree where the step's first non-finite record (in execution
         order) is non-finite in the replay too and none before it is. Later
         records may differ: XLA's ReluGrad masks a NaN the eager one passes.
+        Rows the step does not compute are not compared: a layer called
+        inside a loop of the step's graph records nothing there, while the
+        eager replay runs the loop in Python and sees its calls.
         """
         in_step = self._rows_bad_in_step(step_stats, replica)
         in_step[list(self._plan.state_rows)] = False  # state the replay restores, not a tensor it records
@@ -207,6 +210,8 @@ class Diagnosis:
             if g is not None and j is not None and j in plan.grad_rows:
                 tensors[plan.grad_rows[j]] = [g.values if isinstance(g, tf.IndexedSlices) else g]
         for r, ts in tensors.items():
+            if not plan.rows[r].present:
+                continue
             for t in ts:
                 out[r] |= bool(records.nonfinite_count(records.numpy_stats(np.asarray(t.numpy(), np.float64)), neginf_ok[r]) > 0)
         return out

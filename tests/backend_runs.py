@@ -22,6 +22,7 @@ import re
 import json
 import os
 import sys
+from typing import Any
 
 BACKEND = os.environ.get("KERAS_BACKEND", "tensorflow")
 
@@ -211,11 +212,21 @@ def run_weights(root: str) -> dict:
     return out
 
 
+def _first_nonfinite_layer(x: np.ndarray, layers: list[tuple[str, Any]]) -> str | None:
+    """The truth beside a run: the first of ``layers``, in the order the
+    forward pass runs them, whose output Keras itself computes non-finite
+    on the bad batch, each called on the one before's output."""
+    h = x[BAD_STEP * BATCH:(BAD_STEP + 1) * BATCH]
+    for name, layer in layers:
+        h = layer(h)
+        if not np.isfinite(keras.ops.convert_to_numpy(h)).all():
+            return name
+    return None
+
+
 def run_nested(root: str) -> dict:
     """``log0``'s fault inside a nested model (a base in a ``Sequential``, as
-    a pretrained one is used), and the truth beside it: the first layer, in
-    the order the forward pass runs them, whose output Keras itself computes
-    non-finite on the bad batch, each layer called on the one before's output."""
+    a pretrained one is used), and the truth beside it (``_first_nonfinite_layer``)."""
     logdir = os.path.join(root, "nested")
     x, y = data("log0")
     keras.utils.set_random_seed(5)
@@ -224,12 +235,9 @@ def run_nested(root: str) -> dict:
     m = keras.Sequential([keras.Input((5,)), base, keras.layers.Dense(1, name="head")], name="outer")
     m.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
     m.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[NumericsCallback(logdir)])
-    h, first = x[BAD_STEP * BATCH:(BAD_STEP + 1) * BATCH], None
-    for name, layer in [("base/" + layer.name, layer) for layer in base.layers] + [("head", m.get_layer("head"))]:
-        h = layer(h)
-        if first is None and not np.isfinite(keras.ops.convert_to_numpy(h)).all():
-            first = name
-    return {"report": report(logdir), "oracle_layer": first}
+    truth = _first_nonfinite_layer(x, [("base/" + layer.name, layer) for layer in base.layers]
+                                   + [("head", m.get_layer("head"))])
+    return {"report": report(logdir), "oracle_layer": truth}
 
 
 class Block(keras.layers.Layer):
@@ -245,35 +253,41 @@ class Block(keras.layers.Layer):
 
 
 class Looped(keras.layers.Layer):
-    """A layer that calls the layer it holds inside a loop of the graph (``keras.ops.fori_loop``)."""
+    """A layer that calls the fault it holds inside a loop of the graph (``keras.ops.fori_loop``)."""
 
     def __init__(self, **kwargs):
         super().__init__(**kwargs)
-        self.inner = keras.layers.Dense(8, name="inner")
+        self.fault = Fault("log0", name="fault")
 
     def call(self, x):
-        return keras.ops.fori_loop(0, 2, lambda i, h: self.inner(h), x)
+        return keras.ops.fori_loop(0, 1, lambda i, h: self.fault(h), x)
 
 
 def run_block(root: str) -> dict:
-    """``log0``'s fault inside a user-written layer (then a layer looping over
-    one of its own), and the truth beside it: the first layer, in the order
-    the forward pass runs them, whose output Keras itself computes
-    non-finite on the bad batch, each layer called on the one before's output."""
+    """``log0``'s fault inside a user-written layer, and the truth beside it."""
     logdir = os.path.join(root, "block")
     x, y = data("log0")
     keras.utils.set_random_seed(5)
-    block, looped = Block(name="block"), Looped(name="looped")
-    m = keras.Sequential([keras.Input((5,)), block, looped, keras.layers.Dense(1, name="head")], name="outer")
+    block = Block(name="block")
+    m = keras.Sequential([keras.Input((5,)), block, keras.layers.Dense(1, name="head")], name="outer")
     m.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
     m.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[NumericsCallback(logdir)])
-    h, first = x[BAD_STEP * BATCH:(BAD_STEP + 1) * BATCH], None
-    for name, layer in [("block/fault", block.fault), ("block/dense_0", block.dense), ("looped", looped),
-                        ("head", m.get_layer("head"))]:
-        h = layer(h)
-        if first is None and not np.isfinite(keras.ops.convert_to_numpy(h)).all():
-            first = name
-    return {"report": report(logdir), "oracle_layer": first}
+    truth = _first_nonfinite_layer(x, [("block/fault", block.fault), ("block/dense_0", block.dense),
+                                       ("head", m.get_layer("head"))])
+    return {"report": report(logdir), "oracle_layer": truth}
+
+
+def run_looped(root: str) -> dict:
+    """``log0``'s fault called inside a loop of a user-written layer's graph."""
+    logdir = os.path.join(root, "looped")
+    x, y = data("log0")
+    keras.utils.set_random_seed(5)
+    looped = Looped(name="looped")
+    m = keras.Sequential([keras.Input((5,)), looped, keras.layers.Dense(1, name="head")], name="outer")
+    m.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    m.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[NumericsCallback(logdir)])
+    truth = _first_nonfinite_layer(x, [("looped/fault", looped.fault), ("head", m.get_layer("head"))])
+    return {"report": report(logdir), "oracle_layer": truth}
 
 
 HUGE = 3e19  # finite, but its square is beyond float32's range
@@ -430,6 +444,7 @@ def main(out: str, root: str) -> None:
     results["refit"] = run_refit(root)
     results["nested"] = run_nested(root)
     results["block"] = run_block(root)
+    results["looped"] = run_looped(root)
     from demo.stories import keras_fit
 
     keras_fit.run(root)

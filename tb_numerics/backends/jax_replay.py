@@ -2,8 +2,9 @@
 
 ``replay(train_step, state, data, step)`` traces the model's own training
 step to a jaxpr (``jax.make_jaxpr``) and evaluates it one primitive at a
-time, eagerly, stepping into calls (``jit``, ``custom_jvp_call``, remat),
-until an equation's output holds a NaN or an Inf. That equation is the op:
+time, eagerly, stepping into calls (``jit``, ``custom_jvp_call``, remat)
+and control flow (``scan``, ``while``, ``cond``: an RNN's cell, a layer's
+loop, each iteration), until an equation's output holds a NaN or an Inf. That equation is the op:
 its primitive is the type (``log``, ``div``, ``dot_general``), its name is
 the Keras name scope it ran in with the primitive (``dense_3/dot_general``),
 its phase comes from the transformations JAX wrote into the name stack
@@ -11,8 +12,7 @@ its phase comes from the transformations JAX wrote into the name stack
 gradients: update; a ``jvp`` equation that only the backward pass reads, a
 derivative's coefficient such as ``0.5 / sqrt(x)``, is backward), its line is the innermost frame of the user's code in
 the equation's traceback, and its inputs' ranges are those it was given.
-Control flow (``cond``, ``while``, ``scan``) runs as one op. The evaluation
-is pure: nothing of the model's state changes.
+The evaluation is pure: nothing of the model's state changes.
 
 Unlike ``jax_debug_nans``, which re-runs a jitted function un-jitted after it
 failed, this names the step, the layer and the phase, sees +Inf and -Inf as
@@ -25,6 +25,7 @@ import re
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.extend import core
 
@@ -109,6 +110,8 @@ class _Evaluator:
             sub = _sub_jaxpr(eqn)
             if sub is not None:
                 outvals = self.run(sub[0], sub[1], invals, names or [""])
+            elif eqn.primitive.name in _CONTROL_FLOW:
+                outvals = _CONTROL_FLOW[eqn.primitive.name](self, eqn.params, invals, names or [""])
             else:
                 outvals = self._bind(eqn, invals, names)
             for var, value in zip(eqn.outvars, outvals):
@@ -134,6 +137,46 @@ class _Evaluator:
         if any(c.startswith("jvp(") for c in names):
             return "forward"
         return "update" if self.seen_backward else "forward"
+
+
+def _scan(ev: _Evaluator, params: dict, invals: list, names: list[str]) -> list:
+    """A ``scan`` (a layer's loop, an RNN over time) stepped into: its body
+    evaluated equation by equation at each iteration, as ``lax.scan`` runs it."""
+    body, n_consts, n_carry = params["jaxpr"], params["num_consts"], params["num_carry"]
+    consts, carry, xs = invals[:n_consts], invals[n_consts:n_consts + n_carry], invals[n_consts + n_carry:]
+    length = params["length"]
+    ys: list[list] = [[] for _ in range(len(body.jaxpr.outvars) - n_carry)]
+    for i in (reversed(range(length)) if params["reverse"] else range(length)):
+        out = ev.run(body.jaxpr, list(body.consts), consts + carry + [x[i] for x in xs], names)
+        carry = out[:n_carry]
+        for k, y in enumerate(out[n_carry:]):
+            ys[k].append(y)
+    if params["reverse"]:
+        ys = [y[::-1] for y in ys]
+    avals = [v.aval for v in body.jaxpr.outvars[n_carry:]]
+    return carry + [jnp.stack(y) if y else jnp.zeros((0, *a.shape), a.dtype) for y, a in zip(ys, avals)]
+
+
+def _while(ev: _Evaluator, params: dict, invals: list, names: list[str]) -> list:
+    """A ``while`` loop stepped into: its condition and body evaluated at each iteration."""
+    nc, nb = params["cond_nconsts"], params["body_nconsts"]
+    cond, body = params["cond_jaxpr"], params["body_jaxpr"]
+    cond_consts, body_consts, carry = invals[:nc], invals[nc:nc + nb], invals[nc + nb:]
+    while bool(ev.run(cond.jaxpr, list(cond.consts), cond_consts + carry, names)[0]):
+        carry = ev.run(body.jaxpr, list(body.consts), body_consts + carry, names)
+    return carry
+
+
+def _cond(ev: _Evaluator, params: dict, invals: list, names: list[str]) -> list:
+    """A ``cond`` stepped into: the branch its index chose (clamped, as ``lax.switch`` does)."""
+    branches = params["branches"]
+    branch = branches[min(max(int(invals[0]), 0), len(branches) - 1)]
+    return ev.run(branch.jaxpr, list(branch.consts), invals[1:], names)
+
+
+# Control flow stepped into: the first non-finite op inside a loop (an RNN's
+# cell, a layer's keras.ops.fori_loop) is named, not the loop.
+_CONTROL_FLOW = {"scan": _scan, "while": _while, "cond": _cond}
 
 
 def _sub_jaxpr(eqn: Any) -> tuple[Any, list] | None:
