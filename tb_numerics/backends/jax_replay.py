@@ -3,8 +3,9 @@
 ``replay(train_step, state, data, step)`` traces the model's own training
 step to a jaxpr (``jax.make_jaxpr``) and evaluates it one primitive at a
 time, eagerly, stepping into calls (``jit``, ``custom_jvp_call``, remat)
-and control flow (``scan``, ``while``, ``cond``: an RNN's cell, a layer's
-loop, each iteration), until an equation's output holds a NaN or an Inf. That equation is the op:
+and, where its outputs are not finite, control flow (``scan``, ``while``,
+``cond``: an RNN's cell, a layer's loop, each iteration), until an
+equation's output holds a NaN or an Inf. That equation is the op:
 its primitive is the type (``log``, ``div``, ``dot_general``), its name is
 the Keras name scope it ran in with the primitive (``dense_3/dot_general``),
 its phase comes from the transformations JAX wrote into the name stack
@@ -111,7 +112,7 @@ class _Evaluator:
             if sub is not None:
                 outvals = self.run(sub[0], sub[1], invals, names or [""])
             elif eqn.primitive.name in _CONTROL_FLOW:
-                outvals = _CONTROL_FLOW[eqn.primitive.name](self, eqn.params, invals, names or [""])
+                outvals = self._control_flow(eqn, invals, names or [""])
             else:
                 outvals = self._bind(eqn, invals, names)
             for var, value in zip(eqn.outvars, outvals):
@@ -129,6 +130,16 @@ class _Evaluator:
         if any(_nonfinite(v) for v in outvals):
             raise _Found(eqn, names, phase, invals, outvals)
         return outvals
+
+    def _control_flow(self, eqn: Any, invals: list, names: list[str]) -> list:
+        """A loop or branch run whole (compiled: an RNN over a long sequence
+        costs one call), and stepped into where an output is not finite, to
+        name the op inside; the loop itself where none inside is found."""
+        try:
+            return self._bind(eqn, invals, names)
+        except _Found as whole:
+            _CONTROL_FLOW[eqn.primitive.name](self, eqn.params, invals, names)
+            raise whole
 
     def _phase(self, names: list[str]) -> str:
         if self._forced == "backward" or any(c.startswith("transpose(") for c in names):
@@ -174,8 +185,10 @@ def _cond(ev: _Evaluator, params: dict, invals: list, names: list[str]) -> list:
     return ev.run(branch.jaxpr, list(branch.consts), invals[1:], names)
 
 
-# Control flow stepped into: the first non-finite op inside a loop (an RNN's
-# cell, a layer's keras.ops.fori_loop) is named, not the loop.
+# Control flow stepped into where its outputs are not finite: the first
+# non-finite op inside a loop (an RNN's cell, a layer's keras.ops.fori_loop)
+# is named, not the loop. (A value masked inside a loop whose outputs are
+# finite is not looked for, as a loop run whole never showed it.)
 _CONTROL_FLOW = {"scan": _scan, "while": _while, "cond": _cond}
 
 
