@@ -255,9 +255,9 @@ class Block(keras.layers.Layer):
 class Looped(keras.layers.Layer):
     """A layer that calls the fault it holds inside a loop of the graph (``keras.ops.fori_loop``)."""
 
-    def __init__(self, **kwargs):
+    def __init__(self, kind: str, **kwargs):
         super().__init__(**kwargs)
-        self.fault = Fault("log0", name="fault")
+        self.fault = Fault(kind, name="fault")
 
     def call(self, x):
         return keras.ops.fori_loop(0, 1, lambda i, h: self.fault(h), x)
@@ -277,12 +277,12 @@ def run_block(root: str) -> dict:
     return {"report": report(logdir), "oracle_layer": truth}
 
 
-def run_looped(root: str) -> dict:
-    """``log0``'s fault called inside a loop of a user-written layer's graph."""
-    logdir = os.path.join(root, "looped")
-    x, y = data("log0")
+def run_looped(root: str, kind: str) -> dict:
+    """``kind``'s fault called inside a loop of a user-written layer's graph."""
+    logdir = os.path.join(root, "looped_" + kind)
+    x, y = data(kind)
     keras.utils.set_random_seed(5)
-    looped = Looped(name="looped")
+    looped = Looped(kind, name="looped")
     m = keras.Sequential([keras.Input((5,)), looped, keras.layers.Dense(1, name="head")], name="outer")
     m.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
     m.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[NumericsCallback(logdir)])
@@ -444,7 +444,8 @@ def main(out: str, root: str) -> None:
     results["refit"] = run_refit(root)
     results["nested"] = run_nested(root)
     results["block"] = run_block(root)
-    results["looped"] = run_looped(root)
+    for kind in ("log0", "sqrt0"):
+        results["looped_" + kind] = run_looped(root, kind)
     from demo.stories import keras_fit
 
     keras_fit.run(root)

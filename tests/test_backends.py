@@ -216,23 +216,29 @@ def test_a_nan_born_inside_a_layer_the_user_wrote_is_first_seen_at_the_layer_tha
             r["report"]["steps"]), (b, sorted(r["report"]["steps"]))
 
 
-def test_a_nan_born_in_a_layer_called_inside_a_loop_is_seen_where_the_loop_hands_it_out(runs):
-    """A user-written layer calls the layer it holds inside a loop of the
+@pytest.mark.parametrize("kind", ["log0", "sqrt0"])
+def test_a_nan_born_in_a_layer_called_inside_a_loop_is_seen_where_the_loop_hands_it_out(runs, kind):
+    """A user-written layer calls the fault it holds inside a loop of the
     graph (``keras.ops.fori_loop``). Tensors made inside a traced loop cannot
-    leave it, so where the step is traced (TensorFlow, JAX) the first anomaly
-    is the output of the layer that holds the loop; eager PyTorch records
-    the inner layer, the one Keras itself finds non-finite first. Training
-    runs on, and the replay steps into the loop: the injected op (log of 0)
-    and its line, not the loop."""
+    leave it, so where the step is traced (TensorFlow, JAX) a forward fault
+    is first seen at the output of the layer that holds the loop; eager
+    PyTorch records the inner layer, the one Keras itself finds non-finite
+    first. Training runs on, and the replay steps into the loop: the
+    injected op's line and phase (sqrt's derivative at 0: backward, the
+    coefficient JAX computes in the forward loop too), not the loop."""
+    tensor, phase, family = TRUTH[kind]
     for b in BACKENDS:
-        r = runs[b]["looped"]
+        r = runs[b]["looped_" + kind]
         a = r["report"]["first_anomaly"]
-        assert r["oracle_layer"] == "looped/fault", (b, r["oracle_layer"])
-        where = r["oracle_layer"] if b == "torch" else "looped"
-        assert (a["step"], a["tensor"]) == (backend_runs.BAD_STEP, where + "/output"), (b, a)
+        assert r["oracle_layer"] == ("looped/fault" if kind == "log0" else None), (b, r["oracle_layer"])
+        if kind == "log0":
+            tensor = ("looped/fault" if b == "torch" else "looped") + "/output"
+        assert (a["step"], a["tensor"]) == (backend_runs.BAD_STEP, tensor), (b, a)
         assert len(r["report"]["steps"]["head/output"]) == backend_runs.STEPS, b
-        assert a["op"] and a["op"]["type"].lower() == "log", (b, a.get("op"), a.get("replay"))
-        assert a["op"]["source"].startswith("backend_runs.py:%d (" % backend_runs.fault_line("log0")), (b, a["op"])
+        assert a["op"] and a["op"]["phase"] == phase, (b, a.get("op"), a.get("replay"))
+        assert a["op"]["source"].startswith("backend_runs.py:%d (" % backend_runs.fault_line(kind)), (b, a["op"])
+        if family:
+            assert a["op"]["type"].lower() == family, (b, a["op"])
 
 
 def test_a_moving_statistic_that_went_non_finite_is_the_first_anomaly_at_its_step(runs):
