@@ -344,6 +344,5 @@ def _state(model: Any) -> list[tuple[tf.Variable, np.ndarray]]:
             seen.add(id(v))
             # Under several replicas, each replica's own copy: BatchNormalization's
             # moving statistics differ between replicas (each normalises its own part).
-            copies = getattr(_survive_tf.tf_variable(v), "values", None)
-            out += [(c, c.numpy()) for c in copies] if isinstance(copies, tuple) else [(v, v.numpy())]
+            out += [(c, c.numpy()) for c in _survive_tf.replica_copies(v)]
     return out

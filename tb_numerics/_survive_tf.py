@@ -28,7 +28,8 @@ import tensorflow as tf
 from tb_numerics import _tf_internal, stats
 from tb_numerics.survive import Spike
 
-__all__ = ["LearningRate", "SpikeWindow", "StateSnapshot", "optimizer_state", "tf_variable", "TRIGGER_CODES"]
+__all__ = ["LearningRate", "SpikeWindow", "StateSnapshot", "optimizer_state", "replica_copies", "tf_variable",
+           "TRIGGER_CODES"]
 
 # A step's trigger as a number inside the step (0: none). A non-finite loss
 # and non-finite gradients with a finite loss are told apart for a
@@ -85,7 +86,7 @@ class StateSnapshot:
 
     def __init__(self, variables: Sequence[Any]):
         seen: set[int] = set()
-        self._vars = [c for v in variables if not (id(v) in seen or seen.add(id(v))) for c in _replica_copies(v)]
+        self._vars = [c for v in variables if not (id(v) in seen or seen.add(id(v))) for c in replica_copies(v)]
         self._buffers = [[_copy_buffer(v) for v in self._vars] for _ in range(2)]
         self.nbytes = 2 * int(sum(np.prod(v.shape, dtype=np.int64) * v.dtype.size for v in self._vars))
         self._steps: list[int | None] = [None, None]  # the step each buffer's state starts
@@ -136,7 +137,7 @@ class StateSnapshot:
         return 0 if self._steps[0] < self._steps[1] else 1
 
 
-def _replica_copies(v: Any) -> list[tf.Variable]:
+def replica_copies(v: Any) -> list[tf.Variable]:
     """The plain variables behind ``v``: each replica's copy of a
     distributed one (read and written apart, as a replica's own), else
     its TensorFlow variable."""

@@ -23,10 +23,9 @@ well as NaN, and reads no flag that changes how training runs.
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.extend import core
 
@@ -63,19 +62,28 @@ def _clean(component: str) -> str:
     return m.group(1) if m else component
 
 
-def _for_backward(jaxpr: Any, backward_outs: set[int] = frozenset(), jvp: bool = False) -> set[int]:
-    """Indices of the equations of ``jaxpr`` in the backward phase: those
-    JAX transposed, and the forward (``jvp``) ones whose outputs only the
+class _Phases(NamedTuple):
+    """Where a jaxpr's backward phase lies (``_phases``)."""
+
+    eqns: set[int]  # the indices of its equations of the backward phase
+    read_by_backward: set[Any]  # its variables that only those equations read
+
+
+def _phases(jaxpr: Any, backward_outs: set[int] = frozenset(), jvp: bool = False) -> _Phases:
+    """The equations of ``jaxpr`` in the backward phase: those JAX
+    transposed, and the forward (``jvp``) ones whose outputs only the
     backward pass reads: the derivatives' coefficients that JAX's
     linearization computes beside the forward ops (``0.5 / sqrt(x)`` for a
-    sqrt). ``backward_outs``: the indices of the outputs only the backward
-    pass reads (of a loop's body); ``jvp``: every equation is a forward
-    one (a body of a loop of the forward pass)."""
+    sqrt); and the variables only they read (what a loop among them hands
+    to the backward pass alone). ``backward_outs``: the indices of the
+    outputs only the backward pass reads (of a loop's body); ``jvp``: every
+    equation is a forward one (a body of a loop of the forward pass)."""
     consumers: dict[Any, list[int]] = {}
     for i, eqn in enumerate(jaxpr.eqns):
         for v in eqn.invars:
             if not isinstance(v, core.Literal):
                 consumers.setdefault(v, []).append(i)
+    outvars = [v for v in jaxpr.outvars if not isinstance(v, core.Literal)]
     outputs = {v for k, v in enumerate(jaxpr.outvars) if not isinstance(v, core.Literal) and k not in backward_outs}
     backward: set[int] = set()
     for i in reversed(range(len(jaxpr.eqns))):
@@ -87,7 +95,8 @@ def _for_backward(jaxpr: Any, backward_outs: set[int] = frozenset(), jvp: bool =
             if outs and not any(v in outputs for v in outs) and all(
                     c in backward for v in outs for c in consumers.get(v, [])):
                 backward.add(i)
-    return backward
+    read = {v for v, cs in consumers.items() if v not in outvars and all(c in backward for c in cs)}
+    return _Phases(backward, read)
 
 
 class _Evaluator:
@@ -97,9 +106,9 @@ class _Evaluator:
         self.seen_backward = False
         self._forced: str | None = None  # the phase of the equation being stepped into
 
-    def run(self, jaxpr: Any, consts: list, args: list, prefix: list[str], backward: set[int] | None = None) -> list:
-        """``jaxpr``'s outputs; ``backward``: its equations of the backward
-        phase (``_for_backward``), where known (the step's, a loop's body)."""
+    def run(self, jaxpr: Any, consts: list, args: list, prefix: list[str], phases: _Phases | None = None) -> list:
+        """``jaxpr``'s outputs; ``phases``: where its backward phase lies,
+        where known (the step's, a loop's body)."""
         env: dict[Any, Any] = {}
         read = lambda v: v.val if isinstance(v, core.Literal) else env[v]  # noqa: E731
         for var, value in zip(jaxpr.constvars, consts):
@@ -107,17 +116,16 @@ class _Evaluator:
         for var, value in zip(jaxpr.invars, args):
             env[var] = value
         outer = self._forced
-        only_backward = _read_by(jaxpr, backward) if backward else set()
         for i, eqn in enumerate(jaxpr.eqns):
             invals = [read(v) for v in eqn.invars]
             names = prefix + [c for c in str(eqn.source_info.name_stack).split("/") if c]
-            if backward is not None:
-                self._forced = "backward" if i in backward else outer
+            if phases is not None:
+                self._forced = "backward" if i in phases.eqns else outer
             sub = _sub_jaxpr(eqn)
             if sub is not None:
                 outvals = self.run(sub[0], sub[1], invals, names or [""])
             elif eqn.primitive.name in _CONTROL_FLOW:
-                back = {k for k, v in enumerate(eqn.outvars) if v in only_backward}
+                back = {k for k, v in enumerate(eqn.outvars) if phases is not None and v in phases.read_by_backward}
                 outvals = self._control_flow(eqn, invals, names or [""], back)
             else:
                 outvals = self._bind(eqn, invals, names)
@@ -140,8 +148,8 @@ class _Evaluator:
 
     def _control_flow(self, eqn: Any, invals: list, names: list[str], backward_outs: set[int]) -> list:
         """A loop or branch run whole (compiled: an RNN over a long sequence
-        costs one call), and stepped into where an output is not finite, to
-        name the op inside; the loop itself where none inside is found.
+        costs one call); where an output is not finite, stepped into for the
+        op inside it raises at, or the loop itself where none is found.
         ``backward_outs``: its outputs only the backward pass reads (a
         forward loop's residuals, such as ``0.5 / sqrt(x)``)."""
         try:
@@ -160,52 +168,32 @@ class _Evaluator:
         return "update" if self.seen_backward else "forward"
 
 
-def _read_by(jaxpr: Any, backward: set[int]) -> set[Any]:
-    """The variables of ``jaxpr`` that only its ``backward`` equations read."""
-    readers: dict[Any, list[int]] = {}
-    for i, eqn in enumerate(jaxpr.eqns):
-        for v in eqn.invars:
-            if not isinstance(v, core.Literal):
-                readers.setdefault(v, []).append(i)
-    outputs = {v for v in jaxpr.outvars if not isinstance(v, core.Literal)}
-    return {v for v, rs in readers.items() if v not in outputs and all(r in backward for r in rs)}
-
-
-def _scan(ev: _Evaluator, params: dict, invals: list, names: list[str], backward_outs: set[int], jvp: bool) -> list:
+def _scan(ev: _Evaluator, params: dict, invals: list, names: list[str], backward_outs: set[int], jvp: bool) -> None:
     """A ``scan`` (a layer's loop, an RNN over time) stepped into: its body
     evaluated equation by equation at each iteration, as ``lax.scan`` runs it."""
     body, n_consts, n_carry = params["jaxpr"], params["num_consts"], params["num_carry"]
     consts, carry, xs = invals[:n_consts], invals[n_consts:n_consts + n_carry], invals[n_consts + n_carry:]
+    phases = _phases(body.jaxpr, backward_outs, jvp)
     length = params["length"]
-    phases = _for_backward(body.jaxpr, backward_outs, jvp)
-    ys: list[list] = [[] for _ in range(len(body.jaxpr.outvars) - n_carry)]
     for i in (reversed(range(length)) if params["reverse"] else range(length)):
-        out = ev.run(body.jaxpr, list(body.consts), consts + carry + [x[i] for x in xs], names, phases)
-        carry = out[:n_carry]
-        for k, y in enumerate(out[n_carry:]):
-            ys[k].append(y)
-    if params["reverse"]:
-        ys = [y[::-1] for y in ys]
-    avals = [v.aval for v in body.jaxpr.outvars[n_carry:]]
-    return carry + [jnp.stack(y) if y else jnp.zeros((0, *a.shape), a.dtype) for y, a in zip(ys, avals)]
+        carry = ev.run(body.jaxpr, list(body.consts), consts + carry + [x[i] for x in xs], names, phases)[:n_carry]
 
 
-def _while(ev: _Evaluator, params: dict, invals: list, names: list[str], backward_outs: set[int], jvp: bool) -> list:
+def _while(ev: _Evaluator, params: dict, invals: list, names: list[str], backward_outs: set[int], jvp: bool) -> None:
     """A ``while`` loop stepped into: its condition and body evaluated at each iteration."""
     nc, nb = params["cond_nconsts"], params["body_nconsts"]
     cond, body = params["cond_jaxpr"], params["body_jaxpr"]
     cond_consts, body_consts, carry = invals[:nc], invals[nc:nc + nb], invals[nc + nb:]
-    phases = _for_backward(body.jaxpr, backward_outs, jvp)  # its outputs are its carry, as the loop's
+    phases = _phases(body.jaxpr, backward_outs, jvp)  # its outputs are its carry, as the loop's
     while bool(ev.run(cond.jaxpr, list(cond.consts), cond_consts + carry, names)[0]):
         carry = ev.run(body.jaxpr, list(body.consts), body_consts + carry, names, phases)
-    return carry
 
 
-def _cond(ev: _Evaluator, params: dict, invals: list, names: list[str], backward_outs: set[int], jvp: bool) -> list:
+def _cond(ev: _Evaluator, params: dict, invals: list, names: list[str], backward_outs: set[int], jvp: bool) -> None:
     """A ``cond`` stepped into: the branch its index chose (clamped, as ``lax.switch`` does)."""
     branches = params["branches"]
     branch = branches[min(max(int(invals[0]), 0), len(branches) - 1)]
-    return ev.run(branch.jaxpr, list(branch.consts), invals[1:], names, _for_backward(branch.jaxpr, backward_outs, jvp))
+    ev.run(branch.jaxpr, list(branch.consts), invals[1:], names, _phases(branch.jaxpr, backward_outs, jvp))
 
 
 # Control flow stepped into where its outputs are not finite: the first
@@ -265,7 +253,7 @@ def replay(train_step: Any, state: Any, data: Any, step: int) -> dict[str, Any]:
     args = jax.tree_util.tree_leaves((state, data))
     evaluator = _Evaluator()
     try:
-        evaluator.run(closed.jaxpr, list(closed.consts), args, [], _for_backward(closed.jaxpr))
+        evaluator.run(closed.jaxpr, list(closed.consts), args, [], _phases(closed.jaxpr))
     except _Found as found:
         return _replay_common.verdict(_op(found, step, fallback), NOT_REPRODUCED)
     return _replay_common.verdict(None, NOT_REPRODUCED)
