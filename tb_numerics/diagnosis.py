@@ -161,16 +161,17 @@ def _evidence(ra: RunAnalysis, cell, cause: dict[str, Any] | None, op: dict[str,
                           unscaled=evidence.unscaled(every, step), amplified=evidence.amplified(every, step),
                           saturating=evidence.saturating(every, step),
                           large_update=evidence.large_update(every, step, ra.safe_range.update_ratio_max),
-                          op_output=evidence.op_output(every, op, step) or _verdict_output(ra, op, step),
+                          op_output=_verdict_output(ra, op, step) or evidence.op_output(every, op, step),
                           zero_labels=evidence.zero_labels(every, step),
                           unbounded=evidence.unbounded(every, step))
 
 
 def _verdict_output(ra: RunAnalysis, op: dict[str, Any] | None, step: int) -> dict[str, Any] | None:
     """The non-finite counts of ``op`` (the first anomaly's) as the replay's
-    verdict on ``step`` that named it gives them, where no op-level records
-    of the step hold them (the JAX and PyTorch replays); as
-    ``evidence.op_output``, by the op's name."""
+    verdict on ``step`` that named it gives them: those of the very run of
+    the op that went bad first, where the op-level records hold each run of
+    it in the step (a Cast of every layer's inputs), and the JAX and PyTorch
+    replays write none; as ``evidence.op_output``, by the op's name."""
     name = (op or {}).get("name")
     for verdict in ra.replays:
         found = verdict.get("op")

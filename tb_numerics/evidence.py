@@ -27,7 +27,7 @@ from typing import Sequence
 import numpy as np
 
 from tb_numerics import detectors
-from tb_numerics.records import F, TensorSeries, derived
+from tb_numerics.records import F, TensorSeries, derived, nonfinite_count
 
 __all__ = ["Amplified", "LargeUpdate", "Saturating", "Unbounded", "Unscaled", "amplified", "large_update",
            "op_output", "saturating", "unbounded", "unscaled", "zero_labels", "SATURATES_AT", "UNSCALED_RMS"]
@@ -198,14 +198,18 @@ def large_update(series: Sequence[TensorSeries], step: int, ratio_max: float) ->
 
 
 def op_output(series: Sequence[TensorSeries], op: dict | None, step: int) -> dict[str, int] | None:
-    """The non-finite counts of an exact op's own record (``ops/<name>``) at ``step``."""
+    """The non-finite counts of an exact op's own record (``ops/<name>``) at
+    ``step``: its first non-finite one where the op ran more than once in
+    the step (a later run's NaN says nothing of what the first made)."""
     name = (op or {}).get("name")
     s = next((s for s in series if isinstance(name, str) and s.tag == "ops/" + name), None)
     at = np.flatnonzero(s.steps == step) if s is not None else []
     if not len(at):
         return None
     v = s.values[at].astype(np.float64)
-    return {k: int(v[:, F[k]].sum()) for k in ("nan", "posinf", "neginf", "count")}
+    bad = np.flatnonzero(nonfinite_count(v) > 0)
+    first = v[bad[0] if bad.size else 0]
+    return {k: int(first[F[k]]) for k in ("nan", "posinf", "neginf", "count")}
 
 
 def zero_labels(series: Sequence[TensorSeries], step: int) -> str | None:

@@ -210,7 +210,8 @@ def choose(ev: Evidence) -> str:
     # it comes before the op that overflowed and the growth that led there.
     # Then what the op and the other tensors' records tell apart, most
     # specific first; an outlier batch alone, and growth alone, come last.
-    for rule in (_by_batch, _by_loss_input, _by_negative_loss, _by_op, _by_nan_carried_in, _by_zero_labels,
+    for rule in (_by_batch, _by_loss_input, _by_negative_loss, _by_op, _by_cast_overflow, _by_nan_carried_in,
+                 _by_zero_labels,
                  _by_unscaled, _by_unbounded,
                  _by_amplified, _by_saturating, _by_large_update, _by_outlier, _by_trend):
         text = rule(ev)
@@ -269,6 +270,60 @@ def _overflowed(ev: Evidence) -> bool:
         return False
     return isinstance(inputs, list) and bool(inputs) and all(
         isinstance(i, dict) and _count(i.get("zeros")) == 0 for i in inputs)
+
+
+# The largest finite float16: a value beyond it cast to float16 is +-Inf.
+_FLOAT16_MAX = 65504.0
+# A dtype conversion's op type on each backend: TensorFlow, JAX, PyTorch.
+_CAST_TYPES = frozenset({"Cast", "convert_element_type", "_to_copy", "to"})
+
+
+def _by_cast_overflow(ev: Evidence) -> str:
+    """A cast made Inf, and no NaN, from finite inputs: a value beyond the
+    range of the dtype it casts to (under mixed precision, Keras casts each
+    layer's inputs to float16, whose largest value is 65,504)."""
+    op, out = ev.op or {}, ev.op_output or {}
+    inputs = op.get("inputs")
+    if (op.get("type") not in _CAST_TYPES or _count(out.get("nan")) != 0
+            or not (_count(out.get("posinf")) or _count(out.get("neginf")))
+            or not isinstance(inputs, list) or not inputs):
+        return ""
+    ends = []
+    for i in inputs:
+        if not isinstance(i, dict) or any(_count(i.get(k)) != 0 for k in ("nan", "posinf", "neginf")):
+            return ""  # an input not known finite: the Inf may have come in
+        ends += [abs(v) for v in (_finite(i.get("min")), _finite(i.get("max"))) if v is not None]
+    if not ends:
+        return ""
+    top = max(ends)
+    if _FLOAT16_MAX < top < 3.4e38:
+        why = ("beyond the largest float16, 65,504: under mixed precision (mixed_float16) each layer computes in "
+               "float16 and Keras casts its inputs to it. Bring the values that reach it into float16's range "
+               "(normalise or clip the inputs, bound the layer before it), or compute that layer in float32 "
+               "(dtype=\"float32\")")
+    else:
+        why = ("beyond the largest value of the dtype it casts to. Bring the values into that dtype's range, or "
+               "cast to a wider dtype")
+    return ("A cast (%s) made %s from finite values at step %d: its input reached max |x| %s, %s." % (
+        op["type"], _made(out), ev.step, _num(top), why)) + _outlier_note(ev)
+
+
+def _made(out: dict[str, Any]) -> str:
+    """"+Inf", "-Inf" or "+Inf and -Inf": what an op's output held."""
+    made = [w for k, w in (("posinf", "+Inf"), ("neginf", "-Inf")) if _count(out.get(k))]
+    return " and ".join(made)
+
+
+def _outlier_note(ev: Evidence) -> str:
+    """The outlier batch that brought the large values, where one did: what to look for in the data."""
+    b, a = ev.batch, ev.amplified
+    if b is not None and not b.nonfinite:
+        return " The batch at step %d was far out of range in %s: %s%s; check the data." % (
+            b.step, b.tag, b.what, _batch_where(b.where))
+    if a is not None and ev.step - _OUTLIER_REACH <= a.step <= ev.step:
+        return " The batch at step %d was an outlier (%s: max |x| %s× the median of the batches before): " \
+            "check the data." % (a.step, a.tag, number(a.input_factor))
+    return ""
 
 
 def _by_nan_carried_in(ev: Evidence) -> str:

@@ -32,3 +32,49 @@ def _input(zeros: int, lo: float, hi: float) -> dict:
 ])
 def test_pow_is_named_only_where_its_evidence_fits_a_zero_or_negative_base(inputs, output, named):
     assert hints.choose(_pow_evidence(inputs, output)).startswith(_POW) == named
+
+
+def _cast_evidence(op_type: str, inputs: list, output: dict | None) -> hints.Evidence:
+    op = {"name": "net/Cast", "type": op_type, "source": "model.py:3 (call)", "phase": "forward", "inputs": inputs}
+    return hints.Evidence("d1/output", metadata.TensorInfo(role="activation"), 3, {}, op=op, op_output=output)
+
+
+_INF = {"nan": 0, "posinf": 1, "neginf": 0, "count": 4}
+
+
+@pytest.mark.parametrize("op_type", ["Cast", "convert_element_type", "_to_copy"])
+def test_a_cast_that_made_inf_from_finite_values_names_float16s_range(op_type):
+    text = hints.choose(_cast_evidence(op_type, [_input(0, -2.0, 1e6)], _INF))
+    assert text.startswith("A cast (%s) made +Inf from finite values at step 3" % op_type)
+    assert "max |x| 1e6" in text and "65,504" in text
+
+
+@pytest.mark.parametrize("inputs, output", [
+    # A NaN out of the cast: it came in, or the op is not what overflowed.
+    ([_input(0, -2.0, 1e6)], {"nan": 1, "posinf": 1, "neginf": 0, "count": 4}),
+    # An Inf already in the input: nothing overflowed here.
+    ([dict(_input(0, -2.0, 1e6), posinf=1)], _INF),
+    # Nothing known of the inputs or the output.
+    (None, _INF),
+    ([_input(0, -2.0, 1e6)], None),
+])
+def test_a_cast_is_not_called_an_overflow_without_the_evidence(inputs, output):
+    assert not hints.choose(_cast_evidence("Cast", inputs, output)).startswith("A cast")
+
+
+def test_an_ops_output_is_the_first_of_its_runs_in_the_step_that_went_bad():
+    """A Cast that made +Inf, then ran again on a NaN in the same step: its output is the first
+    run's (+Inf, no NaN), not their sum."""
+    import numpy as np
+
+    from tb_numerics import evidence
+    from tb_numerics.records import F, TensorSeries
+
+    rows = np.zeros((3, len(metadata.FIELDS)))
+    rows[:, F["count"]] = 4
+    rows[1, F["posinf"]] = 1
+    rows[2, F["nan"]] = 4
+    s = TensorSeries("ops/net/Cast", metadata.TensorInfo(role="activation"), np.array([2, 3, 3]), rows)
+    assert evidence.op_output([s], {"name": "net/Cast"}, 3) == {"nan": 0, "posinf": 1, "neginf": 0, "count": 4}
+    assert evidence.op_output([s], {"name": "net/Cast"}, 2) == {"nan": 0, "posinf": 0, "neginf": 0, "count": 4}
+    assert evidence.op_output([s], {"name": "net/Cast"}, 4) is None

@@ -207,3 +207,51 @@ def test_a_skip_whose_gradients_are_non_finite_at_any_scale_is_the_anomaly(tmp_p
         os.path.basename(__file__), line_of(__file__, "# ROOT_AT_ZERO")))
     assert first["replay"]["unscaled"] is True
     assert summary["skipped_steps"] == skipped
+
+
+def _dense_model(run_eagerly: bool = False) -> keras.Model:
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu", name="d1"),
+                              keras.layers.Dense(4, dtype="float32", name="out")], name="net")
+    model.compile(optimizer=keras.optimizers.SGD(1e-3), loss="mse", run_eagerly=run_eagerly)
+    return model
+
+
+def test_a_finite_value_beyond_float16s_range_is_named_as_the_cast_that_overflowed(tmp_path, mixed_float16):
+    """One finite input value of 1e6 (the injected fault) under mixed_float16: Keras casts the
+    batch to float16 in the first layer, where it is +Inf. The first anomaly is at the step and
+    op check_numerics names, and the hint says what happened: a cast beyond float16's largest
+    value from a finite batch, never that the batch already held a NaN (the Cast runs again in
+    that step on a NaN, which a sum over its runs read as the first one's)."""
+    bad, big = 3, 1e6
+    rs = np.random.RandomState(0)
+    x, y = rs.randn(96, 8).astype("float32"), rs.randn(96, 4).astype("float32")
+    x[16 * bad + 2, 5] = big
+    assert np.isfinite(x).all()
+    step, ops = [-1], []
+
+    class Count(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            step[0] = batch
+
+    tf.debugging.enable_check_numerics()
+    try:
+        _dense_model(run_eagerly=True).fit(x, y, batch_size=16, shuffle=False, verbose=0, callbacks=[Count()])
+    except tf.errors.InvalidArgumentError as e:
+        ops.append(re.search(r'op "(\w+)"', str(e)).group(1))
+    finally:
+        tf.debugging.disable_check_numerics()
+    assert (step[0], ops) == (bad, ["Cast"])  # the truth: the cast of the batch, at the bad batch
+
+    model, cb = _dense_model(), NumericsCallback(str(tmp_path))
+    model.fit(x, y, batch_size=16, shuffle=False, verbose=0, callbacks=[cb])  # FIT_LINE
+    (run,) = event_reader.read_logdir(str(tmp_path))
+    first = analysis.run_summary(analysis.analyze_run(run.run, run.series))["first_anomaly"]
+    assert (first["step"], first["op"]["type"], first["op"]["phase"]) == (bad, ops[0], "forward")
+    # Keras' own cast, through optree: the user's line is the one that started training.
+    assert first["op"]["source"].split(" ")[0].endswith("%s:%d" % (
+        os.path.basename(__file__), line_of(__file__, "# FIT_LINE"))), first["op"]["source"]
+    hint = first["hint"]
+    assert "already held NaN" not in hint
+    assert hint.startswith("A cast (Cast) made +Inf from finite values at step %d" % bad), hint
+    assert "max |x| 1e6" in hint and "65,504" in hint

@@ -16,16 +16,17 @@ import sysconfig
 import traceback
 from typing import Iterable
 
-__all__ = ["format_where", "python_stack", "user_frame"]
+__all__ = ["LIBRARIES", "format_where", "python_stack", "user_frame"]
 
-_LIBRARIES = ("keras", "jax", "jaxlib", "torch", "numpy", "optree", "ml_dtypes", "absl")
+# Packages whose frames are never the user's line: the frameworks and what Keras calls through.
+LIBRARIES = ("keras", "jax", "jaxlib", "torch", "numpy", "optree", "ml_dtypes", "absl")
 
 
 @functools.lru_cache(maxsize=1)
 def _library_dirs() -> tuple[str, ...]:
     here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # tb_numerics/
     dirs = [here, sysconfig.get_paths()["stdlib"]]
-    for mod in _LIBRARIES:
+    for mod in LIBRARIES:
         spec = importlib.util.find_spec(mod)
         if spec is not None and spec.submodule_search_locations:
             dirs.extend(spec.submodule_search_locations)

@@ -4,8 +4,8 @@ Two pieces ``OpNumerics`` composes, kept apart from the op callback (as
 TensorFlow's ``check_numerics_callback`` keeps its source attribution apart):
 
 * ``SourceLocator`` finds the innermost frame of the user's own code on the
-  stack where an op is created (frames of tb-numerics, TensorFlow, Keras,
-  absl and the standard library are skipped), and tells whether a gradient
+  stack where an op is created (frames of tb-numerics, TensorFlow, Keras and
+  what it calls through, and the standard library are skipped), and tells whether a gradient
   computation encloses it;
 * ``ForwardIndex`` remembers the forward ops of one step by their tensors, so
   that a gradient op can name the forward op it differentiates and borrow
@@ -21,6 +21,7 @@ import sysconfig
 from typing import Any, Iterable, NamedTuple
 
 from tb_numerics import _tf_internal
+from tb_numerics.backends import _source
 
 __all__ = ["ForwardIndex", "ForwardOp", "SourceLocator", "format_where", "short_path"]
 
@@ -30,7 +31,8 @@ def _library_dirs() -> tuple[str, ...]:
     # tb_numerics itself (this file is in tb_numerics/oplevel/), the standard library, the frameworks.
     package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     dirs = [package, sysconfig.get_paths()["stdlib"]]
-    for mod in ("tensorflow", "keras", "tf_keras", "absl"):
+    # Keras 3 reaches TensorFlow through optree (its tree_map casts a layer's inputs).
+    for mod in ("tensorflow", "tf_keras") + _source.LIBRARIES:
         spec = importlib.util.find_spec(mod)
         if spec is not None and spec.submodule_search_locations:
             dirs.extend(spec.submodule_search_locations)
