@@ -174,6 +174,13 @@ class StepGuard:
         self.verdict: dict[str, Any] | None = None
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if tf.inside_function():
+            # Its checks and its replay run in Python after each call: in a
+            # trace they would run once, when the function is traced.
+            raise RuntimeError(
+                "tbn.guard(...) was called inside a tf.function (%s): the guard checks each step after it "
+                "runs, so it must wrap the compiled step from outside: write @tbn.guard(optimizer) above "
+                "@tf.function, and call the guarded step from Python" % getattr(self._fn, "__name__", "step"))
         step = _current_step()
         self._applied = None
         before = self._policy.state_before() if self._policy is not None else None

@@ -557,3 +557,27 @@ def test_an_intended_neginf_mask_is_not_the_replays_op(tmp_path):
     assert a["step"] == 2 and a["tensor"] == "attn/probs"
     assert a["op"]["type"] == "Softmax"
     assert a["op"]["source"].endswith("test_step_guard.py:%d (forward)" % line_of(__file__, "# MASKED_SOFTMAX"))
+
+
+def test_a_guard_inside_a_tf_function_says_to_wrap_it_from_outside():
+    """``tf.function(tbn.guard(opt)(step))``: the guard's checks run in Python after each
+    call, which a trace would run once. The error says so and how to write it, where
+    it was an internal NotImplementedError from ``numpy()``."""
+    keras.utils.set_random_seed(0)
+    dense = keras.layers.Dense(1)
+    dense.build((None, 2))
+    opt = keras.optimizers.SGD(0.1)
+
+    def step(x):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(dense(x) ** 2)
+        opt.apply_gradients(zip(tape.gradient(loss, dense.trainable_variables), dense.trainable_variables))
+        return loss
+
+    x = tf.ones((4, 2))
+    with pytest.raises(RuntimeError, match=r"inside a tf\.function \(step\).*@tbn\.guard\(optimizer\) above "
+                                           r"@tf\.function"):
+        tf.function(tbn.guard(opt)(step))(x)
+    before = [v.numpy() for v in dense.trainable_variables]
+    tbn.guard(opt)(tf.function(step))(x)  # the order the error names runs and updates
+    assert any((b != v.numpy()).any() for b, v in zip(before, dense.trainable_variables))
