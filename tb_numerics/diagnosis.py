@@ -15,7 +15,7 @@ import numpy as np
 
 from tb_numerics import evidence, hints, rules
 from tb_numerics.health import SeriesHealth
-from tb_numerics.records import F, derived
+from tb_numerics.records import F, TensorSeries, derived
 from tb_numerics.run_analysis import OP_TAG_PREFIX, RunAnalysis, first_cell, is_op_level, marked_cell, skipped_steps
 
 __all__ = [
@@ -237,8 +237,28 @@ def _loss_input(ra: RunAnalysis, row: int, step: int) -> hints.LossInput | None:
                 count=int(v[F["count"]]),
                 first_zero_share=float(first[F["zeros"]] / max(first[F["count"]], 1)),
                 first_step=int(s.steps[0]),
+                harmless_zero_share=_harmless_zero_share(ra.health[row], s, step),
             )
     return None
+
+
+# Records before the anomaly that ``_harmless_zero_share`` reads (a long
+# run's records are read back from its blocks).
+_ZEROS_LOOKBACK = 256
+
+
+def _harmless_zero_share(loss: SeriesHealth, source: TensorSeries, step: int) -> float:
+    """The largest share of exact zeros ``source`` held at a step before
+    ``step`` (its first and its last ``_ZEROS_LOOKBACK`` records) where every
+    record of the loss was finite."""
+    ls = loss.series
+    fine = np.setdiff1d(ls.steps[ls.steps < step], ls.steps[loss.codes == rules.NONFINITE])
+    hi = int(np.searchsorted(source.steps, step, side="left"))
+    lo = max(0, hi - _ZEROS_LOOKBACK)
+    v = np.concatenate([source.records(0, min(1, lo)), source.records(lo, hi)]).astype(np.float64)
+    steps = np.concatenate([source.steps[:min(1, lo)], source.steps[lo:hi]])
+    v = v[np.isin(steps, fine)]
+    return float(np.max(v[:, F["zeros"]] / np.maximum(v[:, F["count"]], 1))) if len(v) else 0.0
 
 
 def likely_cause(ra: RunAnalysis, anomaly_cell) -> dict[str, Any] | None:

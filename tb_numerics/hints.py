@@ -115,6 +115,9 @@ class LossInput:
     # The share of exact zeros at the first record of the run, for the trend.
     first_zero_share: float
     first_step: int
+    # The largest share of exact zeros it held at an earlier step where the
+    # loss stayed finite: zeros the loss took without harm then.
+    harmless_zero_share: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -213,7 +216,7 @@ def choose(ev: Evidence) -> str:
     for rule in (_by_batch, _by_loss_input, _by_negative_loss, _by_op, _by_cast_overflow, _by_nan_carried_in,
                  _by_zero_labels,
                  _by_unscaled, _by_unbounded,
-                 _by_amplified, _by_saturating, _by_large_update, _by_outlier, _by_trend):
+                 _by_amplified, _by_saturating, _by_large_update, _by_outlier, _by_trend, _by_overflowed_op):
         text = rule(ev)
         if text:
             return text
@@ -514,10 +517,12 @@ def _by_loss_input(ev: Evidence) -> str:
     if loss_fn and not _LOG_LOSS.search(loss_fn):
         return ""
     # A loss function of unknown name: only exact zeros, which no loss but a
-    # log (or a normalisation) turns into a NaN, are evidence enough.
+    # log (or a normalisation) turns into a NaN, are evidence enough; not
+    # where the loss stayed finite at a step its input held as large a share
+    # of them or larger (a ReLU output's usual zeros, a loss that takes no log).
     what = "The loss (%s) takes" % loss_fn if loss_fn else "If the loss takes"
-    if li.zeros > 0:
-        share = li.zeros / max(li.count, 1)
+    share = li.zeros / max(li.count, 1)
+    if li.zeros > 0 and li.harmless_zero_share < share:
         trend = ""
         if li.first_step < ev.step:
             trend = " (%s at step %d)" % (percent(li.first_zero_share), li.first_step)
@@ -580,15 +585,40 @@ def _by_trend(ev: Evidence) -> str:
     return ""
 
 
+def _by_overflowed_op(ev: Evidence) -> str:
+    """The op made Inf, and no NaN, from finite inputs with nothing else to
+    say why: its values were too large when they reached it; name them."""
+    op, out = ev.op or {}, ev.op_output or {}
+    inputs = op.get("inputs")
+    if (_count(out.get("nan")) != 0 or not (_count(out.get("posinf")) or _count(out.get("neginf")))
+            or not isinstance(inputs, list) or not inputs):
+        return ""
+    parts = []
+    for k, i in enumerate(inputs, 1):
+        if not isinstance(i, dict) or any(_count(i.get(c)) != 0 for c in ("nan", "posinf", "neginf")):
+            return ""
+        name = i.get("name")
+        parts.append("input %d%s min %s, max %s" % (
+            k, " (%s)" % name if isinstance(name, str) and name else "", _num(i.get("min")), _num(i.get("max"))))
+    return (
+        "%s (%s) made %s from finite values at step %d: its result went beyond its dtype's range (%s). No "
+        "record before it says why its inputs were that large: log the tensors that feed it (the targets and "
+        "the batch too, with role=\"input\") to see where they grew, or bound them before it." % (
+            op.get("type"), op.get("source") or op.get("name"), _made(out), ev.step, "; ".join(parts)))
+
+
 def _no_hint(ev: Evidence) -> str:
     checked = ["op type %s" % (ev.info.op_type or "unknown")]
     if ev.info.activation:
         checked.append("function %s" % ev.info.activation)
     checked.append("no warning before it" if not ev.warnings_before else
                    "warnings before it (%s) that suggest no cause" % ", ".join(sorted(ev.warnings_before)))
+    li = ev.loss_input
     if ev.info.role == "loss":
-        checked.append("no tensor logged before the loss" if ev.loss_input is None
-                       else "the loss's input %s (no exact zeros)" % ev.loss_input.tag)
+        checked.append("no tensor logged before the loss" if li is None
+                       else "the loss's input %s (no exact zeros)" % li.tag if not li.zeros
+                       else "the loss's input %s (exact zeros, %s; the loss stayed finite with %s before)" % (
+                           li.tag, percent(li.zeros / max(li.count, 1)), percent(li.harmless_zero_share)))
     return NO_HINT_PREFIX + "checked " + "; ".join(checked) + "."
 
 

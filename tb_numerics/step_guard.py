@@ -11,7 +11,11 @@ What ``model.fit`` gets from ``NumericsCallback(replay=True)``, for a custom
 loop. While the step runs (and is traced) the optimizer's ``apply`` is
 gated, as a ``LossScaleOptimizer`` gates it: the sum of the squares of each
 gradient, one pass over it, is finite on a healthy step and the update runs
-as it would. Where it is not, the rare branch looks closer:
+as it would. A loss logged with ``log_numerics`` before the update that is
+not finite holds the update back too (a squared error or a sum that
+overflowed to +Inf has finite gradients; the next step's forward pass would
+overflow instead, far from the cause). Where the sum is not finite, the rare
+branch looks closer:
 
 * a gradient holds a NaN or an Inf: the update is held back, so the weights
   and the optimizer's slots stay those the step used. After the call the
@@ -158,6 +162,7 @@ class StepGuard:
         self._seen = np.zeros(4, np.int64)
         self._written: list[list[Any]] = [[] for _ in self._opts]  # what each optimizer's update writes
         self._applied: Any = None  # within a step: whether every update so far ran (a bool tensor)
+        self._losses: list = []  # within a step: the losses logged so far (``summary.watching_losses``)
         self._prev_step: int | None = None
         self._replays = 0
         policy = survive.OnAnomaly.of(on_anomaly)
@@ -188,6 +193,7 @@ class StepGuard:
             for i, opt in enumerate(self._opts):
                 stack.enter_context(_apply_as(opt, functools.partial(self._gated, i)))
             stack.enter_context(summary.gradients_squared_by(self._squared_by))
+            self._losses = stack.enter_context(summary.watching_losses())
             out = self._fn(*args, **kwargs)
         counts = self._counts.numpy()
         new, self._seen = counts - self._seen, counts
@@ -230,6 +236,11 @@ class StepGuard:
                 return tf.where(finite, tf.constant(1 + _OVERFLOWED, tf.int64), tf.constant(1 + _HELD, tf.int64))
 
             code = tf.cond(stats.sums_finite([total]), lambda: tf.constant(0, tf.int64), closer)
+            # A loss logged before the update that is not finite holds the update back though
+            # its gradients are (a square or a sum that overflowed: its gradient stays finite).
+            losses = [t for t in self._losses if _reachable(t)]
+            if losses:
+                code = tf.where(stats.all_finite(losses), code, tf.constant(1 + _HELD, tf.int64))
             if self._windows:
                 code = self._spiked(self._windows[i], code, total)
             run = tf.not_equal(code, 1 + _HELD) & tf.not_equal(code, 1 + _SPIKED)
@@ -369,7 +380,8 @@ class StepGuard:
             return
         event: dict[str, Any] = {"trigger": "grad_norm_spike" if not new[_HELD] else "nonfinite"}
         if new[_HELD]:
-            event.update(tensor="gradients", detail="the gradients held a NaN or an Inf (the update was held back)")
+            event.update(tensor="gradients", detail="the gradients or a loss logged before the update held a NaN or "
+                         "an Inf (the update was held back)")
             verdict = self.verdict if self.verdict is not None and self.verdict.get("step") == step else None
             if verdict is None and self._replay and self._replays < _MAX_REPLAYS and step is not None:
                 verdict = self._replayed(step, args, kwargs)

@@ -101,6 +101,23 @@ def telling_intended_neginf(listener: Callable[[tf.Tensor], None]):
         _neginf_intended.reset(token)
 
 
+# Set by a step guard around the user's step: each loss logged inside
+# (role "loss"), which the guard's gate holds to be finite too.
+_losses_logged: contextvars.ContextVar[list | None] = contextvars.ContextVar("tb_numerics_losses", default=None)
+
+
+@contextlib.contextmanager
+def watching_losses():
+    """Inside, every tensor logged with role "loss" (and no intended -Inf) is
+    appended to the list this yields, as it was given to ``log_numerics``."""
+    losses: list = []
+    token = _losses_logged.set(losses)
+    try:
+        yield losses
+    finally:
+        _losses_logged.reset(token)
+
+
 @contextlib.contextmanager
 def gradients_squared_by(optimizer_name: str):
     """Gradient tags first logged inside say that ``optimizer_name`` squares
@@ -424,6 +441,9 @@ def log_numerics(
     if role is None:
         after_gradients = _writer_state(writer).gradients_at == _position(step)
         role = "update" if after_gradients else default_role(name)
+    losses = _losses_logged.get()
+    if losses is not None and role == "loss" and not allow_neginf:
+        losses.append(x)
     st = _tag_state(writer, name, _info_for(x, role, description, dtype, bool(allow_neginf), compute_dtype))
     record = _packed(writer, step, every_n, [(st, x, dtype)])
     if record is not None:

@@ -455,6 +455,26 @@ def test_log_loss_fed_exact_zeros_gets_the_log_of_zero_hint_with_its_evidence():
     assert a["hint"].startswith("no hint: ") and "mean_squared_error" in a["hint"]
 
 
+@pytest.mark.parametrize("function", ["", "categorical_crossentropy"])
+def test_zeros_the_loss_took_finite_before_are_no_log_of_zero_hint(function):
+    """A ReLU output holds half zeros at every step, the loss finite for five steps, then +Inf
+    with no more zeros than before: those zeros did not make it (a squared error that
+    overflowed, a NaN from elsewhere), so no log(0) hint is drawn from them."""
+    out = {}
+    for s in range(6):
+        x = np.abs(healthy(n=100))
+        x[: 50 - (s % 2)] = 0.0  # 50% and 49% exact zeros, alternately
+        out[s] = x
+    loss = {s: np.float32([1.0]) if s < 5 else np.float32([np.inf]) for s in range(6)}
+    li = records.make_series("out/output", info(order=0), range(6), [numpy_stats(out[s]) for s in range(6)])
+    lo = records.make_series("loss", metadata.TensorInfo(role="loss", order=1, activation=function),
+                             range(6), [numpy_stats(loss[s]) for s in range(6)])
+    a = analysis.first_anomaly(analysis.analyze_run("r", [li, lo]))
+    assert a["step"] == 5 and a["tensor"] == "loss"
+    assert "the log of its input" not in a["hint"]
+    assert a["hint"].startswith("no hint: ") and "exact zeros, 49%; the loss stayed finite with 50% before" in a["hint"]
+
+
 def test_exponential_activation_gets_the_exp_hint():
     """Issue 13 item 11: the layer's activation function is the op."""
     i = metadata.TensorInfo(op_type="Dense", activation="exponential")

@@ -581,3 +581,61 @@ def test_a_guard_inside_a_tf_function_says_to_wrap_it_from_outside():
     before = [v.numpy() for v in dense.trainable_variables]
     tbn.guard(opt)(tf.function(step))(x)  # the order the error names runs and updates
     assert any((b != v.numpy()).any() for b, v in zip(before, dense.trainable_variables))
+
+
+def test_a_loss_that_overflowed_with_finite_gradients_holds_its_update_back_and_names_the_op(tmp_path):
+    """A mean squared error whose targets hold 1e20 at batch BAD (the injected fault): its Square
+    overflows, so the loss is +Inf while its gradient, 2 * (p - y) / n, stays finite. The guard
+    holds that update back (the loss logged before it is not finite) and names the op and line
+    tf.debugging.enable_check_numerics names, at the step tf.summary writes the fault's scalar
+    at; the hint is the overflow's, not a log(0) read off a ReLU output's usual zeros."""
+    keras.utils.set_random_seed(2)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)])
+    optimizer = keras.optimizers.SGD(0.01)
+
+    def step_fn(x, y):
+        with tf.GradientTape() as tape:
+            h = model.layers[0](x)
+            tbn.log_numerics("hidden/output", h)
+            tf.summary.scalar("oracle/target_max", tf.reduce_max(tf.abs(y)))
+            loss = tf.reduce_mean(tf.square(model.layers[1](h) - y))  # SQUARED_ERROR
+            tbn.log_numerics("loss", loss)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+        return loss
+
+    bad, steps = 3, 5
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(steps, 16, 4)).astype(np.float32), rng.normal(size=(steps, 16, 1)).astype(np.float32)
+    y[bad] *= 1e20
+    step = tf.Variable(0, dtype=tf.int64)
+    train_step = tbn.guard(optimizer)(tf.function(step_fn))
+    writer = tf.summary.create_file_writer(str(tmp_path))
+    with writer.as_default(step=step):
+        for i in range(steps):
+            step.assign(i)
+            before = [v.numpy().copy() for v in model.trainable_variables]
+            if i == bad:  # the truth of "finite gradients": the step's own, on the weights it used
+                finite_gradients = all(np.isfinite(g).all() for g in _mse_gradients(model, x[i], y[i]))
+            train_step(tf.constant(x[i]), tf.constant(y[i]))
+            if i == bad:
+                held = all((b == v.numpy()).all() for b, v in zip(before, model.trainable_variables))
+    writer.close()
+    truth_step = _oracle_steps(tmp_path, "oracle/target_max", 1e10)
+    op_type, lines = _check_numerics_names(step_fn, (tf.constant(x[bad]), tf.constant(y[bad])))
+    assert truth_step == [bad] and op_type == "Square" and lines == [line_of(__file__, "# SQUARED_ERROR")]
+    assert finite_gradients
+    assert held, "the update of a step whose loss was +Inf ran"
+    first = _report(tmp_path)["first_anomaly"]
+    assert (first["step"], first["tensor"]) == (bad, "loss")
+    assert (first["op"]["type"], first["op"]["phase"]) == (op_type, "forward")
+    assert first["op"]["source"].split(" ")[0].endswith("%s:%d" % (pathlib.Path(__file__).name, lines[0]))
+    assert first["hint"].startswith("Square (") and "made +Inf from finite values at step %d" % bad in first["hint"]
+    assert "takes the log of its input" not in first["hint"]
+
+
+def _mse_gradients(model, x, y) -> list[np.ndarray]:
+    """The gradients of the mean squared error on one batch."""
+    with tf.GradientTape() as tape:
+        loss = tf.reduce_mean(tf.square(model(x) - y))
+    return [g.numpy() for g in tape.gradient(loss, model.trainable_variables)]
