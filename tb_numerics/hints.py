@@ -213,7 +213,8 @@ def choose(ev: Evidence) -> str:
     # it comes before the op that overflowed and the growth that led there.
     # Then what the op and the other tensors' records tell apart, most
     # specific first; an outlier batch alone, and growth alone, come last.
-    for rule in (_by_batch, _by_loss_input, _by_negative_loss, _by_op, _by_cast_overflow, _by_nan_carried_in,
+    for rule in (_by_batch, _by_loss_input, _by_negative_loss, _by_op, _by_cast_overflow, _by_masked_row,
+                 _by_nan_carried_in,
                  _by_zero_labels,
                  _by_unscaled, _by_unbounded,
                  _by_amplified, _by_saturating, _by_large_update, _by_outlier, _by_trend, _by_overflowed_op):
@@ -309,6 +310,28 @@ def _by_cast_overflow(ev: Evidence) -> str:
                "cast to a wider dtype")
     return ("A cast (%s) made %s from finite values at step %d: its input reached max |x| %s, %s." % (
         op["type"], _made(out), ev.step, _num(top), why)) + _outlier_note(ev)
+
+
+def _by_masked_row(ev: Evidence) -> str:
+    """The op made NaN from inputs holding -Inf and no NaN: a softmax (x -
+    max(x), log-sum-exp) over a row that is all -Inf, an attention row whose
+    every position is masked."""
+    op, out = ev.op or {}, ev.op_output or {}
+    inputs = op.get("inputs")
+    if not _count(out.get("nan")) or not isinstance(inputs, list) or not inputs:
+        return ""
+    if any(not isinstance(i, dict) or _count(i.get("nan")) != 0 for i in inputs):
+        return ""
+    held = [(k, _count(i.get("neginf"))) for k, i in enumerate(inputs, 1) if _count(i.get("neginf"))]
+    if not held:
+        return ""
+    k, n = held[0]
+    return (
+        "%s (%s) made NaN from -Inf at step %d: its input %d held %s -Inf and no NaN. -Inf - (-Inf) is NaN, so a "
+        "softmax (x - max(x)) or a log-sum-exp over a row that is all -Inf gives NaN: an attention row whose every "
+        "position is masked (a sequence with no token to attend to). Mask with a large finite negative value "
+        "(-1e9, or the dtype's lowest) instead of -inf, or leave such rows out." % (
+            op.get("type"), op.get("source") or op.get("name"), ev.step, k, count(n)))
 
 
 def _made(out: dict[str, Any]) -> str:

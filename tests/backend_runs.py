@@ -263,6 +263,36 @@ class Looped(keras.layers.Layer):
         return keras.ops.fori_loop(0, 1, lambda i, h: self.fault(h), x)
 
 
+class Masked(keras.layers.Layer):
+    """Attention as users write it by hand: scores masked with -inf where a sample's trigger
+    (its last feature) is 0, then a softmax; a sample with nothing to attend to (the injected
+    batch's) has a row that is all -inf, whose softmax is NaN. The -inf itself is intended."""
+
+    def build(self, input_shape):
+        self.scale = self.add_weight(shape=(), initializer="ones", name="scale")
+
+    def call(self, x):
+        scores = self.scale * x[:, :, None] * x[:, None, :]
+        scores = keras.ops.where(x[:, None, -1:] > 0, scores, -np.inf)
+        weights = keras.ops.softmax(scores, axis=-1)  # FAULT_LINE masked
+        return keras.ops.sum(weights * x[:, None, :], axis=-1)
+
+
+def run_masked(root: str) -> dict:
+    """A -inf attention mask, and a row of it all masked at the injected step."""
+    logdir = os.path.join(root, "masked")
+    x, y = data("log0")
+    keras.utils.set_random_seed(5)
+    masked = Masked(name="masked")
+    m = keras.Sequential([keras.Input((5,)), masked, keras.layers.Dense(1, name="head")], name="outer")
+    m.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    cb = NumericsCallback(logdir)
+    m.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[cb])
+    truth = _first_nonfinite_layer(x, [("masked", masked), ("head", m.get_layer("head"))])
+    return {"report": report(logdir), "oracle_layer": truth, "line": fault_line("masked"),
+            "verdict": cb.replay_verdict}
+
+
 def run_block(root: str) -> dict:
     """``log0``'s fault inside a user-written layer, and the truth beside it."""
     logdir = os.path.join(root, "block")
@@ -444,6 +474,7 @@ def main(out: str, root: str) -> None:
     results["refit"] = run_refit(root)
     results["nested"] = run_nested(root)
     results["block"] = run_block(root)
+    results["masked"] = run_masked(root)
     for kind in ("log0", "sqrt0"):
         results["looped_" + kind] = run_looped(root, kind)
     from demo.stories import keras_fit

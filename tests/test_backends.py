@@ -216,6 +216,24 @@ def test_a_nan_born_inside_a_layer_the_user_wrote_is_first_seen_at_the_layer_tha
             r["report"]["steps"]), (b, sorted(r["report"]["steps"]))
 
 
+def test_a_softmax_over_a_row_all_masked_with_minus_inf_is_the_op_not_the_mask(runs):
+    """Hand-written attention masks its scores with -inf (intended: no anomaly of its own) and
+    a sample of the injected batch has nothing to attend to: its row is all -inf, and the
+    softmax makes NaN of it. The first anomaly is the layer Keras itself finds non-finite, at
+    the injected step; the replay names the softmax's line, reproduced, on every backend
+    (before, it stopped at the mask's -inf, called it a value that came in non-finite and said
+    the fault was not reproducible), and the hint names the all-masked row."""
+    for b in BACKENDS:
+        r = runs[b]["masked"]
+        a = r["report"]["first_anomaly"]
+        assert r["oracle_layer"] == "masked", (b, r["oracle_layer"])
+        assert (a["step"], a["tensor"]) == (backend_runs.BAD_STEP, "masked/output"), (b, a)
+        assert r["verdict"]["reproduced"] is True, (b, r["verdict"])
+        assert a["op"]["source"].startswith("backend_runs.py:%d (" % r["line"]), (b, a["op"])
+        assert a["op"]["phase"] == "forward", (b, a["op"])
+        assert "made NaN from -Inf at step %d" % backend_runs.BAD_STEP in a["hint"], (b, a["hint"])
+
+
 @pytest.mark.parametrize("kind", ["log0", "sqrt0"])
 def test_a_nan_born_in_a_layer_called_inside_a_loop_is_seen_where_the_loop_hands_it_out(runs, kind):
     """A user-written layer calls the fault it holds inside a loop of the

@@ -78,3 +78,58 @@ def test_an_ops_output_is_the_first_of_its_runs_in_the_step_that_went_bad():
     assert evidence.op_output([s], {"name": "net/Cast"}, 3) == {"nan": 0, "posinf": 1, "neginf": 0, "count": 4}
     assert evidence.op_output([s], {"name": "net/Cast"}, 2) == {"nan": 0, "posinf": 0, "neginf": 0, "count": 4}
     assert evidence.op_output([s], {"name": "net/Cast"}, 4) is None
+
+
+def _record(nan=0, posinf=0, neginf=0, count=4) -> list:
+    import numpy as np
+
+    from tb_numerics.records import F
+
+    v = np.zeros(len(metadata.FIELDS))
+    v[F["count"]], v[F["nan"]], v[F["posinf"]], v[F["neginf"]] = count, nan, posinf, neginf
+    return list(v)
+
+
+@pytest.mark.parametrize("output, inputs, masked, passes", [
+    # where(mask, scores, -inf): the -inf constant is a mask's; so is its output.
+    (_record(neginf=2), [_record(), _record(neginf=1, count=1)], [False, True], True),
+    # A full of -inf, made from no float: a constant the program wrote.
+    (_record(neginf=4), [], [], True),
+    # A log of 0: -Inf from finite values, made here.
+    (_record(neginf=1), [_record()], [False], False),
+    # -Inf read from a value that came in so (not a mask's): not passed on as intended.
+    (_record(neginf=1), [_record(neginf=1)], [False], False),
+    # A softmax over a row all -inf: NaN made of a mask's -Inf.
+    (_record(nan=4), [_record(neginf=4)], [True], False),
+    # +Inf is never a mask's.
+    (_record(neginf=1, posinf=1), [_record(neginf=1)], [True], False),
+])
+def test_an_op_passes_a_mask_on_only_where_it_read_one_and_made_nothing_else(output, inputs, masked, passes):
+    from tb_numerics.oplevel.record import passes_mask
+
+    assert passes_mask(output, inputs, masked) is passes
+
+
+def test_a_softmax_that_read_a_masks_minus_inf_made_its_nan_itself():
+    from tb_numerics.oplevel.record import OpRecord
+
+    op = OpRecord("ops/attn/Softmax", "Softmax", "m.py:3 (call)", "m.py:3 (call)", "forward", 7,
+                  tuple(_record(nan=4)), input_records=(tuple(_record(neginf=4)),))
+    assert op.reads_nonfinite()  # read a -Inf that came in: not born in the step
+    import dataclasses
+
+    assert not dataclasses.replace(op, inputs_masked=(True,)).reads_nonfinite()  # the mask's: born here
+
+
+def _masked_evidence(inputs: list, output: dict | None) -> hints.Evidence:
+    op = {"name": "attn/Softmax", "type": "Softmax", "source": "m.py:3 (call)", "phase": "forward", "inputs": inputs}
+    return hints.Evidence("attn/output", metadata.TensorInfo(role="activation"), 7, {}, op=op, op_output=output)
+
+
+def test_a_nan_made_from_minus_inf_names_the_row_all_masked():
+    held = dict(_input(0, -2.0, 2.0), neginf=216)
+    assert hints.choose(_masked_evidence([held], {"nan": 36, "posinf": 0, "neginf": 0, "count": 576})).startswith(
+        "Softmax (m.py:3 (call)) made NaN from -Inf at step 7: its input 1 held 216 -Inf")
+    # No -Inf in, or a NaN in already: not this rule.
+    assert "from -Inf" not in hints.choose(_masked_evidence([_input(0, -2.0, 2.0)], {"nan": 36, "count": 576}))
+    assert "from -Inf" not in hints.choose(_masked_evidence([dict(held, nan=1)], {"nan": 36, "count": 576}))

@@ -27,7 +27,7 @@ def _input_range(x: np.ndarray, v: np.ndarray) -> dict[str, Any]:
 
 
 def found_op(name: str, op_type: str, source: str, phase: str, step: int, output: np.ndarray,
-             inputs: Sequence[np.ndarray]) -> OpRecord:
+             inputs: Sequence[np.ndarray], masked: Sequence[bool] = ()) -> OpRecord:
     """The record of the op a replay stopped at.
 
     Args:
@@ -38,12 +38,13 @@ def found_op(name: str, op_type: str, source: str, phase: str, step: int, output
       step: the step replayed.
       output: its non-finite output, on the host.
       inputs: its float inputs, on the host.
+      masked: per input, whether its -Inf is a mask's (``oplevel.record.passes_mask``).
     """
     input_records = [numpy_stats(np.asarray(x, np.float64), "float64") for x in inputs]
     return OpRecord(tag="ops/" + name, op_type=op_type, source=source, description=source, phase=phase, step=step,
                     record=tuple(numpy_stats(np.asarray(output, np.float64), "float64")),
                     inputs=tuple(_input_range(np.asarray(x), v) for x, v in zip(inputs, input_records)),
-                    input_records=tuple(tuple(v) for v in input_records))
+                    input_records=tuple(tuple(v) for v in input_records), inputs_masked=tuple(map(bool, masked)))
 
 
 def verdict(op: OpRecord | None, not_reproduced: str) -> dict[str, Any]:

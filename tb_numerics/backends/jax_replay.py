@@ -31,7 +31,7 @@ from jax.extend import core
 
 from tb_numerics import metadata, records
 from tb_numerics.backends import _replay_common, _source
-from tb_numerics.oplevel.record import OpRecord
+from tb_numerics.oplevel.record import OpRecord, passes_mask
 
 __all__ = ["replay"]
 
@@ -51,9 +51,10 @@ NOT_REPRODUCED = (
 class _Found(Exception):
     """Raised by the evaluation at the first equation with a non-finite output."""
 
-    def __init__(self, eqn: Any, names: list[str], phase: str, invals: list, outvals: list):
+    def __init__(self, eqn: Any, names: list[str], phase: str, invals: list, outvals: list, masked: list[bool]):
         super().__init__(eqn.primitive.name)
         self.eqn, self.names, self.phase, self.invals, self.outvals = eqn, names, phase, invals, outvals
+        self.masked = masked  # per float input: whether its -Inf is a mask's
 
 
 def _clean(component: str) -> str:
@@ -105,6 +106,8 @@ class _Evaluator:
     def __init__(self) -> None:
         self.seen_backward = False
         self._forced: str | None = None  # the phase of the equation being stepped into
+        # id of each value that passes a mask's -Inf on -> the value (``passes_mask``).
+        self._masks: dict[int, Any] = {}
 
     def run(self, jaxpr: Any, consts: list, args: list, prefix: list[str], phases: _Phases | None = None) -> list:
         """``jaxpr``'s outputs; ``phases``: where its backward phase lies,
@@ -128,23 +131,46 @@ class _Evaluator:
                 back = {k for k, v in enumerate(eqn.outvars) if phases is not None and v in phases.read_by_backward}
                 outvals = self._control_flow(eqn, invals, names or [""], back)
             else:
-                outvals = self._bind(eqn, invals, names)
+                outvals = self._bind(eqn, invals, names, lambda: [
+                    self._is_mask(v, x, jaxpr.constvars) for v, x in zip(eqn.invars, invals) if _is_float(x)])
             for var, value in zip(eqn.outvars, outvals):
                 if not isinstance(var, core.DropVar):
                     env[var] = value
         self._forced = outer
         return [read(v) for v in jaxpr.outvars]
 
-    def _bind(self, eqn: Any, invals: list, names: list[str]) -> list:
+    def _bind(self, eqn: Any, invals: list, names: list[str], masked: Any = None) -> list:
+        """``eqn``'s outputs; raises ``_Found`` where one is not finite, unless
+        it passes a mask's -Inf on (``masked()``: per float input, whether its
+        -Inf is a mask's; None: a loop or a branch, run whole)."""
         params = eqn.primitive.get_bind_params(eqn.params)
         subfuns, params = params if isinstance(params, tuple) else ((), params)  # (subfuns, params) before JAX 0.7
         with eqn.ctx.manager:
             out = eqn.primitive.bind(*subfuns, *invals, **params)
         outvals = list(out) if eqn.primitive.multiple_results else [out]
         phase = self._phase(names)
-        if any(_nonfinite(v) for v in outvals):
-            raise _Found(eqn, names, phase, invals, outvals)
+        bad = [v for v in outvals if _nonfinite(v)]
+        if bad:
+            m = masked() if masked is not None else []
+            ins = [records.numpy_stats(np.asarray(x, np.float64)) for x in invals if _is_float(x)]
+            if masked is not None and len(bad) == 1 and passes_mask(records.numpy_stats(np.asarray(bad[0], np.float64)),
+                                                                   ins, m):
+                self._masks[id(bad[0])] = bad[0]  # an intended -Inf, passed on: no op of the step's making
+                return outvals
+            raise _Found(eqn, names, phase, invals, outvals, m)
         return outvals
+
+    def _is_mask(self, var: Any, value: Any, constvars: list) -> bool:
+        """Whether input ``value``'s -Inf is a mask's: a value that passed one
+        on, or a -Inf constant of the program (``where(m, s, -jnp.inf)``'s literal)."""
+        if self._masks.get(id(value)) is value:
+            return True
+        # A literal, a constant, or a literal handed into a call (a typed
+        # scalar, not an array the step computed or read from its state).
+        literal = isinstance(var, core.Literal) or var in constvars or not isinstance(value, jax.Array)
+        if not literal or np.size(value) != 1:
+            return False
+        return bool(np.all(np.isneginf(np.asarray(value, np.float64))))
 
     def _control_flow(self, eqn: Any, invals: list, names: list[str], backward_outs: set[int]) -> list:
         """A loop or branch run whole (compiled: an RNN over a long sequence
@@ -234,7 +260,7 @@ def _op(found: _Found, step: int, fallback: str) -> OpRecord:
     name = "/".join(scope + [eqn.primitive.name])
     bad = next(v for v in found.outvals if _nonfinite(v))
     return _replay_common.found_op(name, eqn.primitive.name, source, found.phase, step, np.asarray(bad),
-                                   [np.asarray(v) for v in found.invals if _is_float(v)])
+                                   [np.asarray(v) for v in found.invals if _is_float(v)], found.masked)
 
 
 def replay(train_step: Any, state: Any, data: Any, step: int) -> dict[str, Any]:

@@ -22,6 +22,7 @@ phase, and lets training go on.
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 from typing import Any, Iterator
 
@@ -31,7 +32,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tb_numerics.backends import _replay_common, _source, torch_stats
-from tb_numerics.oplevel.record import OpRecord
+from tb_numerics.oplevel.record import OpRecord, passes_mask
+from tb_numerics.records import numpy_stats
 
 __all__ = ["StepReplay"]
 
@@ -42,6 +44,10 @@ NOT_REPRODUCED = (
     "(torch.rand, torch.nn.functional.dropout) or a random data pipeline drew other values, or torch.compile "
     "computed the step differently; the layer-level answer stands"
 )
+
+
+# Operators whose input is a constant the program wrote, made a tensor outside the step's operators.
+_LIFTS_CONSTANTS = frozenset({"lift_fresh", "lift_fresh_copy"})
 
 
 def _tensors(structure: Any) -> list[torch.Tensor]:
@@ -73,18 +79,33 @@ class _FirstNonFinite(TorchDispatchMode):
         self._replay, self._step = replay, step
         self.found: OpRecord | None = None
         self._seen_backward = False
+        # id of each output that passes a mask's -Inf on -> the tensor (``passes_mask``).
+        self._masks: dict[int, torch.Tensor] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         node = torch._C._current_autograd_node()
         self._seen_backward |= node is not None
         if self.found is None:
-            bad = next((t for t in _tensors(out) if _nonfinite(t)), None)
-            if bad is not None:
-                self.found = self._record(func, node, bad, _tensors((args, kwargs)))
+            bad = [t for t in _tensors(out) if _nonfinite(t)]
+            if bad:
+                inputs = _tensors((args, kwargs))
+                # lift_fresh lifts a tensor the program wrote as data (torch.tensor(-math.inf)): a constant.
+                constant = func.overloadpacket.__name__ in _LIFTS_CONSTANTS
+                masked = [constant or self._masks.get(id(t)) is t for t in inputs]
+                # A -Inf the program wrote as a number: torch.where(mask, scores, -math.inf).
+                literals = [x for x in torch.utils._pytree.tree_leaves((args, kwargs))
+                            if isinstance(x, float) and x == -math.inf]
+                records_in = [numpy_stats(_host(t)) for t in inputs] + [numpy_stats(np.float64(x)) for x in literals]
+                if len(bad) == 1 and passes_mask(numpy_stats(_host(bad[0])), records_in,
+                                                 masked + [True] * len(literals)):
+                    self._masks[id(bad[0])] = bad[0]  # an intended -Inf, passed on: no op of the step's making
+                else:
+                    self.found = self._record(func, node, bad[0], inputs, masked)
         return out
 
-    def _record(self, func: Any, node: Any, bad: torch.Tensor, inputs: list[torch.Tensor]) -> OpRecord:
+    def _record(self, func: Any, node: Any, bad: torch.Tensor, inputs: list[torch.Tensor],
+                masked: list[bool]) -> OpRecord:
         op_type = func.overloadpacket.__name__
         if node is not None:
             phase, scope, frame = "backward", node.name(), _source.user_frame(_node_frames(node))
@@ -94,7 +115,7 @@ class _FirstNonFinite(TorchDispatchMode):
             scope = self._replay.layer or (frame[2] if frame else "")
         name = "/".join(filter(None, (scope, op_type)))
         return _replay_common.found_op(name, op_type, _source.format_where(frame), phase, self._step, _host(bad),
-                                       [_host(t) for t in inputs])
+                                       [_host(t) for t in inputs], masked)
 
 
 class StepReplay:

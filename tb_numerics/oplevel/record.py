@@ -68,11 +68,17 @@ class OpRecord:
     # Each input's record, whose ranges ``inputs`` shows.
     input_records: tuple[tuple[float, ...], ...] = dataclasses.field(default=(), repr=False)
     occurrence: tuple[int, int] = (1, 1)  # (k, n): the k-th of its tag's n records at the step
+    # Per input: whether its -Inf is intended (``passes_mask``): a mask the program wrote.
+    inputs_masked: tuple[bool, ...] = ()
 
     def reads_nonfinite(self) -> bool:
         """Whether an input of the op already held a NaN or an Inf (the op
-        did not make it: it read a value made non-finite before the step)."""
-        return bool(self.input_records) and bool(np.any(nonfinite_count(np.asarray(self.input_records)) > 0))
+        did not make it: it read a value made non-finite before the step);
+        an intended -Inf (a mask) does not count."""
+        if not self.input_records:
+            return False
+        masked = np.asarray(self.inputs_masked or [False] * len(self.input_records), bool)
+        return bool(np.any(nonfinite_count(np.asarray(self.input_records), masked) > 0))
 
     def beyond_loss_scaling(self) -> bool:
         """Whether no loss scale made this op's NaN or Inf: a forward (or
@@ -105,7 +111,7 @@ class OpRecord:
         }
 
 
-def _float_inputs(inputs, names: Sequence[str | None]) -> list[tuple[Any, str | None]]:
+def float_inputs(inputs, names: Sequence[str | None]) -> list[tuple[Any, str | None]]:
     """Each float input (eager tensors) with the name of the op that made it, where known."""
     return [(t, names[k] if k < len(names) else None) for k, t in enumerate(inputs or ())
             if t is not None and t.dtype.is_floating]
@@ -120,13 +126,38 @@ def _input_range(t: Any, name: str | None, v: Sequence[float]) -> dict[str, Any]
             **{k: int(v[F[k]]) for k in ("zeros", "nan", "posinf", "neginf")}}
 
 
+def passes_mask(output: Sequence[float], inputs: Sequence[Sequence[float]], masked: Sequence[bool]) -> bool:
+    """Whether an op's output holds -Inf and nothing else non-finite, every
+    -Inf it read being a mask's (``masked``: per input record), and it read
+    one: it passes an intended -Inf on (``where(mask, scores, -inf)``, the
+    scores plus that mask, a transpose of it), and made nothing itself.
+
+    A mask's -Inf is one the program wrote: a -Inf constant (a literal the
+    step did not compute, or an op that reads no float and makes only -Inf:
+    a ``full`` of it), or an output that passed one on. An op that makes
+    a NaN or a +Inf of it (a softmax over a row that is all -Inf) is the first
+    non-finite op; so is one whose -Inf comes from finite values (a log of 0).
+    """
+    out = np.asarray(output, np.float64)
+    if not (out[F["neginf"]] > 0 and out[F["nan"]] == 0 and out[F["posinf"]] == 0):
+        return False
+    read = not len(inputs)  # a constant made from no float: -inf filled in
+    for v, m in zip(inputs, masked):
+        v = np.asarray(v, np.float64)
+        if v[F["nan"]] > 0 or v[F["posinf"]] > 0 or (v[F["neginf"]] > 0 and not m):
+            return False
+        read |= bool(v[F["neginf"]] > 0)
+    return read
+
+
 def op_record(tag: str, vec: Any, info: metadata.TensorInfo, step: int | None,
-              inputs: Any = None, names: Sequence[str | None] = ()) -> OpRecord:
+              inputs: Any = None, names: Sequence[str | None] = (), masked: Sequence[bool] = ()) -> OpRecord:
     """The OpRecord of one record, with its op's inputs' ranges where ``inputs``
-    are given (named by ``names``, the ops that made them, where known)."""
+    are given (named by ``names``, the ops that made them, where known;
+    ``masked``: per float input, whether its -Inf is a mask's)."""
     v = np.asarray(vec, np.float64)
-    floats = _float_inputs(inputs, names)
-    input_records = tuple(tuple(numpy_stats(np.asarray(t.numpy(), np.float64), "float64")) for t, _ in floats)
+    floats = float_inputs(inputs, names)
+    input_records = input_records_of(floats)
     return OpRecord(
         tag=tag,
         op_type=info.op_type,
@@ -137,7 +168,13 @@ def op_record(tag: str, vec: Any, info: metadata.TensorInfo, step: int | None,
         record=tuple(float(x) for x in v),
         inputs=tuple(_input_range(t, n, r) for (t, n), r in zip(floats, input_records)),
         input_records=input_records,
+        inputs_masked=tuple(bool(m) for m in masked),
     )
+
+
+def input_records_of(floats: Sequence[tuple[Any, str | None]]) -> tuple[tuple[float, ...], ...]:
+    """The record of each float input (``float_inputs``'s pairs)."""
+    return tuple(tuple(numpy_stats(np.asarray(t.numpy(), np.float64), "float64")) for t, _ in floats)
 
 
 def first_bad(recs: Sequence[tuple[str, Any, metadata.TensorInfo]], step: int | None,

@@ -21,7 +21,8 @@ tf = _requires.tensorflow(__name__)
 from tb_numerics import _tf_internal, metadata, stats, summary  # noqa: E402
 from tb_numerics.oplevel.flight import EagerFlight, GraphFlight, Record  # noqa: E402
 from tb_numerics.oplevel.nested import NestedRecords  # noqa: E402
-from tb_numerics.oplevel.record import OpRecord, mark_record, op_record  # noqa: E402
+from tb_numerics.oplevel.record import (  # noqa: E402
+    OpRecord, float_inputs, input_records_of, mark_record, op_record, passes_mask)
 from tb_numerics.oplevel.record import first_bad as first_bad_of  # noqa: E402
 from tb_numerics.oplevel.retrace import RUNS_PIPELINE, Retracer  # noqa: E402
 from tb_numerics.oplevel.source import ForwardOp, SourceLocator  # noqa: E402
@@ -309,10 +310,16 @@ class OpNumerics:
             st.nested_before, st.function_ran = self._nested.position(), False
         vec = stats.op_stats(tensor, tag)
         st.made[id(tensor)] = (tag, tensor)
-        st.eager.append(((st.nested_before, 0, len(st.eager)), tag, vec, info))
         if self._inspect_inputs and st.first_bad is None and nonfinite_count(vec.numpy(), info.neginf_ok) > 0:
             names = [st.producers.get(id(t), (None,))[0] for t in inputs or ()]
-            st.first_bad = op_record(tag, vec, info, st.step, inputs, names)
+            floats = float_inputs(inputs, names)
+            masked = [_is_mask(st, t) for t, _ in floats]
+            if passes_mask(vec.numpy(), input_records_of(floats), masked):
+                st.masks[id(tensor)] = tensor  # an intended -Inf, passed on: no op of the step's making
+                info = self._infos[tag] = dataclasses.replace(info, neginf_ok=True)
+            else:
+                st.first_bad = op_record(tag, vec, info, st.step, inputs, names, masked)
+        st.eager.append(((st.nested_before, 0, len(st.eager)), tag, vec, info))
 
     def _intended_neginf(self, tensor) -> None:
         """``tensor`` was logged with ``allow_neginf``: the op output it is
@@ -365,6 +372,16 @@ class OpNumerics:
             return
         for tag, vec, info in recs:
             summary.write_stats(tag, vec, step=st.step, info=info)
+
+
+def _is_mask(st: Step, t: Any) -> bool:
+    """Whether input ``t``'s -Inf is a mask's: an output that passed one on,
+    or a -Inf constant the step did not compute (``where(m, s, -np.inf)``'s)."""
+    if st.masks.get(id(t)) is t:
+        return True
+    if id(t) in st.producers or t.shape.num_elements() != 1:
+        return False
+    return bool(np.all(np.isneginf(t.numpy())))
 
 
 def _check_arguments(flight_recorder: Any, dtypes: Collection[str]) -> None:

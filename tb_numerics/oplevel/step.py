@@ -67,6 +67,8 @@ class Step:
         self.producers: dict[int, tuple[str, Any]] = {}
         # Eager step: id of each recorded op output -> (its tag, the tensor, kept so that the id is not reused).
         self.made: dict[int, tuple[str, Any]] = {}
+        # Inspect mode: id of each op output that passes a mask's -Inf on -> the tensor (``passes_mask``).
+        self.masks: dict[int, Any] = {}
 
     def describe(self, op: Op, own_graph: bool, where: str, in_backward: bool) -> Described:
         """Role, source line and name of ``op``, made at ``where`` (the user's
