@@ -8,7 +8,9 @@ which remembers how to put each one back):
   too), to keep its outputs;
 * the model's ``train_step``, to know which layer calls belong to a training
   step (validation and ``predict`` calls are not recorded);
-* the optimizer's ``scale_loss`` (for the loss) and ``apply`` (for the
+* the model's ``compute_loss`` and the optimizer's ``scale_loss`` (for the
+  loss: a custom ``train_step`` written as Keras' guide writes it calls the
+  first and not the second) and the optimizer's ``apply`` (for the
   gradients, the weights before the update and the update itself, which
   ``StepProgram.recorded_apply`` records);
 * the ``apply`` of every other optimizer the model holds as an attribute
@@ -60,6 +62,7 @@ class StepHooks:
         built, taken up again instead (already traced around them)."""
         model, opt = self._model, self._model.optimizer
         patches.set(model, "train_step", self._wrap_train_step(model.train_step))
+        patches.set(model, "compute_loss", self._wrap_compute_loss(model.compute_loss))
         patches.set(opt, "scale_loss", self._wrap_scale_loss(opt.scale_loss))
         patches.set(opt, "apply", self._wrap_apply(opt.apply))
         for other in other_optimizers(model):
@@ -110,6 +113,16 @@ class StepHooks:
             if self._trace is not None:
                 self._trace.outputs.setdefault(index, []).extend(float_tensors(out))
             return out
+
+        return wrapped
+
+    def _wrap_compute_loss(self, compute_loss: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(compute_loss)
+        def wrapped(*args, **kwargs):
+            loss = compute_loss(*args, **kwargs)
+            if self._trace is not None and self._trace.loss is None:  # the step's first: its loss
+                self._trace.loss = loss
+            return loss
 
         return wrapped
 

@@ -204,6 +204,62 @@ def test_the_replay_works_for_every_kind_of_model(tmp_path, build):
     assert a["op"]["source"].endswith("test_keras_replay.py:%d (call)" % _line("LOG_OF_RELU"))
 
 
+def _xent(y, p):
+    return -keras.ops.sum(y * keras.ops.log(p), axis=-1)  # XENT_LOG
+
+
+class SoftmaxStepNet(keras.Model):
+    """A classifier with the custom train_step of Keras' guide: ``compute_loss``, no ``scale_loss``."""
+
+    def __init__(self):
+        super().__init__(name="softmax_step")
+        self.hidden = keras.layers.Dense(8, activation="relu", name="hidden")
+        self.probs = keras.layers.Dense(3, activation="softmax", name="probs")
+
+    def call(self, x):
+        return self.probs(self.hidden(x))
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            loss = self.compute_loss(x=x, y=y, y_pred=self(x, training=True))
+        self.optimizer.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
+        return {"loss": loss}
+
+
+def test_a_custom_train_step_that_calls_compute_loss_has_its_loss_recorded(tmp_path):
+    """Keras' guide's custom train_step calls ``compute_loss`` and never ``scale_loss``, where
+    the callback took the loss from: the loss went unrecorded, and a log(0) in it was first
+    seen in a gradient. Its loss is recorded at every step, equal to what the step returned
+    to Keras (the truth: ``logs["loss"]``), and the injected batch's NaN is the loss's, forward."""
+    keras.utils.set_random_seed(0)
+    model = SoftmaxStepNet()
+    model(np.zeros((1, 4), np.float32))
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss=_xent)
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(96, 4)).astype(np.float32), np.eye(3, dtype=np.float32)[rng.integers(0, 3, 96)]
+    bad = 4
+    x[bad * 16 + 2] *= 1e4  # a saturated softmax: a probability of exactly 0 in the log
+    returned = []
+
+    class Logs(keras.callbacks.Callback):
+        def on_train_batch_end(self, batch, logs=None):
+            returned.append(float(logs["loss"]))
+
+    model.fit(x, y, batch_size=16, shuffle=False, verbose=0, callbacks=[NumericsCallback(str(tmp_path)), Logs()])
+    assert np.isfinite(returned[:bad]).all() and np.isnan(returned[bad])
+    from tb_numerics import analysis, event_reader, records
+
+    (run,) = event_reader.read_logdir(str(tmp_path))
+    loss = analysis.analyze_run(run.run, run.series).find("loss").series
+    assert loss.steps.tolist() == list(range(6))
+    # The step returns its own loss to Keras' logs (no metric averages it).
+    np.testing.assert_allclose(records.derived(loss.values)["mean"][:bad], returned[:bad], rtol=1e-6)
+    a = _report(tmp_path)["first_anomaly"]
+    assert (a["step"], a["tensor"], a["phase"]) == (bad, "loss", "forward")
+    assert a["op"]["type"] == "Log" and a["op"]["source"].endswith("test_keras_replay.py:%d (_xent)" % _line("XENT_LOG"))
+
+
 _MIRRORED_REPLAY = """
     import keras
     args = json.loads(sys.argv[1])
