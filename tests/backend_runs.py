@@ -268,28 +268,37 @@ class Masked(keras.layers.Layer):
     (its last feature) is 0, then a softmax; a sample with nothing to attend to (the injected
     batch's) has a row that is all -inf, whose softmax is NaN. The -inf itself is intended."""
 
+    def __init__(self, looped: bool = False, **kwargs):
+        super().__init__(**kwargs)
+        self.looped = looped  # the mask applied inside a loop of the graph, the softmax after it
+
     def build(self, input_shape):
         self.scale = self.add_weight(shape=(), initializer="ones", name="scale")
 
     def call(self, x):
         scores = self.scale * x[:, :, None] * x[:, None, :]
+        if self.looped:
+            scores = keras.ops.fori_loop(0, 1, lambda i, s: keras.ops.where(x[:, None, -1:] > 0, s, -np.inf), scores)
+            weights = keras.ops.softmax(scores, axis=-1)  # FAULT_LINE masked_looped
+            return keras.ops.sum(weights * x[:, None, :], axis=-1)
         scores = keras.ops.where(x[:, None, -1:] > 0, scores, -np.inf)
         weights = keras.ops.softmax(scores, axis=-1)  # FAULT_LINE masked
         return keras.ops.sum(weights * x[:, None, :], axis=-1)
 
 
-def run_masked(root: str) -> dict:
-    """A -inf attention mask, and a row of it all masked at the injected step."""
-    logdir = os.path.join(root, "masked")
+def run_masked(root: str, looped: bool = False) -> dict:
+    """A -inf attention mask (applied inside a loop if ``looped``), and a row of it all
+    masked at the injected step."""
+    logdir = os.path.join(root, "masked_looped" if looped else "masked")
     x, y = data("log0")
     keras.utils.set_random_seed(5)
-    masked = Masked(name="masked")
+    masked = Masked(looped, name="masked")
     m = keras.Sequential([keras.Input((5,)), masked, keras.layers.Dense(1, name="head")], name="outer")
     m.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
     cb = NumericsCallback(logdir)
     m.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[cb])
     truth = _first_nonfinite_layer(x, [("masked", masked), ("head", m.get_layer("head"))])
-    return {"report": report(logdir), "oracle_layer": truth, "line": fault_line("masked"),
+    return {"report": report(logdir), "oracle_layer": truth, "line": fault_line("masked_looped" if looped else "masked"),
             "verdict": cb.replay_verdict}
 
 
@@ -475,6 +484,7 @@ def main(out: str, root: str) -> None:
     results["nested"] = run_nested(root)
     results["block"] = run_block(root)
     results["masked"] = run_masked(root)
+    results["masked_looped"] = run_masked(root, looped=True)
     for kind in ("log0", "sqrt0"):
         results["looped_" + kind] = run_looped(root, kind)
     from demo.stories import keras_fit

@@ -216,15 +216,18 @@ def test_a_nan_born_inside_a_layer_the_user_wrote_is_first_seen_at_the_layer_tha
             r["report"]["steps"]), (b, sorted(r["report"]["steps"]))
 
 
-def test_a_softmax_over_a_row_all_masked_with_minus_inf_is_the_op_not_the_mask(runs):
+@pytest.mark.parametrize("run", ["masked", "masked_looped"])
+def test_a_softmax_over_a_row_all_masked_with_minus_inf_is_the_op_not_the_mask(runs, run):
     """Hand-written attention masks its scores with -inf (intended: no anomaly of its own) and
     a sample of the injected batch has nothing to attend to: its row is all -inf, and the
     softmax makes NaN of it. The first anomaly is the layer Keras itself finds non-finite, at
     the injected step; the replay names the softmax's line, reproduced, on every backend
     (before, it stopped at the mask's -inf, called it a value that came in non-finite and said
-    the fault was not reproducible), and the hint names the all-masked row."""
+    the fault was not reproducible), and the hint names the all-masked row. The same where the
+    mask is applied inside a loop of the graph and the softmax after it (JAX's replay stepped
+    into the loop, found no op there that made a value non-finite, and stopped at the loop)."""
     for b in BACKENDS:
-        r = runs[b]["masked"]
+        r = runs[b][run]
         a = r["report"]["first_anomaly"]
         assert r["oracle_layer"] == "masked", (b, r["oracle_layer"])
         assert (a["step"], a["tensor"]) == (backend_runs.BAD_STEP, "masked/output"), (b, a)

@@ -183,6 +183,11 @@ class _Evaluator:
         except _Found as whole:
             jvp = any(c.startswith("jvp(") for c in names)
             _CONTROL_FLOW[eqn.primitive.name](self, eqn.params, invals, names, backward_outs, jvp)
+            # Stepped through, no op inside made a value not finite: a -Inf it hands out is a mask's.
+            bad = [v for v in whole.outvals if _nonfinite(v)]
+            if all(passes_mask(records.numpy_stats(np.asarray(v, np.float64)), [], []) for v in bad):
+                self._masks.update((id(v), v) for v in bad)
+                return whole.outvals
             raise whole
 
     def _phase(self, names: list[str]) -> str:
