@@ -10,7 +10,9 @@ which remembers how to put each one back):
   step (validation and ``predict`` calls are not recorded);
 * the model's ``compute_loss`` and the optimizer's ``scale_loss`` (for the
   loss: a custom ``train_step`` written as Keras' guide writes it calls the
-  first and not the second) and the optimizer's ``apply`` (for the
+  first and not the second), and ``tf.GradientTape.gradient`` (the target of
+  the step's first gradient is its loss, where a custom ``train_step``
+  computed it by hand and called neither), and the optimizer's ``apply`` (for the
   gradients, the weights before the update and the update itself, which
   ``StepProgram.recorded_apply`` records);
 * the ``apply`` of every other optimizer the model holds as an attribute
@@ -31,6 +33,7 @@ import functools
 from typing import Any, Callable
 
 import keras
+import tensorflow as tf
 
 from tb_numerics import _keras_replay
 from tb_numerics._keras_host import Patches
@@ -64,6 +67,7 @@ class StepHooks:
         patches.set(model, "train_step", self._wrap_train_step(model.train_step))
         patches.set(model, "compute_loss", self._wrap_compute_loss(model.compute_loss))
         patches.set(opt, "scale_loss", self._wrap_scale_loss(opt.scale_loss))
+        patches.set(tf.GradientTape, "gradient", self._wrap_gradient(tf.GradientTape.gradient))
         patches.set(opt, "apply", self._wrap_apply(opt.apply))
         for other in other_optimizers(model):
             patches.set(other, "apply", self._wrap_other_apply(other.apply))
@@ -123,6 +127,16 @@ class StepHooks:
             if self._trace is not None and self._trace.loss is None:  # the step's first: its loss
                 self._trace.loss = loss
             return loss
+
+        return wrapped
+
+    def _wrap_gradient(self, gradient: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(gradient)
+        def wrapped(tape, target, *args, **kwargs):
+            if (self._trace is not None and self._trace.loss is None and tf.is_tensor(target)
+                    and target.dtype.is_floating):  # a loss computed by hand: no compute_loss before it
+                self._trace.loss = target
+            return gradient(tape, target, *args, **kwargs)
 
         return wrapped
 

@@ -274,14 +274,18 @@ def backward_frames() -> frozenset[tuple[str, str]]:
     """(file, function) of the frames that mean "computing gradients".
 
     ``GradientTape.gradient`` and ``tf.gradients``' helper, which builds the
-    backward function of a ``tf.function`` called under a tape.
+    backward function of a ``tf.function`` called under a tape: their own
+    code, under any wrapper ``functools.wraps`` made (the Keras callback
+    wraps ``GradientTape.gradient`` during ``fit``).
     """
+    import inspect
+
     from tensorflow.python.eager import backprop
     from tensorflow.python.ops import gradients_util
 
     return frozenset(
         (fn.__code__.co_filename, fn.__code__.co_name)
-        for fn in (backprop.GradientTape.gradient, gradients_util._GradientsHelper)
+        for fn in map(inspect.unwrap, (backprop.GradientTape.gradient, gradients_util._GradientsHelper))
     )
 
 

@@ -302,6 +302,81 @@ def run_masked(root: str, looped: bool = False) -> dict:
             "verdict": cb.replay_verdict}
 
 
+class GuideStep(keras.Model):
+    """A model with the custom ``train_step`` of Keras' guide ("Customizing what happens in
+    fit()") on each backend; its loss from ``compute_loss`` or, ``by_hand``, from a loss
+    function it calls itself (``ratio_loss``: 0/0 at ``BAD_STEP``)."""
+
+    def __init__(self, by_hand: bool):
+        super().__init__(name="guide")
+        self.by_hand = by_hand
+        self.dense = keras.layers.Dense(8, activation="relu", name="dense_0")
+        self.head = keras.layers.Dense(1, name="head")
+
+    def call(self, x, training=False):
+        return self.head(self.dense(x))
+
+    def _loss(self, x, y, y_pred):
+        return ratio_loss(y, y_pred) if self.by_hand else self.compute_loss(x=x, y=y, y_pred=y_pred)
+
+    if BACKEND == "tensorflow":
+        def train_step(self, data):
+            import tensorflow as tf
+
+            x, y = data
+            with tf.GradientTape() as tape:
+                loss = self._loss(x, y, self(x, training=True))
+            self.optimizer.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
+            return {"loss": loss}
+    elif BACKEND == "torch":
+        def train_step(self, data):
+            import torch
+
+            x, y = data
+            self.zero_grad()
+            loss = self._loss(x, y, self(x, training=True))
+            loss.backward()
+            with torch.no_grad():
+                self.optimizer.apply([v.value.grad for v in self.trainable_weights], self.trainable_weights)
+            return {"loss": loss}
+    else:
+        def compute_loss_and_updates(self, trainable_variables, non_trainable_variables, x, y, training=False):
+            y_pred, non_trainable_variables = self.stateless_call(trainable_variables, non_trainable_variables, x,
+                                                                  training=training)
+            return self._loss(x, y, y_pred), (y_pred, non_trainable_variables)
+
+        def train_step(self, state, data):
+            import jax
+
+            trainable_variables, non_trainable_variables, optimizer_variables, metrics_variables = state
+            x, y = data
+            grad_fn = jax.value_and_grad(self.compute_loss_and_updates, has_aux=True)
+            (loss, (y_pred, non_trainable_variables)), grads = grad_fn(
+                trainable_variables, non_trainable_variables, x, y, training=True)
+            trainable_variables, optimizer_variables = self.optimizer.stateless_apply(
+                optimizer_variables, grads, trainable_variables)
+            return {"loss": loss}, (trainable_variables, non_trainable_variables, optimizer_variables,
+                                    metrics_variables)
+
+
+def run_guide_step(root: str, by_hand: bool) -> dict:
+    """``div00``'s fault in the loss of a custom ``train_step`` as Keras' guide writes it, and
+    the loss each step returned to Keras (``logs["loss"]``: no metric averages it)."""
+    logdir = os.path.join(root, "guide_hand" if by_hand else "guide_compute")
+    x, y = data("div00")
+    keras.utils.set_random_seed(5)
+    m = GuideStep(by_hand)
+    m(x[:1])
+    m.compile(optimizer=keras.optimizers.SGD(0.01), loss=ratio_loss)
+    returned: list[float] = []
+    keep = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: returned.append(float(logs["loss"])))
+    m.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[NumericsCallback(logdir), keep])
+    rr = event_reader.read_run(".", event_reader.find_runs(logdir).get(".", []))
+    loss = next((s for s in rr.series if s.tag == "loss"), None)
+    recorded = None if loss is None else records.derived(loss.values)["mean"].tolist()
+    return {"report": report(logdir), "returned": returned, "recorded": recorded}
+
+
 def run_block(root: str) -> dict:
     """``log0``'s fault inside a user-written layer, and the truth beside it."""
     logdir = os.path.join(root, "block")
@@ -485,6 +560,8 @@ def main(out: str, root: str) -> None:
     results["block"] = run_block(root)
     results["masked"] = run_masked(root)
     results["masked_looped"] = run_masked(root, looped=True)
+    for by_hand in (False, True):
+        results["guide_hand" if by_hand else "guide_compute"] = run_guide_step(root, by_hand)
     for kind in ("log0", "sqrt0"):
         results["looped_" + kind] = run_looped(root, kind)
     from demo.stories import keras_fit

@@ -14,6 +14,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 import backend_runs
@@ -235,6 +236,26 @@ def test_a_softmax_over_a_row_all_masked_with_minus_inf_is_the_op_not_the_mask(r
         assert a["op"]["source"].startswith("backend_runs.py:%d (" % r["line"]), (b, a["op"])
         assert a["op"]["phase"] == "forward", (b, a["op"])
         assert "made NaN from -Inf at step %d" % backend_runs.BAD_STEP in a["hint"], (b, a["hint"])
+
+
+@pytest.mark.parametrize("run", ["guide_compute", "guide_hand"])
+def test_a_custom_train_step_as_keras_guide_writes_it_has_its_loss_recorded(runs, run):
+    """Keras' guide's custom ``train_step`` on each backend (a ``GradientTape``, ``backward()``,
+    ``jax.value_and_grad`` of its own ``compute_loss_and_updates``), its loss from
+    ``compute_loss`` or from a loss function it calls by hand. Before, the callback stopped
+    JAX's ``fit`` with a ValueError (it unpacked the auxiliary output as Keras' own), and
+    recorded no loss on PyTorch, nor on TensorFlow by hand: the NaN was first seen in a
+    gradient. The truth: the loss each step returned to Keras, and the injected 0/0's line."""
+    for b in BACKENDS:
+        r = runs[b][run]
+        assert len(r["returned"]) == backend_runs.STEPS and np.isnan(r["returned"][backend_runs.BAD_STEP]), b
+        bad = backend_runs.BAD_STEP
+        assert np.isfinite(r["returned"][:bad]).all(), b
+        assert r["recorded"] is not None and len(r["recorded"]) == backend_runs.STEPS, (b, r["recorded"])
+        np.testing.assert_allclose(r["recorded"][:bad], r["returned"][:bad], rtol=1e-5, err_msg=b)
+        a = r["report"]["first_anomaly"]
+        assert (a["step"], a["tensor"], a["phase"]) == (bad, "loss", "forward"), (b, a)
+        assert a["op"]["source"].startswith("backend_runs.py:%d (" % backend_runs.fault_line("div00")), (b, a["op"])
 
 
 @pytest.mark.parametrize("kind", ["log0", "sqrt0"])

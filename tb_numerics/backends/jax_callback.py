@@ -25,7 +25,9 @@ All of it is traced into the one jitted step: no host round trip per
 tensor, under ``jit_compile=True`` (JAX's default) or not. The host copies
 one small array per step in ``on_train_batch_end``; the host side every
 backend shares (``_keras_host``) writes it.
-A custom ``train_step`` is recorded where it calls these same methods.
+A custom ``train_step`` is recorded where it calls these same methods; a
+custom ``compute_loss_and_updates`` (Keras' guide's hands out ``(y_pred,
+ntv)``) where its auxiliary output holds the non-trainable variables' list.
 """
 
 from __future__ import annotations
@@ -258,12 +260,31 @@ class JaxNumericsCallback(NumericsCallbackBase):
             loss, aux = compute_loss_and_updates(*args, **kwargs)
             if trace is None or trace.forward_done or not kwargs.get("training", False):
                 return loss, aux
+            at = self._ntv_at(aux)
+            if at is None:  # no list of the non-trainable variables to hand the records out in
+                return loss, aux
             trace.forward_done = True
-            unscaled_loss, y_pred, ntv, mv = aux
-            forward = self._forward_records(trace, unscaled_loss, ntv)
-            return loss, (unscaled_loss, y_pred, list(ntv) + [forward], mv)
+            keras_own = at == 2 and len(aux) == 4  # (unscaled loss, y_pred, ntv, metrics' variables)
+            forward = self._forward_records(trace, aux[0] if keras_own else loss, aux[at])
+            out = list(aux)
+            out[at] = list(aux[at]) + [forward]
+            return loss, type(aux)(out)
 
         return wrapped
+
+    def _ntv_at(self, aux: Any) -> int | None:
+        """Where the auxiliary output of ``compute_loss_and_updates`` holds the non-trainable
+        variables' new values: Keras' own hands out (unscaled loss, y_pred, ntv, metrics'
+        variables), a custom one as Keras' guide writes it (y_pred, ntv); None where no entry
+        is a list of their shapes."""
+        if not isinstance(aux, (tuple, list)):
+            return None
+        shapes = [tuple(v.shape) for v in self.model.non_trainable_variables]
+        found = [k for k, item in enumerate(aux) if isinstance(item, (tuple, list)) and len(item) == len(shapes)
+                 and all(tuple(getattr(t, "shape", ())) == s for t, s in zip(item, shapes))]
+        if len(aux) == 4 and 2 in found:
+            return 2
+        return found[-1] if found else None
 
     def _forward_records(self, trace: _Trace, loss, ntv: list) -> dict[int, tuple]:
         """row -> record of the batch, each layer's outputs, the loss and the

@@ -5,7 +5,10 @@ with ``jit_compile=True``) as TensorFlow's does, so the callback wraps, on
 the instances only and for the duration of ``fit``, the same places:
 
 * each top-level layer's ``call``, to keep its outputs;
-* the optimizer's ``scale_loss``, for the loss, and ``apply``, where the
+* the model's ``compute_loss`` (a custom ``train_step`` written as Keras'
+  guide writes it calls it and not ``scale_loss``), the optimizer's
+  ``scale_loss`` and ``torch.Tensor.backward`` (a loss computed by hand),
+  whichever comes first in the step, for the loss, and ``apply``, where the
   gradients are known: there the step's records are computed (``torch_stats``:
   three to nine passes per tensor on its device, on one intra-op thread, a
   few copies of a few numbers per tensor to the host for the whole step),
@@ -78,7 +81,9 @@ class TorchNumericsCallback(NumericsCallbackBase):
         self._replayer = torch_replay.StepReplay(model, model.train_step)
         patches = self._patches
         patches.set(model, "train_step", self._wrap_train_step(model.train_step))
-        patches.set(opt, "scale_loss", self._wrap_scale_loss(opt.scale_loss))
+        patches.set(model, "compute_loss", self._wrap_loss_source(model.compute_loss, result=True))
+        patches.set(opt, "scale_loss", self._wrap_loss_source(opt.scale_loss))
+        patches.set(torch.Tensor, "backward", self._wrap_loss_source(torch.Tensor.backward))
         patches.set(opt, "apply", self._wrap_apply(opt.apply))
         for i, layer in enumerate(self.plan.layers):
             patches.set(layer, "call", self._wrap_call(i, layer.call))
@@ -114,12 +119,17 @@ class TorchNumericsCallback(NumericsCallbackBase):
 
         return wrapped
 
-    def _wrap_scale_loss(self, scale_loss):
-        @functools.wraps(scale_loss)
-        def wrapped(loss):
-            if self._trace is not None and self._trace.loss is None:
-                self._trace.loss = loss.detach()
-            return scale_loss(loss)
+    def _wrap_loss_source(self, fn, result: bool = False):
+        """``fn`` (``compute_loss``, ``scale_loss``, ``Tensor.backward``), keeping the step's
+        loss from the first of them: the result of ``compute_loss``, the argument of the others."""
+        @functools.wraps(fn)
+        def wrapped(*args, **kwargs):
+            out = fn(*args, **kwargs)
+            loss = out if result else (args[0] if args else None)
+            trace = self._trace
+            if trace is not None and trace.loss is None and not trace.applied and isinstance(loss, torch.Tensor):
+                trace.loss = loss.detach()
+            return out
 
         return wrapped
 
