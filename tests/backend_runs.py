@@ -377,6 +377,20 @@ def run_guide_step(root: str, by_hand: bool) -> dict:
     return {"report": report(logdir), "returned": returned, "recorded": recorded}
 
 
+def run_normed_dropout(root: str) -> dict:
+    """``div00``'s fault in the loss of a model with BatchNormalization and Dropout."""
+    logdir = os.path.join(root, "normed_dropout")
+    x, y = data("div00")
+    keras.utils.set_random_seed(5)
+    m = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, name="dense_0"),
+                          keras.layers.BatchNormalization(name="bn"), keras.layers.ReLU(name="relu"),
+                          keras.layers.Dropout(0.2, name="drop"), keras.layers.Dense(1, name="head")], name="normed")
+    m.compile(optimizer=keras.optimizers.SGD(0.01), loss=ratio_loss)
+    cb = NumericsCallback(logdir)
+    m.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[cb])
+    return {"report": report(logdir), "verdict": cb.replay_verdict}
+
+
 def run_block(root: str) -> dict:
     """``log0``'s fault inside a user-written layer, and the truth beside it."""
     logdir = os.path.join(root, "block")
@@ -560,6 +574,7 @@ def main(out: str, root: str) -> None:
     results["block"] = run_block(root)
     results["masked"] = run_masked(root)
     results["masked_looped"] = run_masked(root, looped=True)
+    results["normed_dropout"] = run_normed_dropout(root)
     for by_hand in (False, True):
         results["guide_hand" if by_hand else "guide_compute"] = run_guide_step(root, by_hand)
     for kind in ("log0", "sqrt0"):

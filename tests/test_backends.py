@@ -238,6 +238,21 @@ def test_a_softmax_over_a_row_all_masked_with_minus_inf_is_the_op_not_the_mask(r
         assert "made NaN from -Inf at step %d" % backend_runs.BAD_STEP in a["hint"], (b, a["hint"])
 
 
+def test_a_model_with_batchnorm_and_dropout_replays_to_the_faults_line(runs):
+    """The 0/0 in the loss of a model with BatchNormalization and Dropout: the replay names
+    the injected line, reproduced, on every backend. Before, JAX's replay stopped at the NaN
+    that ``jnp.var`` casts and selects away (``where(n > 0, s / n, nan)``: no value of the
+    step's making) and called the fault not reproduced, and with Dropout it raised at the
+    random key's dtype (``key<fry>``)."""
+    for b in BACKENDS:
+        r = runs[b]["normed_dropout"]
+        a = r["report"]["first_anomaly"]
+        assert (a["step"], a["tensor"], a["phase"]) == (backend_runs.BAD_STEP, "loss", "forward"), (b, a)
+        assert r["verdict"]["reproduced"] is True, (b, r["verdict"])
+        assert a["op"]["source"].startswith("backend_runs.py:%d (" % backend_runs.fault_line("div00")), (b, a["op"])
+        assert a["op"]["phase"] == "forward", (b, a["op"])
+
+
 @pytest.mark.parametrize("run", ["guide_compute", "guide_hand"])
 def test_a_custom_train_step_as_keras_guide_writes_it_has_its_loss_recorded(runs, run):
     """Keras' guide's custom ``train_step`` on each backend (a ``GradientTape``, ``backward()``,

@@ -72,7 +72,7 @@ class _Trace:
 
 def _float_leaves(structure: Any) -> list:
     return [t for t in jax.tree_util.tree_leaves(structure)
-            if hasattr(t, "dtype") and jnp.dtype(t.dtype).name in metadata.DTYPE_LIMITS]
+            if hasattr(t, "dtype") and str(t.dtype) in metadata.DTYPE_LIMITS]  # a random key's is no numpy dtype
 
 
 def _merged(tensors: list):

@@ -38,6 +38,9 @@ __all__ = ["replay"]
 _TRANSFORM = re.compile(r"^(?:[A-Za-z_]\w*\()+([^()]*)\)+$")
 # Primitives whose work is a jaxpr of their own, by the parameter that holds it.
 _CALL_PARAMS = ("jaxpr", "call_jaxpr", "fun_jaxpr")
+# Primitives that only move or cast their input's values: a non-finite constant through them is still the program's.
+_MOVES = frozenset({"convert_element_type", "broadcast_in_dim", "reshape", "squeeze", "expand_dims", "transpose",
+                    "copy", "copy_p"})
 _CALLS = {"pjit", "jit", "closed_call", "core_call", "custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr",
           "remat", "checkpoint", "remat2"}
 
@@ -106,7 +109,8 @@ class _Evaluator:
     def __init__(self) -> None:
         self.seen_backward = False
         self._forced: str | None = None  # the phase of the equation being stepped into
-        # id of each value that passes a mask's -Inf on -> the value (``passes_mask``).
+        # id of each value that passes a mask's -Inf on (``passes_mask``), or a non-finite
+        # constant of the program moved or cast (``_MOVES``) -> the value.
         self._masks: dict[int, Any] = {}
 
     def run(self, jaxpr: Any, consts: list, args: list, prefix: list[str], phases: _Phases | None = None) -> list:
@@ -132,17 +136,22 @@ class _Evaluator:
                 outvals = self._control_flow(eqn, invals, names or [""], back)
             else:
                 outvals = self._bind(eqn, invals, names, lambda: [
-                    self._is_mask(v, x, jaxpr.constvars) for v, x in zip(eqn.invars, invals) if _is_float(x)])
+                    self._is_mask(v, x, jaxpr.constvars) for v, x in zip(eqn.invars, invals) if _is_float(x)],
+                    lambda: all(self._is_constant(v, x, jaxpr.constvars)
+                                for v, x in zip(eqn.invars, invals) if _nonfinite(x)))
             for var, value in zip(eqn.outvars, outvals):
                 if not isinstance(var, core.DropVar):
                     env[var] = value
         self._forced = outer
         return [read(v) for v in jaxpr.outvars]
 
-    def _bind(self, eqn: Any, invals: list, names: list[str], masked: Any = None) -> list:
+    def _bind(self, eqn: Any, invals: list, names: list[str], masked: Any = None, constant: Any = None) -> list:
         """``eqn``'s outputs; raises ``_Found`` where one is not finite, unless
         it passes a mask's -Inf on (``masked()``: per float input, whether its
-        -Inf is a mask's; None: a loop or a branch, run whole)."""
+        -Inf is a mask's; None: a loop or a branch, run whole), or moves or
+        casts a non-finite constant of the program (``constant()``: whether
+        every non-finite input is one; ``jnp.var``'s ``where(n > 0, s / n, nan)``
+        casts and broadcasts its NaN before the select drops it)."""
         params = eqn.primitive.get_bind_params(eqn.params)
         subfuns, params = params if isinstance(params, tuple) else ((), params)  # (subfuns, params) before JAX 0.7
         with eqn.ctx.manager:
@@ -157,6 +166,9 @@ class _Evaluator:
                                                                    ins, m):
                 self._masks[id(bad[0])] = bad[0]  # an intended -Inf, passed on: no op of the step's making
                 return outvals
+            if constant is not None and eqn.primitive.name in _MOVES and len(bad) == 1 and constant():
+                self._masks[id(bad[0])] = bad[0]  # the program's own NaN or Inf, moved or cast
+                return outvals
             raise _Found(eqn, names, phase, invals, outvals, m)
         return outvals
 
@@ -165,12 +177,11 @@ class _Evaluator:
         on, or a -Inf constant of the program (``where(m, s, -jnp.inf)``'s literal)."""
         if self._masks.get(id(value)) is value:
             return True
-        # A literal, a constant, or a literal handed into a call (a typed
-        # scalar, not an array the step computed or read from its state).
-        literal = isinstance(var, core.Literal) or var in constvars or not isinstance(value, jax.Array)
-        if not literal or np.size(value) != 1:
-            return False
-        return bool(np.all(np.isneginf(np.asarray(value, np.float64))))
+        return _literal(var, value, constvars) and bool(np.all(np.isneginf(np.asarray(value, np.float64))))
+
+    def _is_constant(self, var: Any, value: Any, constvars: list) -> bool:
+        """Whether input ``value`` is a non-finite constant of the program, or one moved or cast."""
+        return self._masks.get(id(value)) is value or _literal(var, value, constvars)
 
     def _control_flow(self, eqn: Any, invals: list, names: list[str], backward_outs: set[int]) -> list:
         """A loop or branch run whole (compiled: an RNN over a long sequence
@@ -247,8 +258,16 @@ def _sub_jaxpr(eqn: Any) -> tuple[Any, list] | None:
     return None
 
 
+def _literal(var: Any, value: Any, constvars: list) -> bool:
+    """Whether ``value`` is a scalar literal, a constant, or a literal handed into a call (a
+    typed scalar, not an array the step computed or read from its state)."""
+    literal = isinstance(var, core.Literal) or var in constvars or not isinstance(value, jax.Array)
+    return literal and np.size(value) == 1
+
+
 def _is_float(value: Any) -> bool:
-    return hasattr(value, "dtype") and np.dtype(value.dtype).name in metadata.DTYPE_LIMITS
+    # str(), not np.dtype(): a random key's dtype (key<fry>: Dropout's) is no numpy dtype.
+    return hasattr(value, "dtype") and str(value.dtype) in metadata.DTYPE_LIMITS
 
 
 def _nonfinite(value: Any) -> bool:
