@@ -9,6 +9,9 @@ bfloat16 and float64 subnormals to zero in the step itself, the reference
 is the numpy record of the flushed values (``jax_stats.flushes``).
 """
 
+import inspect
+import sys
+
 import numpy as np
 import pytest
 
@@ -196,3 +199,33 @@ def test_non_float_tensors_are_refused_by_name():
         torch_stats.records([torch.zeros(3, dtype=torch.int32)], ["ids"])
     with pytest.raises(TypeError, match="'ids'.*int32"):
         jax_stats.tensor_stats(jnp.zeros(3, jnp.int32), "ids")
+
+
+def test_memory_an_operator_allocates_without_writing_is_no_value_of_the_step():
+    """``torch.empty`` hands out whatever the memory held, NaN too, until an op fills it
+    (Dropout's ``empty_like(x).bernoulli_(p)``, a GRU's ``recurrent_dropout``): the PyTorch
+    replay named ``empty_like`` as the step's first non-finite op. The truth: the log(0)
+    injected after the fills."""
+    torch = pytest.importorskip("torch")
+    from tb_numerics.backends import torch_replay
+
+    class Outside:
+        layer = ""  # the replay's layer scope: none
+
+    mode = torch_replay._FirstNonFinite(Outside(), 3)
+    garbage = 0
+    for _ in range(20):
+        freed = torch.full((64,), float("nan"))  # made outside the replay's mode
+        del freed  # the allocator hands its block out again, NaNs and all
+        with mode:
+            t = torch.empty(64)
+            garbage += int(torch.isnan(t).any())
+            t.fill_(1.0)
+    with mode:
+        torch.log(t - 1.0)  # INJECTED_LOG0
+    if not garbage:
+        pytest.skip("this allocator handed out no NaN left by a freed tensor")
+    lines = inspect.getsource(sys.modules[__name__]).splitlines()
+    line = next(i for i, text in enumerate(lines, 1) if text.rstrip().endswith("INJECTED_LOG0"))
+    assert mode.found is not None and mode.found.op_type == "log", mode.found
+    assert ("test_backend_stats.py:%d (" % line) in mode.found.source, mode.found.source

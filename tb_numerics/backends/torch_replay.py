@@ -48,6 +48,10 @@ NOT_REPRODUCED = (
 
 # Operators whose input is a constant the program wrote, made a tensor outside the step's operators.
 _LIFTS_CONSTANTS = frozenset({"lift_fresh", "lift_fresh_copy"})
+# Operators that allocate without writing: their output is whatever the memory held (a NaN
+# among it is no value of the step's), until an op fills it (Dropout's bernoulli_ on empty_like).
+_UNINITIALIZED = frozenset({"empty", "empty_like", "empty_strided", "empty_permuted", "new_empty",
+                            "new_empty_strided"})
 
 
 def _tensors(structure: Any) -> list[torch.Tensor]:
@@ -86,7 +90,7 @@ class _FirstNonFinite(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         node = torch._C._current_autograd_node()
         self._seen_backward |= node is not None
-        if self.found is None:
+        if self.found is None and func.overloadpacket.__name__ not in _UNINITIALIZED:
             bad = [t for t in _tensors(out) if _nonfinite(t)]
             if bad:
                 inputs = _tensors((args, kwargs))
