@@ -63,6 +63,7 @@ import numpy as np
 import tensorflow as tf
 
 from tb_numerics import _survive_tf, _tf_internal, metadata, records, stats
+from tb_numerics.backends import _replay_common
 
 __all__ = ["REPLAY_TAG", "StepReplay", "seed_states"]
 
@@ -196,7 +197,8 @@ class StepReplay:
                 verdict.update(reproduced=False, why=self.why_not or "no batch was kept for this step: its layer "
                                "outputs, loss and gradients were finite (it went bad in the update)")
             else:
-                verdict.update(self._verdict(self._run(train_step, kept, int(step), loss_scale), check))
+                verdict.update(self._verdict(self._run(train_step, kept, int(step), loss_scale), check,
+                                             _finite_batch(kept[0])))
         except Exception as e:  # noqa: BLE001 - a replay must never stop training
             verdict.update(reproduced=False, why="the replay raised %s" % _error_text(e))
         return self._write(verdict)
@@ -239,12 +241,16 @@ class StepReplay:
             for var, value in saved:
                 var.assign(value)
 
-    def _verdict(self, found: Any, check: Callable[[], str | None] | None) -> dict[str, Any]:
-        """``reproduced`` and ``op``, or ``why`` not, of a replay that found ``found``."""
+    def _verdict(self, found: Any, check: Callable[[], str | None] | None, batch_finite: bool = True
+                 ) -> dict[str, Any]:
+        """``reproduced`` and ``op``, or ``why`` not, of a replay that found ``found``
+        (``batch_finite``: whether the step's batch was finite as it arrived)."""
         if found is None:
             # Ran, and finite: not reproducible (unless XLA's draws could not be redrawn).
             return {"reproduced": False, "reproducible": None if self._xla_draws else False,
                     "why": _XLA_DRAWS if self._xla_draws else _NOT_REPRODUCED}
+        if found.reads_nonfinite() and not batch_finite:
+            return {"reproduced": False, "why": _replay_common.batch_text(found.name)}
         if found.reads_nonfinite():
             # Not born in the step: it read a variable the failing step had already made non-finite.
             return {"reproduced": False, "why": "the first non-finite op (%s) read values that were already "
@@ -278,6 +284,12 @@ class StepReplay:
         except Exception:  # noqa: BLE001 - nor may writing its verdict
             _log.exception("tb_numerics: could not write the replay's verdict to %s", self._log_dir)
         return verdict
+
+
+def _finite_batch(batch: Any) -> bool:
+    """Whether every float tensor of a kept batch is finite."""
+    return all(bool(tf.reduce_all(tf.math.is_finite(t))) for t in tf.nest.flatten(batch)
+               if tf.is_tensor(t) and t.dtype.is_floating)
 
 
 def seed_states(model: Any) -> list[tf.Variable]:

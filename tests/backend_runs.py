@@ -377,6 +377,21 @@ def run_guide_step(root: str, by_hand: bool) -> dict:
     return {"report": report(logdir), "returned": returned, "recorded": recorded}
 
 
+def run_nan_batch(root: str) -> dict:
+    """One NaN in the batch at ``BAD_STEP``, as it arrives from the data (the truth: where it
+    was put), in a model with BatchNormalization."""
+    logdir = os.path.join(root, "nan_batch")
+    x, y = data("div00")
+    x[BAD_STEP * BATCH + 3, 1] = np.nan
+    keras.utils.set_random_seed(5)
+    m = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, name="dense_0"),
+                          keras.layers.BatchNormalization(name="bn"), keras.layers.Dense(1, name="head")], name="fed")
+    m.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    cb = NumericsCallback(logdir)
+    m.fit(x, y[:, :1], batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[cb])
+    return {"report": report(logdir), "verdict": cb.replay_verdict}
+
+
 def run_normed_dropout(root: str) -> dict:
     """``div00``'s fault in the loss of a model with BatchNormalization and Dropout."""
     logdir = os.path.join(root, "normed_dropout")
@@ -575,6 +590,7 @@ def main(out: str, root: str) -> None:
     results["masked"] = run_masked(root)
     results["masked_looped"] = run_masked(root, looped=True)
     results["normed_dropout"] = run_normed_dropout(root)
+    results["nan_batch"] = run_nan_batch(root)
     for by_hand in (False, True):
         results["guide_hand" if by_hand else "guide_compute"] = run_guide_step(root, by_hand)
     for kind in ("log0", "sqrt0"):

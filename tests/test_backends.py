@@ -238,6 +238,20 @@ def test_a_softmax_over_a_row_all_masked_with_minus_inf_is_the_op_not_the_mask(r
         assert "made NaN from -Inf at step %d" % backend_runs.BAD_STEP in a["hint"], (b, a["hint"])
 
 
+def test_a_nan_the_batch_brought_is_the_inputs_and_the_replay_says_so(runs):
+    """One NaN put into the batch at the injected step: the first anomaly is the input's, in
+    phase ``input``, and the hint says it came from the data, on every backend. The replay's
+    verdict says the batch held it as it arrived (before, it blamed "a variable an earlier
+    update made so", and the compiler or the random draws, where a survival event showed it)."""
+    for b in BACKENDS:
+        r = runs[b]["nan_batch"]
+        a = r["report"]["first_anomaly"]
+        assert (a["step"], a["tensor"], a["phase"]) == (backend_runs.BAD_STEP, "input", "input"), (b, a)
+        assert "arrived so from the data pipeline" in a["hint"], (b, a["hint"])
+        assert r["verdict"]["reproduced"] is False, (b, r["verdict"])
+        assert r["verdict"]["why"].startswith("the step's batch held NaN or Inf as it arrived"), (b, r["verdict"])
+
+
 def test_a_model_with_batchnorm_and_dropout_replays_to_the_faults_line(runs):
     """The 0/0 in the loss of a model with BatchNormalization and Dropout: the replay names
     the injected line, reproduced, on every backend. Before, JAX's replay stopped at the NaN

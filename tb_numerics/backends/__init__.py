@@ -13,7 +13,7 @@ failing step at op level: ``tensorflow_callback`` (composing the
 ``_keras_*`` modules, ``stats`` and ``_keras_replay``), ``jax_callback``
 (``jax_stats``, ``jax_replay``), ``torch_callback`` (``torch_stats``,
 ``torch_replay``); ``_replay_common`` and ``_source`` serve the JAX and
-PyTorch replays.
+PyTorch replays (and the verdict's words on a non-finite batch, TensorFlow's too).
 """
 
 from __future__ import annotations

@@ -17,7 +17,13 @@ import numpy as np
 from tb_numerics.oplevel.record import OpRecord
 from tb_numerics.records import F, numpy_stats
 
-__all__ = ["found_op", "verdict"]
+__all__ = ["batch_text", "found_op", "verdict"]
+
+
+def batch_text(op_name: str) -> str:
+    """Why a replay whose first non-finite op read the step's non-finite batch reproduced nothing."""
+    return ("the step's batch held NaN or Inf as it arrived, and the first op that read it (%s) passed them on: "
+            "no op of the step made them (the input's record says where they are)" % op_name)
 
 
 def _input_range(x: np.ndarray, v: np.ndarray) -> dict[str, Any]:
@@ -47,15 +53,18 @@ def found_op(name: str, op_type: str, source: str, phase: str, step: int, output
                     input_records=tuple(tuple(v) for v in input_records), inputs_masked=tuple(map(bool, masked)))
 
 
-def verdict(op: OpRecord | None, not_reproduced: str) -> dict[str, Any]:
+def verdict(op: OpRecord | None, not_reproduced: str, batch_finite: bool = True) -> dict[str, Any]:
     """The replay's verdict on the op it found (None: every output was finite).
 
     Args:
       op: the first op whose output was not finite, or None.
       not_reproduced: why a replay may not reproduce the step, on this backend.
+      batch_finite: whether every float tensor of the step's batch was finite.
     """
     if op is None:
         return {"reproduced": False, "why": not_reproduced}
+    if op.reads_nonfinite() and not batch_finite:
+        return {"reproduced": False, "why": batch_text(op.name)}
     if op.reads_nonfinite():
         return {"reproduced": False, "why": "the first non-finite op (%s) read values that were already "
                 "non-finite (a variable an earlier update made so): %s" % (op.name, not_reproduced)}

@@ -305,5 +305,6 @@ def replay(train_step: Any, state: Any, data: Any, step: int) -> dict[str, Any]:
     try:
         evaluator.run(closed.jaxpr, list(closed.consts), args, [], _phases(closed.jaxpr))
     except _Found as found:
-        return _replay_common.verdict(_op(found, step, fallback), NOT_REPRODUCED)
+        batch_finite = not any(_nonfinite(x) for x in jax.tree_util.tree_leaves(data))
+        return _replay_common.verdict(_op(found, step, fallback), NOT_REPRODUCED, batch_finite)
     return _replay_common.verdict(None, NOT_REPRODUCED)

@@ -169,7 +169,7 @@ class StepReplay:
             for v, value in saved:
                 v.assign(value)
             model.zero_grad()
-        return _replay_common.verdict(mode.found, NOT_REPRODUCED)
+        return _replay_common.verdict(mode.found, NOT_REPRODUCED, not any(_nonfinite(t) for t in _tensors(data)))
 
 
 def _state_variables(model: keras.Model) -> list[Any]:
