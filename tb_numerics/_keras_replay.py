@@ -288,8 +288,7 @@ class StepReplay:
 
 def _finite_batch(batch: Any) -> bool:
     """Whether every float tensor of a kept batch is finite."""
-    return all(bool(tf.reduce_all(tf.math.is_finite(t))) for t in tf.nest.flatten(batch)
-               if tf.is_tensor(t) and t.dtype.is_floating)
+    return bool(stats.all_finite([t for t in tf.nest.flatten(batch) if tf.is_tensor(t) and t.dtype.is_floating]))
 
 
 def seed_states(model: Any) -> list[tf.Variable]:
