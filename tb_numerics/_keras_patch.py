@@ -132,11 +132,15 @@ class StepHooks:
 
     def _wrap_gradient(self, gradient: Callable[..., Any]) -> Callable[..., Any]:
         @functools.wraps(gradient)
-        def wrapped(tape, target, *args, **kwargs):
+        def wrapped(tape, target, sources, *args, **kwargs):
+            # A loss computed by hand: no compute_loss before it. Only a gradient with respect to
+            # weights: a gradient penalty's (WGAN-GP) is the critic's output's, with respect to inputs.
+            weights = tf.nest.flatten(sources)
             if (self._trace is not None and self._trace.loss is None and tf.is_tensor(target)
-                    and target.dtype.is_floating):  # a loss computed by hand: no compute_loss before it
+                    and target.dtype.is_floating and weights
+                    and all(isinstance(w, (tf.Variable, keras.Variable)) for w in weights)):
                 self._trace.loss = target
-            return gradient(tape, target, *args, **kwargs)
+            return gradient(tape, target, sources, *args, **kwargs)
 
         return wrapped
 

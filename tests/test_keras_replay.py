@@ -260,6 +260,43 @@ def test_a_custom_train_step_that_calls_compute_loss_has_its_loss_recorded(tmp_p
     assert a["op"]["type"] == "Log" and a["op"]["source"].endswith("test_keras_replay.py:%d (_xent)" % _line("XENT_LOG"))
 
 
+class PenaltyStepNet(SoftmaxStepNet):
+    """A custom train_step as WGAN-GP's: a gradient with respect to the inputs (a gradient
+    penalty) comes before the gradient of the loss, computed by hand, with respect to the weights."""
+
+    def train_step(self, data):
+        x, y = data
+        with tf.GradientTape() as tape:
+            with tf.GradientTape() as inner:
+                inner.watch(x)
+                p = self(x, training=True)
+            penalty = tf.reduce_mean(tf.square(inner.gradient(p, x)))
+            loss = tf.reduce_mean(_xent(y, p)) + 1e-3 * penalty
+        self.optimizer.apply(tape.gradient(loss, self.trainable_variables), self.trainable_variables)
+        return {"loss": loss}
+
+
+def test_a_loss_computed_by_hand_is_the_target_of_the_gradient_with_respect_to_the_weights(tmp_path):
+    """A custom train_step that computes its loss by hand has it recorded from the step's
+    gradient with respect to the weights, not from a gradient penalty's with respect to the
+    inputs taken before it (the critic's output is no loss). The truth: ``logs["loss"]``."""
+    keras.utils.set_random_seed(0)
+    model = PenaltyStepNet()
+    model(np.zeros((1, 4), np.float32))
+    model.compile(optimizer=keras.optimizers.SGD(0.01))
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(96, 4)).astype(np.float32), np.eye(3, dtype=np.float32)[rng.integers(0, 3, 96)]
+    returned = []
+    logs = keras.callbacks.LambdaCallback(on_train_batch_end=lambda batch, logs: returned.append(float(logs["loss"])))
+    model.fit(x, y, batch_size=16, shuffle=False, verbose=0, callbacks=[NumericsCallback(str(tmp_path)), logs])
+    from tb_numerics import analysis, event_reader, records
+
+    (run,) = event_reader.read_logdir(str(tmp_path))
+    loss = analysis.analyze_run(run.run, run.series).find("loss").series
+    assert loss.info.shape == () and loss.steps.tolist() == list(range(6))
+    np.testing.assert_allclose(records.derived(loss.values)["mean"], returned, rtol=1e-6)
+
+
 _MIRRORED_REPLAY = """
     import keras
     args = json.loads(sys.argv[1])
