@@ -40,8 +40,6 @@ def why_no_replay(model: Any) -> str | None:
     if strategy.num_replicas_in_sync > 1 and not isinstance(strategy, tf.distribute.MirroredStrategy):
         return "replay under several replicas is supported under MirroredStrategy only, not %s" % (
             type(strategy).__name__)
-    if int(getattr(model, "steps_per_execution", 1) or 1) > 1:
-        return "replay keeps one step's batch, and steps_per_execution > 1 runs several steps per call"
     return None
 
 
@@ -129,17 +127,20 @@ class Diagnosis:
         kept = (self._replay.batch(step, r) for r in range(strategy_of(self._model).num_replicas_in_sync))
         return [batch for batch in kept if batch is not None]
 
-    def replay(self, step: int, step_stats: np.ndarray, loss_scale: float | None = None) -> dict[str, Any]:
+    def replay(self, step: int, step_stats: np.ndarray, loss_scale: float | None = None,
+               later_steps: int = 0) -> dict[str, Any]:
         """The verdict on the first bad step: born in an earlier update, or
         the op the step's replay found (``first_anomaly.replay``).
-        ``loss_scale``: the LossScaleOptimizer's scale at the step, if any."""
+        ``loss_scale``: the LossScaleOptimizer's scale at the step, if any;
+        ``later_steps``: the steps of its call that ran after it."""
         if self.born_in_update(step):
             return {"step": step, "reproduced": False, "update_of_step": self.update_found}
         self._host.writer.flush()
         replica = self._bad_replica()
         return self._replay.replay(step, self._model.train_step, replica,
                                    check=functools.partial(self._replay_differs, step_stats, replica),
-                                   loss_scale=loss_scale, unscaled=step in self._unscaled)
+                                   loss_scale=loss_scale, unscaled=step in self._unscaled,
+                                   later_steps=later_steps)
 
     def skip_beyond_scaling(self, step: int, loss_scale: float | None) -> bool:
         """At a step a LossScaleOptimizer skipped: whether its replay's first

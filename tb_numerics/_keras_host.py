@@ -294,6 +294,10 @@ class NumericsCallbackBase(keras.callbacks.Callback):
         """The batch of ``step`` (each replica's part), as kept for the replay; [] where none was."""
         return []
 
+    def _looked_at_bad_steps(self) -> None:
+        """After the steps of a call that may hold an anomaly were written
+        (and the first one diagnosed): what the step kept for them may go."""
+
     def _replay_at(self, step: int) -> dict[str, Any]:
         """Runs ``step`` again at op level: ``{"reproduced": True, "op": {...}}``
         or ``{"reproduced": False, "why": ...}``."""
@@ -437,6 +441,7 @@ class NumericsCallbackBase(keras.callbacks.Callback):
             # callbacks after this one run (one may end the process).
             self._host.wait()
             self._write_steps(steps)
+            self._looked_at_bad_steps()
         else:
             self._host.submit(self._write_steps, steps)
         if not self.model.stop_training and self._policy_after(steps, batch):

@@ -83,6 +83,12 @@ _NOT_REPRODUCED = (
     "pipeline; XLA computing the step differently) or a hardware fault; the layer-level answer stands"
 )
 
+_MOVED = (
+    "every op output was finite when the step ran again eagerly without XLA on its batch, but on the weights as "
+    "its call of the train function left them (steps_per_execution > 1: %d later step(s) of that call ran "
+    "first and may have updated them), so the fault may lie in the step's own weights; the layer-level answer stands"
+)
+
 _XLA_DRAWS = (
     "the step ran under XLA, whose random numbers differ from TensorFlow's eager kernels for the same seed, so "
     "the replay, eager, could not redraw its Keras random values (dropout masks); the layer-level answer stands"
@@ -108,6 +114,10 @@ class StepReplay:
         # Under XLA, Keras' random layers drew values the eager replay cannot redraw.
         self._xla_draws = bool(self._seeds) and getattr(model, "jit_compile", False) is True
         self._seeds_at_start: list[tf.Tensor] = []  # of the step being traced
+        # Under steps_per_execution > 1 the host sees a call's steps after
+        # all of them ran: the batch kept is the call's first bad step's,
+        # until the host has looked at them (``release``).
+        self._first_of_call = int(getattr(model, "steps_per_execution", 1) or 1) > 1
 
     def step_begins(self) -> None:
         """Reads the seed generators' states as the step being traced begins
@@ -149,7 +159,16 @@ class StepReplay:
             kept_step.assign(tf.cast(step, tf.int64))
             return tf.constant(True)
 
+        if self._first_of_call:
+            bad = tf.logical_and(bad, kept_step.read_value() < 0)
         tf.cond(bad, copy, lambda: tf.constant(False))
+
+    def release(self) -> None:
+        """Under steps_per_execution > 1, once the host has looked at a call's
+        steps: the next call's first bad step may keep its batch."""
+        if self._first_of_call:
+            for kept_step in self._step.values():
+                kept_step.assign(-1)
 
     def _kept(self, step: int, replica: int) -> tuple[Any, list[tf.Tensor]] | None:
         """(batch, seed generators' states as the step began) of ``step``; None
@@ -168,7 +187,7 @@ class StepReplay:
 
     def replay(self, step: int, train_step: Callable[[Any], Any], replica: int | None = None,
                check: Callable[[], str | None] | None = None, loss_scale: float | None = None,
-               unscaled: bool = False) -> dict[str, Any]:
+               unscaled: bool = False, later_steps: int = 0) -> dict[str, Any]:
         """Runs ``train_step`` on the kept batch once more at op level, at
         ``step``; writes and returns the verdict (``first_anomaly.replay``).
         It never raises: a replay that fails says why in the verdict.
@@ -185,6 +204,9 @@ class StepReplay:
             has lowered it since); None without one.
           unscaled: run with the scale at 1 instead, where the step's
             gradients were non-finite at 1 too (said in the verdict: ``rules.kinds``).
+          later_steps: under steps_per_execution > 1, how many steps of the
+            same call ran after ``step`` (their updates, where applied, moved
+            the weights the replay runs on).
         """
         verdict: dict[str, Any] = {"step": int(step), **({"unscaled": True} if unscaled else {})}
         if unscaled:
@@ -198,7 +220,7 @@ class StepReplay:
                                "outputs, loss and gradients were finite (it went bad in the update)")
             else:
                 verdict.update(self._verdict(self._run(train_step, kept, int(step), loss_scale), check,
-                                             _finite_batch(kept[0])))
+                                             _finite_batch(kept[0]), later_steps))
         except Exception as e:  # noqa: BLE001 - a replay must never stop training
             verdict.update(reproduced=False, why="the replay raised %s" % _error_text(e))
         return self._write(verdict)
@@ -241,10 +263,14 @@ class StepReplay:
             for var, value in saved:
                 var.assign(value)
 
-    def _verdict(self, found: Any, check: Callable[[], str | None] | None, batch_finite: bool = True
-                 ) -> dict[str, Any]:
+    def _verdict(self, found: Any, check: Callable[[], str | None] | None, batch_finite: bool = True,
+                 later_steps: int = 0) -> dict[str, Any]:
         """``reproduced`` and ``op``, or ``why`` not, of a replay that found ``found``
-        (``batch_finite``: whether the step's batch was finite as it arrived)."""
+        (``batch_finite``: whether the step's batch was finite as it arrived;
+        ``later_steps``: steps of its call that ran after it)."""
+        if found is None and later_steps:
+            # Not a verdict on reproducibility: the weights were not the step's.
+            return {"reproduced": False, "reproducible": None, "why": _MOVED % later_steps}
         if found is None:
             # Ran, and finite: not reproducible (unless XLA's draws could not be redrawn).
             return {"reproduced": False, "reproducible": None if self._xla_draws else False,
@@ -259,6 +285,8 @@ class StepReplay:
         if other:
             why = "the replay computed other values than the step: %s; the op it found (%s) may not be the " \
                   "step's, so the layer-level answer stands" % (other, found.name)
+            if later_steps:
+                why += " (it ran on the weights as %d later step(s) of the step's call left them)" % later_steps
             return {"reproduced": False, "why": why + (" (%s)" % _XLA_DRAWS if self._xla_draws else "")}
         return {"reproduced": True, "op": found.to_json()}
 

@@ -169,8 +169,10 @@ def saturating(series: Sequence[TensorSeries], step: int) -> Saturating | None:
             return None
         j = np.flatnonzero(layer[out].steps == step)
         mx = derived(layer[out].values[j].astype(np.float64))["max_abs"] if len(j) else np.zeros(0)
-        if mx.size and np.nanmax(mx) >= SATURATES_AT:
-            return Saturating(layer[out].tag, step, float(np.nanmax(mx)), loss.info.activation)
+        # fmax skips the NaN of a record with no finite value, without nanmax's warning.
+        top = float(np.fmax.reduce(mx)) if mx.size else float("nan")
+        if top >= SATURATES_AT:
+            return Saturating(layer[out].tag, step, top, loss.info.activation)
         return None
     return None
 

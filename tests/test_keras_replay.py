@@ -128,6 +128,66 @@ def test_the_replay_names_the_op_and_the_line(tmp_path, kind, jit):
     assert "input 1 (%s, %s): min " % (first["name"], "x".join(map(str, first["shape"]))) in text, text
 
 
+@pytest.mark.parametrize("jit", [False, True], ids=["graph", "xla"])
+def test_under_steps_per_execution_the_replay_names_the_first_bad_steps_op(tmp_path, jit):
+    """Four steps per call of the train function, batches 5 and 6 of 8 made
+    to reach sqrt(0) (the injected fault: both in the second call, and a
+    healthy step after them that moves the weights): the first anomaly is
+    step 5, and its replay runs step 5's own batch (the call's first bad
+    one, not its last) to the sqrt's gradient on this file's line."""
+    keras.utils.set_random_seed(0)
+    model, loss = _sqrt_model()
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss=loss, jit_compile=jit, steps_per_execution=4)
+    rs = np.random.RandomState(0)
+    x, y = rs.randn(128, 4).astype("float32"), rs.randn(128, 2).astype("float32")
+    x[80:112] = 0.0  # batches 5 and 6: inputs the head maps to exactly 0 ...
+    y[80:112] = 0.0  # ... where the target is 0: sqrt(0), an infinite gradient
+    cb = NumericsCallback(str(tmp_path), stop_on_anomaly=True)
+    model.fit(x, y, batch_size=16, epochs=1, shuffle=False, verbose=0, callbacks=[cb])
+    a = _report(tmp_path)["first_anomaly"]
+    assert a["step"] == 5 and a["replay"] == {"reproduced": True}, a
+    assert (a["op"]["type"], a["op"]["phase"]) == ("SqrtGrad", "backward"), a["op"]
+    assert a["op"]["source"].endswith("test_keras_replay.py:%d (sqrt_error)" % _line("SQRT_LOSS")), a["op"]
+
+
+class ExpScale(keras.layers.Layer):
+    """exp(w * x) of one scalar weight: overflows where w * x passes 88.7."""
+
+    def build(self, input_shape):
+        self.w = self.add_weight(shape=(), initializer="ones", name="w")
+
+    def call(self, x):
+        return tf.exp(self.w * x)  # EXP_OVERFLOW
+
+
+@pytest.mark.parametrize("steps_per_execution", [1, 4])
+def test_a_replay_on_weights_a_later_step_of_its_call_moved_does_not_call_the_fault_unreproducible(
+        tmp_path, steps_per_execution):
+    """Step 1's exp(1 * 100) overflows (the injected fault, on its weight);
+    step 2's batch drives the weight to about -53. One step per call: the
+    replay runs on step 1's own weight and names the Exp. Four: the call's
+    step 2 ran before the host could replay step 1, and the replay, finite
+    on the moved weight, says so instead of blaming non-determinism."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((1,)), ExpScale(name="exp")])
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse", steps_per_execution=steps_per_execution)
+    x = np.array([[1.0], [100.0], [1.0], [1.0]], np.float32)
+    y = np.array([[np.e], [0.0], [-1000.0], [0.0]], np.float32)
+    cb = NumericsCallback(str(tmp_path))
+    model.fit(x, y, batch_size=1, epochs=1, shuffle=False, verbose=0, callbacks=[cb])
+    assert float(model.layers[0].w.numpy()) < -10  # the later step moved the weight
+    a = _report(tmp_path)["first_anomaly"]
+    assert a["step"] == 1, a
+    if steps_per_execution == 1:
+        assert a["replay"] == {"reproduced": True} and a["op"]["type"] == "Exp", a
+        assert a["op"]["source"].endswith("test_keras_replay.py:%d (call)" % _line("EXP_OVERFLOW")), a["op"]
+    else:
+        replay = a["replay"]
+        assert replay["reproduced"] is False and replay.get("reproducible") is not False, replay
+        assert "steps_per_execution > 1: 2 later step(s)" in replay["why"], replay
+        assert "not reproducible on replay" not in _report_text(tmp_path)
+
+
 class DropoutScale(keras.layers.Layer):
     """Divides by the sum of a dropout mask of three units: x/0 when all are dropped."""
 

@@ -170,9 +170,15 @@ class TensorFlowNumericsCallback(NumericsCallbackBase):
     def _kept_batches(self, step: int) -> list[Any]:
         return self._diagnosis.kept_batches(step)
 
+    def _looked_at_bad_steps(self) -> None:
+        if self._replay is not None:
+            self._replay.release()
+
     def _replay_verdict(self, step_stats: np.ndarray, values: StepValues) -> dict[str, Any]:
         # The TensorFlow replay writes its verdict itself (``_keras_replay``).
-        return self._diagnosis.replay(values.step, step_stats, self._scale(values))
+        # Under steps_per_execution > 1, the steps of its call after it ran before this.
+        return self._diagnosis.replay(values.step, step_stats, self._scale(values),
+                                      later_steps=self._last_call - values.call)
 
     def _skip_beyond_scaling(self, values: StepValues) -> bool:
         return self._diagnosis.skip_beyond_scaling(values.step, self._scale(values))
