@@ -220,7 +220,7 @@ class StepReplay:
                                "outputs, loss and gradients were finite (it went bad in the update)")
             else:
                 verdict.update(self._verdict(self._run(train_step, kept, int(step), loss_scale), check,
-                                             _finite_batch(kept[0]), later_steps))
+                                             stats.batch_finite(kept[0]), later_steps))
         except Exception as e:  # noqa: BLE001 - a replay must never stop training
             verdict.update(reproduced=False, why="the replay raised %s" % _error_text(e))
         return self._write(verdict)
@@ -275,12 +275,8 @@ class StepReplay:
             # Ran, and finite: not reproducible (unless XLA's draws could not be redrawn).
             return {"reproduced": False, "reproducible": None if self._xla_draws else False,
                     "why": _XLA_DRAWS if self._xla_draws else _NOT_REPRODUCED}
-        if found.reads_nonfinite() and not batch_finite:
-            return {"reproduced": False, "why": _replay_common.batch_text(found.name)}
-        if found.reads_nonfinite():
-            # Not born in the step: it read a variable the failing step had already made non-finite.
-            return {"reproduced": False, "why": "the first non-finite op (%s) read values that were already "
-                    "non-finite (a variable the failing step updated): %s" % (found.name, _NOT_REPRODUCED)}
+        if found.reads_nonfinite():  # not born in the step: the batch's, or a variable's
+            return _replay_common.verdict(found, _NOT_REPRODUCED, batch_finite)
         other = check() if check is not None else None
         if other:
             why = "the replay computed other values than the step: %s; the op it found (%s) may not be the " \
@@ -312,11 +308,6 @@ class StepReplay:
         except Exception:  # noqa: BLE001 - nor may writing its verdict
             _log.exception("tb_numerics: could not write the replay's verdict to %s", self._log_dir)
         return verdict
-
-
-def _finite_batch(batch: Any) -> bool:
-    """Whether every float tensor of a kept batch is finite."""
-    return bool(stats.all_finite([t for t in tf.nest.flatten(batch) if tf.is_tensor(t) and t.dtype.is_floating]))
 
 
 def seed_states(model: Any) -> list[tf.Variable]:

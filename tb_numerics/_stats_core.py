@@ -35,6 +35,7 @@ __all__ = [
     "ACC_DTYPE",
     "VIEWS",
     "all_finite",
+    "batch_finite",
     "bits_to_float64",
     "check_dtype",
     "count_nonfinite",
@@ -308,6 +309,15 @@ def all_finite(tensors: Sequence[Any], sums: Sequence[tf.Tensor] | None = None) 
     if sums is None:
         return _all_counted_finite(values)
     return tf.cond(sums_finite(sums), lambda: tf.constant(True), lambda: _all_counted_finite(values))
+
+
+def batch_finite(structure: Any) -> bool:
+    """Whether every float tensor (or numpy float array) of a step's batch,
+    any nested structure, is finite: what a replay that found an op reading
+    a NaN or an Inf asks, eagerly, of the batch the step received."""
+    leaves = [tf.convert_to_tensor(t) for t in tf.nest.flatten(structure, expand_composites=True)
+              if tf.is_tensor(t) or isinstance(t, np.ndarray)]
+    return bool(all_finite([t for t in leaves if t.dtype.is_floating]))
 
 
 @functools.partial(tf.function, autograph=False, experimental_attributes={"_noinline": True})

@@ -1,4 +1,4 @@
-"""What the JAX and PyTorch replays share: the op they found, as a record, and their verdict.
+"""What the replays share: the op they found, as a record (JAX, PyTorch), and their verdict (TensorFlow's too).
 
 A replay runs the failing step again and stops at the first primitive or
 operator whose output holds a NaN or an Inf. ``found_op`` makes the
