@@ -42,7 +42,7 @@ from tb_numerics._keras_plan import RowPlan
 from tb_numerics.records import F
 
 __all__ = ["AUX_FIELDS", "AUX_INDEX", "HostRecords", "NumericsCallbackBase", "Patches", "Record", "Step", "StepValues",
-           "stop_training"]
+           "step_counter", "stop_training"]
 
 _MAX_PENDING_WRITES = 8  # batches whose records may wait for the writer thread
 
@@ -139,6 +139,19 @@ class _Traced:
     host: HostRecords
 
 
+def step_counter(optimizer: Any) -> Any:
+    """The optimizer's variable that counts its train steps, which the records'
+    steps follow: ``iterations``, except under gradient accumulation, where
+    ``iterations`` counts the updates (one every ``gradient_accumulation_steps``
+    batches) and its raw counter the batches, as Keras' TensorBoard callback
+    steps its batch summaries (a wrapper's inner optimizer's, under a
+    LossScaleOptimizer)."""
+    inner = getattr(optimizer, "inner_optimizer", optimizer)
+    if getattr(inner, "gradient_accumulation_steps", None) and hasattr(inner, "_iterations"):
+        return inner._iterations  # noqa: SLF001 - iterations is this counter floor-divided
+    return optimizer.iterations
+
+
 def _positive_int(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError("%s must be a positive integer, got %r" % (name, value))
@@ -149,8 +162,9 @@ class NumericsCallbackBase(keras.callbacks.Callback):
     """Logs per-layer activations, gradients, weights and update ratios during ``fit``.
 
     Records (steps are the optimizer's step before its update, i.e.
-    ``optimizer.iterations``, plus the steps a ``LossScaleOptimizer`` skipped,
-    which do not advance it):
+    ``optimizer.iterations`` (its batches under gradient accumulation:
+    ``step_counter``), plus the steps a ``LossScaleOptimizer`` skipped, which
+    do not advance it):
 
     * ``input``, ``target``, ``sample_weight`` (role and phase ``input``):
       the batch as the step received it, before any layer ran, so a batch

@@ -26,7 +26,7 @@ import tensorflow as tf
 
 from tb_numerics import _keras_replay, _tf_internal, analysis, metadata, stats
 from tb_numerics._keras_gate import UpdateGate
-from tb_numerics._keras_host import AUX_FIELDS, AUX_INDEX, StepValues
+from tb_numerics._keras_host import AUX_FIELDS, AUX_INDEX, StepValues, step_counter
 from tb_numerics._keras_plan import RowPlan
 from tb_numerics.records import F
 from tb_numerics.survive import Spike
@@ -219,7 +219,7 @@ class StepProgram:
     def recorded_apply(self, apply: Callable[..., Any], trace: Trace, grads: list, variables: list) -> Any:
         """The optimizer's update, with the step's statistics stored around it."""
         opt = self._model.optimizer
-        its_before = tf.cast(tf.convert_to_tensor(opt.iterations), tf.int64)
+        its_before = tf.cast(tf.convert_to_tensor(step_counter(opt)), tf.int64)
         scale = tf.cast(tf.convert_to_tensor(opt.dynamic_scale), tf.float32) if self.lso else tf.constant(1.0)
         rows = self._forward_and_gradient_rows(trace, grads, variables, scale)
         zero = tf.zeros([NUM_FIELDS], tf.float64)
@@ -242,7 +242,7 @@ class StepProgram:
         result = self.gate.gated_apply(apply, grads, variables, trace, ctx, trigger["trigger"])
         applied = result if isinstance(result, tf.Tensor) and result.dtype == tf.bool else tf.constant(True)
         if self.lso:  # a LossScaleOptimizer's own skip leaves the iterations where they were
-            its_after = tf.cast(tf.convert_to_tensor(opt.iterations), tf.int64)
+            its_after = tf.cast(tf.convert_to_tensor(step_counter(opt)), tf.int64)
             applied = tf.logical_and(applied, tf.not_equal(its_after, its_before))
         self.gate.put_back(trace, tf.logical_not(applied), trigger["trigger"])
         skipped = tf.cast(tf.logical_not(applied), tf.int64)

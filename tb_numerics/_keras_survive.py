@@ -38,7 +38,7 @@ import numpy as np
 
 from tb_numerics import records, report_text, rules, survive
 from tb_numerics._keras_diagnosis import Diagnosis
-from tb_numerics._keras_host import HostRecords, StepValues
+from tb_numerics._keras_host import HostRecords, StepValues, step_counter
 from tb_numerics._keras_patch import other_optimizers
 from tb_numerics._keras_plan import RowPlan
 from tb_numerics._keras_program import StepProgram, strategy_of
@@ -93,7 +93,7 @@ class SurvivalHost:
     def begin(self) -> None:
         """At the start of training: the first snapshot (the state training starts from)."""
         if self.snapshot is not None:
-            self.snapshot.take(_value(self._model.optimizer.iterations))
+            self.snapshot.take(_value(step_counter(self._model.optimizer)))
 
     def acts_on(self, values: StepValues) -> bool:
         """Whether the policy acts on a step: its update was held back, and
@@ -208,7 +208,7 @@ class SurvivalHost:
         """Puts the last good state back and scales the learning rate; the
         event's fields, or None where there is no state to go back to."""
         opt = self._model.optimizer
-        its_now = _value(opt.iterations)
+        its_now = _value(step_counter(opt))
         if self.snapshot is not None:
             to = self.snapshot.restore()
             if to is None:
@@ -220,7 +220,7 @@ class SurvivalHost:
                 return None
             self._model.load_weights(path)
             out = {"checkpoint": os.path.basename(path)}
-        self._program.shift_steps(its_now - _value(opt.iterations))
+        self._program.shift_steps(its_now - _value(step_counter(opt)))
         if self._lr is not None:
             with strategy_of(self._model).scope():  # a mirrored learning rate is written on every replica
                 out.update(lr_factor=self._policy.lr_factor, lr=self._lr.scale(self._policy.lr_factor))

@@ -392,6 +392,30 @@ def run_nan_batch(root: str) -> dict:
     return {"report": report(logdir), "verdict": cb.replay_verdict}
 
 
+def run_accumulated(root: str) -> dict:
+    """``log0``'s fault under gradient accumulation (an update every 4 batches,
+    where ``optimizer.iterations`` counts updates), and, on TensorFlow, the
+    steps Keras' TensorBoard callback writes its batch losses at beside it."""
+    logdir = os.path.join(root, "accumulated")
+    x, y = data("log0")
+    m = model("log0")
+    m.compile(optimizer=keras.optimizers.SGD(0.01, gradient_accumulation_steps=4), loss="mse")
+    callbacks = [NumericsCallback(logdir)]
+    if BACKEND == "tensorflow":
+        callbacks.append(keras.callbacks.TensorBoard(os.path.join(logdir, "keras_tb"), update_freq=1))
+    m.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=callbacks)
+    out = {"report": report(logdir), "updates": int(keras.ops.convert_to_numpy(m.optimizer.iterations))}
+    if BACKEND == "tensorflow":
+        import glob
+
+        import tensorflow as tf
+
+        out["keras_tb_steps"] = sorted(int(e.step) for path in glob.glob(os.path.join(logdir, "keras_tb", "train", "*"))
+                                       for e in tf.compat.v1.train.summary_iterator(path)
+                                       for v in e.summary.value if v.tag == "batch_loss")
+    return out
+
+
 def run_normed_dropout(root: str) -> dict:
     """``div00``'s fault in the loss of a model with BatchNormalization and Dropout."""
     logdir = os.path.join(root, "normed_dropout")
@@ -591,6 +615,7 @@ def main(out: str, root: str) -> None:
     results["masked_looped"] = run_masked(root, looped=True)
     results["normed_dropout"] = run_normed_dropout(root)
     results["nan_batch"] = run_nan_batch(root)
+    results["accumulated"] = run_accumulated(root)
     for by_hand in (False, True):
         results["guide_hand" if by_hand else "guide_compute"] = run_guide_step(root, by_hand)
     for kind in ("log0", "sqrt0"):

@@ -252,6 +252,23 @@ def test_a_nan_the_batch_brought_is_the_inputs_and_the_replay_says_so(runs):
         assert r["verdict"]["why"].startswith("the step's batch held NaN or Inf as it arrived"), (b, r["verdict"])
 
 
+def test_under_gradient_accumulation_each_batch_is_its_own_step(runs):
+    """An update every 4 batches (``gradient_accumulation_steps=4``), where
+    ``optimizer.iterations`` counts updates: every batch is still a step of its
+    own, as Keras' TensorBoard callback steps its batch losses (from 1, where
+    a record's step is the optimizer's count before the step's update), and the fault
+    injected at ``BAD_STEP`` is found there. Before, the records of four
+    batches shared a step and the anomaly was filed at BAD_STEP // 4 on
+    TensorFlow, and JAX raised as ``fit`` began."""
+    for b in BACKENDS:
+        r = runs[b]["accumulated"]
+        a = r["report"]["first_anomaly"]
+        assert (a["step"], a["tensor"]) == (backend_runs.BAD_STEP, "fault/output"), (b, a)
+        assert r["report"]["steps"]["fault/output"] == list(range(backend_runs.STEPS)), b
+        assert r["updates"] < backend_runs.STEPS // 2, (b, r["updates"])  # the accumulation was on
+    assert runs["tensorflow"]["accumulated"]["keras_tb_steps"] == list(range(1, backend_runs.STEPS + 1))
+
+
 def test_a_model_with_batchnorm_and_dropout_replays_to_the_faults_line(runs):
     """The 0/0 in the loss of a model with BatchNormalization and Dropout: the replay names
     the injected line, reproduced, on every backend. Before, JAX's replay stopped at the NaN

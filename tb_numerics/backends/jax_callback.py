@@ -43,7 +43,7 @@ from jax import lax
 from jax.extend import core as _jax_core
 
 from tb_numerics import metadata
-from tb_numerics._keras_host import NumericsCallbackBase, Step, StepValues
+from tb_numerics._keras_host import NumericsCallbackBase, Step, StepValues, step_counter
 from tb_numerics.backends import jax_replay, jax_stats
 
 __all__ = ["JaxNumericsCallback"]
@@ -160,7 +160,7 @@ class JaxNumericsCallback(NumericsCallbackBase):
         self._trace: _Trace | None = None
         self._queue: list[tuple[int, dict, Any, tuple | None]] = []
         self._kept: dict[int, tuple[Any, list]] = {}
-        self._step0 = int(np.asarray(opt.iterations.value))
+        self._step0 = int(np.asarray(keras.ops.convert_to_numpy(step_counter(opt))))
         self._calls = 0
         self._n_ntv = len(model.non_trainable_variables)
         self._seed_index = [i for i, v in enumerate(model.non_trainable_variables) if v.name == _SEED_STATE]

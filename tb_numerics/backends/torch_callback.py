@@ -34,7 +34,7 @@ import numpy as np
 import torch
 
 from tb_numerics import metadata, records
-from tb_numerics._keras_host import NumericsCallbackBase, Step, StepValues
+from tb_numerics._keras_host import NumericsCallbackBase, Step, StepValues, step_counter
 from tb_numerics.backends import torch_replay, torch_stats
 
 __all__ = ["TorchNumericsCallback"]
@@ -76,7 +76,7 @@ class TorchNumericsCallback(NumericsCallbackBase):
         self._trace: _Trace | None = None
         self._results: list[Step] = []
         self._kept: dict[int, tuple[Any, list[torch.Tensor]]] = {}
-        self._step = int(np.asarray(keras.ops.convert_to_numpy(opt.iterations)))
+        self._step = int(np.asarray(keras.ops.convert_to_numpy(step_counter(opt))))
         self._seeds = [v for v in model.non_trainable_variables if v.name == _SEED_STATE]
         self._replayer = torch_replay.StepReplay(model, model.train_step)
         patches = self._patches
