@@ -416,6 +416,26 @@ def run_accumulated(root: str) -> dict:
     return out
 
 
+def run_loss_overflow(root: str) -> dict:
+    """A target of 1e20 at ``BAD_STEP``: the squared error overflows to +Inf
+    while its gradients stay finite, and Adafactor's factored squares of
+    those gradients would make the weights NaN. The truth: the step's
+    update is held back on its loss, so the weights stay finite and the
+    replay runs on the ones the step used."""
+    logdir = os.path.join(root, "loss_overflow")
+    x, y = data("div00")
+    y = y[:, :1].copy()
+    y[BAD_STEP * BATCH + 1] = 1e20
+    keras.utils.set_random_seed(5)
+    m = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="relu", name="dense_0"),
+                          keras.layers.Dense(1, name="head")], name="overflowing")
+    m.compile(optimizer=keras.optimizers.Adafactor(), loss="mse")
+    cb = NumericsCallback(logdir)
+    m.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[cb])
+    finite = all(bool(np.all(np.abs(keras.ops.convert_to_numpy(w)) < np.inf)) for w in m.weights)
+    return {"report": report(logdir), "verdict": cb.replay_verdict, "weights_finite": finite}
+
+
 def run_normed_dropout(root: str) -> dict:
     """``div00``'s fault in the loss of a model with BatchNormalization and Dropout."""
     logdir = os.path.join(root, "normed_dropout")
@@ -616,6 +636,7 @@ def main(out: str, root: str) -> None:
     results["normed_dropout"] = run_normed_dropout(root)
     results["nan_batch"] = run_nan_batch(root)
     results["accumulated"] = run_accumulated(root)
+    results["loss_overflow"] = run_loss_overflow(root)
     for by_hand in (False, True):
         results["guide_hand" if by_hand else "guide_compute"] = run_guide_step(root, by_hand)
     for kind in ("log0", "sqrt0"):

@@ -269,6 +269,21 @@ def test_under_gradient_accumulation_each_batch_is_its_own_step(runs):
     assert runs["tensorflow"]["accumulated"]["keras_tb_steps"] == list(range(1, backend_runs.STEPS + 1))
 
 
+def test_a_loss_that_overflows_with_finite_gradients_holds_the_update_back(runs):
+    """The squared error of a 1e20 target is +Inf, its gradients finite; under
+    Adafactor, applying them makes the weights NaN. On every backend the
+    step's update is held back on its loss, the weights stay finite, and the
+    replay, on the weights the step used, reproduces it. Before, JAX held
+    back on the gradients only: the weights went NaN, and the replay blamed
+    "a variable an earlier update made so"."""
+    for b in BACKENDS:
+        r = runs[b]["loss_overflow"]
+        a = r["report"]["first_anomaly"]
+        assert (a["step"], a["tensor"], a["phase"]) == (backend_runs.BAD_STEP, "loss", "forward"), (b, a)
+        assert r["weights_finite"], b
+        assert r["verdict"]["reproduced"] is True and r["verdict"]["op"]["phase"] == "forward", (b, r["verdict"])
+
+
 def test_a_model_with_batchnorm_and_dropout_replays_to_the_faults_line(runs):
     """The 0/0 in the loss of a model with BatchNormalization and Dropout: the replay names
     the injected line, reproduced, on every backend. Before, JAX's replay stopped at the NaN

@@ -12,7 +12,9 @@ the duration of ``fit``:
   step's new state);
 * the optimizer's ``stateless_apply``, for the gradients' records and the
   held-back update of a step whose loss or gradients are not finite (so a
-  replay sees the weights that step used, as a LossScaleOptimizer does);
+  replay sees the weights that step used, as a LossScaleOptimizer does; the
+  loss as Keras' trainer's ``jax.value_and_grad`` returns it, seen through
+  ``_JaxSeeingTheLoss``);
   the weights before the update and the update ratios are taken between
   steps, on their steps only (``_WeightsBetweenSteps``), where such an
   update is held back, else there too;
@@ -33,6 +35,7 @@ ntv)``) where its auxiliary output holds the non-trainable variables' list.
 from __future__ import annotations
 
 import functools
+import threading
 from typing import Any
 
 import jax
@@ -41,6 +44,8 @@ import keras
 import numpy as np
 from jax import lax
 from jax.extend import core as _jax_core
+
+from keras.src.backend.jax import trainer as _jax_trainer
 
 from tb_numerics import metadata
 from tb_numerics._keras_host import NumericsCallbackBase, Step, StepValues, step_counter
@@ -68,6 +73,35 @@ class _Trace:
         self.forward_done = False  # one forward pass and one update per step are recorded
         self.forward_trace = None  # JAX's trace the forward pass runs in (its layers' outputs may leave it)
         self.apply_done = False
+        self.loss = None  # the loss Keras' train_step differentiated, as value_and_grad returned it
+
+
+class _JaxSeeingTheLoss:
+    """``jax`` as Keras' JAX trainer sees it while a step traces: its
+    ``value_and_grad`` hands the loss it returns to the step's trace as well,
+    so that the update can be held back on a non-finite loss whose gradients
+    are finite (a squared error of 1e20 overflows; Adafactor's factored
+    squares of its finite gradients then make the weights NaN), as on the
+    other backends. The trainer passes the loss nowhere the update sees."""
+
+    def __init__(self, trace: _Trace) -> None:
+        self._trace = trace
+        self._thread = threading.get_ident()  # another thread's trace is not this step's
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(jax, name)
+
+    def value_and_grad(self, fun, *args, **kwargs):
+        differentiate, trace = jax.value_and_grad(fun, *args, **kwargs), self._trace
+        has_aux = kwargs.get("has_aux", False)
+
+        def call(*a, **k):
+            out = differentiate(*a, **k)
+            if trace.loss is None and threading.get_ident() == self._thread:
+                trace.loss = out[0][0] if has_aux else out[0]
+            return out
+
+        return call
 
 
 def _float_leaves(structure: Any) -> list:
@@ -224,10 +258,12 @@ class JaxNumericsCallback(NumericsCallbackBase):
             seeds = [state[1][i] for i in self._seed_index]  # as the step begins: its random draws
             self._trace = trace = _Trace(data)
             trace.step = step
+            seen_before, _jax_trainer.jax = _jax_trainer.jax, _JaxSeeingTheLoss(trace)
             try:
                 logs, state = train_step(state, data)
             finally:
                 self._trace = None
+                _jax_trainer.jax = seen_before
             tv, ntv, ov, mv = state
             for extra in ntv[self._n_ntv:]:  # what compute_loss_and_updates handed out
                 trace.forward.update(extra)
@@ -336,6 +372,8 @@ class JaxNumericsCallback(NumericsCallbackBase):
             tensors[r] = (g, plan.rows[r].tag)
         trace.grads = _records(tensors)
         counts = [c[1:4] for c, _ in trace.grads.values()]  # NaN, +Inf, -Inf
+        if trace.loss is not None:
+            counts.append(jax_stats.tensor_stats(trace.loss, "loss")[0][1:4])
         finite = jnp.all(jnp.stack(counts) == 0) if counts else jnp.asarray(True)
         if self.replay and not self._lso:
             new_tv, new_ov = lax.cond(finite, lambda: tuple(map(list, apply(ov, grads, tv))),
