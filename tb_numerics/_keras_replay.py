@@ -11,6 +11,10 @@ op and source line (issue 14). What a replay needs, and how it is kept:
   ``MirroredStrategy`` each replica decides on its own records and copies
   its own part of the batch into variables of its own, on its own device:
   no collective, no copy between devices;
+  under ``steps_per_execution > 1`` the first bad step of a call keeps its
+  batch until the host has looked at the call's steps (``release``), and
+  the replay, after the call, runs on the weights its later steps left
+  (the verdict says so where it stays finite there);
 * the model's variables as they were before the step's update: the update
   of a step whose loss or gradients are not finite is not applied, as a
   ``LossScaleOptimizer`` does (a NaN update would only poison the weights),
