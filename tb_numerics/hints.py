@@ -539,6 +539,8 @@ def _by_loss_input(ev: Evidence) -> str:
     loss_fn = ev.info.activation
     if loss_fn and not _LOG_LOSS.search(loss_fn):
         return ""
+    if _log_read_zeros_elsewhere(ev, li):
+        return ""
     # A loss function of unknown name: only exact zeros, which no loss but a
     # log (or a normalisation) turns into a NaN, are evidence enough; not
     # where the loss stayed finite at a step its input held as large a share
@@ -563,6 +565,18 @@ def _by_loss_input(ev: Evidence) -> str:
             % (what, li.tag, ev.step)
         )
     return ""
+
+
+def _log_read_zeros_elsewhere(ev: Evidence, li: LossInput) -> bool:
+    """Whether the replay's op is a log whose input held exact zeros and is
+    not the tensor logged before the loss (a hand-written log(|p - y|) after
+    a logged ReLU layer): then the op's own input is the evidence
+    (``_by_op``), and the logged tensor's usual zeros are not."""
+    if ev.op is None or op_family(str(ev.op.get("name") or ""), str(ev.op.get("type") or "")) != "log":
+        return False
+    inputs = [i for i in ev.op.get("inputs") or [] if isinstance(i, dict)]
+    held = [(_count(i.get("count")), _count(i.get("zeros"))) for i in inputs if _count(i.get("zeros"))]
+    return bool(held) and (li.count, li.zeros) not in held
 
 
 def _by_negative_loss(ev: Evidence) -> str:

@@ -639,3 +639,46 @@ def _mse_gradients(model, x, y) -> list[np.ndarray]:
     with tf.GradientTape() as tape:
         loss = tf.reduce_mean(tf.square(model(x) - y))
     return [g.numpy() for g in tape.gradient(loss, model.trainable_variables)]
+
+
+def test_a_hand_written_log_of_zeros_is_explained_by_the_ops_own_input(tmp_path):
+    """A ReLU layer is logged, then a hand-written loss log(|p - y|) meets
+    exact zeros at step BAD (the injected fault: targets set to the step's
+    own predictions). The hint cites the Log's own input (8 exact zeros of
+    8), which the replay recorded, not the ReLU layer's usual zeros, which
+    never reach that log."""
+    keras.utils.set_random_seed(0)
+    dense, head = keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)
+    optimizer = keras.optimizers.Adam(1e-2)
+
+    def predict(x):
+        h = dense(x)
+        tbn.log_numerics("hidden/output", h)
+        return head(h)
+
+    @tbn.guard(optimizer)
+    @tf.function
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.math.log(tf.abs(predict(x) - y)))  # LOG_OF_ABS
+            tbn.log_numerics("loss", loss)
+        variables = dense.trainable_variables + head.trainable_variables
+        grads = tape.gradient(loss, variables)
+        tbn.log_gradients(grads, variables)
+        optimizer.apply_gradients(zip(grads, variables))
+
+    rng = np.random.default_rng(0)
+    step = tf.Variable(0, dtype=tf.int64)
+    with tf.summary.create_file_writer(str(tmp_path)).as_default(step=step):
+        for i in range(STEPS):
+            step.assign(i)
+            x = rng.normal(size=(8, 4)).astype(np.float32)
+            y = rng.normal(size=(8, 1)).astype(np.float32)
+            if i == BAD:
+                y = predict(tf.constant(x)).numpy()
+            train_step(tf.constant(x), tf.constant(y))
+    a = _report(tmp_path)["first_anomaly"]
+    assert (a["step"], a["tensor"], a["op"]["type"]) == (BAD, "loss", "Log"), a
+    assert a["op"]["source"].endswith("test_step_guard.py:%d (train_step)" % line_of(__file__, "# LOG_OF_ABS"))
+    assert "its input 1 held 8 exact zeros of 8" in a["hint"], a["hint"]
+    assert "hidden/output held exact zeros" not in a["hint"], a["hint"]
