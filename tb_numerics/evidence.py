@@ -156,8 +156,9 @@ def amplified(series: Sequence[TensorSeries], step: int) -> Amplified | None:
 
 def saturating(series: Sequence[TensorSeries], step: int) -> Saturating | None:
     """The model's output (the layer-level activation logged last before a loss)
-    where that loss is not finite at ``step``, no layer-level tensor before the
-    output is, and the output held finite values beyond ``SATURATES_AT``: where
+    where that loss is not finite at ``step``, no layer-level tensor up to the
+    output is (an output that overflowed made the loss's Inf itself), and the
+    output held finite values beyond ``SATURATES_AT``: where
     it is a logit, its sigmoid or softmax is exactly 0 or 1 in float32, and a
     log of that is log(0). ``series`` in execution order."""
     layer = [s for s in series if not s.tag.startswith("ops/")]
@@ -165,14 +166,12 @@ def saturating(series: Sequence[TensorSeries], step: int) -> Saturating | None:
         if loss.info.role != "loss" or not _nonfinite_at(loss, step):
             continue
         out = next((i for i in range(k - 1, -1, -1) if layer[i].info.role == "activation"), None)
-        if out is None or any(_nonfinite_at(s, step) for s in layer[:out]):
+        if out is None or any(_nonfinite_at(s, step) for s in layer[:out + 1]):
             return None
         j = np.flatnonzero(layer[out].steps == step)
         mx = derived(layer[out].values[j].astype(np.float64))["max_abs"] if len(j) else np.zeros(0)
-        # fmax skips the NaN of a record with no finite value, without nanmax's warning.
-        top = float(np.fmax.reduce(mx)) if mx.size else float("nan")
-        if top >= SATURATES_AT:
-            return Saturating(layer[out].tag, step, top, loss.info.activation)
+        if mx.size and np.max(mx) >= SATURATES_AT:
+            return Saturating(layer[out].tag, step, float(np.max(mx)), loss.info.activation)
         return None
     return None
 

@@ -682,3 +682,44 @@ def test_a_hand_written_log_of_zeros_is_explained_by_the_ops_own_input(tmp_path)
     assert a["op"]["source"].endswith("test_step_guard.py:%d (train_step)" % line_of(__file__, "# LOG_OF_ABS"))
     assert "its input 1 held 8 exact zeros of 8" in a["hint"], a["hint"]
     assert "hidden/output held exact zeros" not in a["hint"], a["hint"]
+
+
+def test_a_learning_rate_that_grows_the_output_until_it_overflows_is_called_growth(tmp_path):
+    """A hand-written loop whose learning rate grows tenfold every two steps
+    (the injected fault) until the output's MatMul overflows; the loss, a
+    squared error, is +Inf because the output is. The first anomaly is the
+    output at the step a ``tf.summary.scalar`` beside it first sees a
+    non-finite value, and the hint names the growth and the learning rate,
+    not a saturating logit (the loss takes no log, and the output itself was
+    not finite)."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)])
+    optimizer = keras.optimizers.SGD(0.01)
+
+    @tbn.guard(optimizer)
+    @tf.function
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            p = model(x, training=True)
+            tbn.log_numerics("pred", p)
+            tf.summary.scalar("oracle/pred_not_finite", tf.cast(tf.logical_not(tf.reduce_all(tf.math.is_finite(p))),
+                                                                tf.float32))
+            loss = tf.reduce_mean(tf.square(p - y))
+            tbn.log_numerics("loss", loss)
+        grads = tape.gradient(loss, model.trainable_variables)
+        tbn.log_gradients(grads, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+    rng = np.random.default_rng(0)
+    step = tf.Variable(0, dtype=tf.int64)
+    with tf.summary.create_file_writer(str(tmp_path)).as_default(step=step):
+        for i in range(20):
+            step.assign(i)
+            optimizer.learning_rate.assign(0.01 * 10.0 ** (i / 2))
+            train_step(tf.constant(rng.normal(size=(16, 4)).astype(np.float32)),
+                       tf.constant(rng.normal(size=(16, 1)).astype(np.float32)))
+    truth = _oracle_steps(tmp_path, "oracle/pred_not_finite", 0.5)
+    a = _report(tmp_path)["first_anomaly"]
+    assert truth and (a["step"], a["tensor"]) == (truth[0], "pred"), (truth, a)
+    assert "learning rate" in a["hint"] and "grew" in a["hint"], a["hint"]
+    assert "sigmoid" not in a["hint"], a["hint"]
