@@ -417,6 +417,9 @@ def _by_saturating(ev: Evidence) -> str:
     sat = ev.saturating
     if sat is None or _NO_LOG_LOSS.search(sat.loss_function):
         return ""  # a loss known to take no log (a squared error) meets no log(0)
+    if ev.op is not None and _overflowed(ev) and op_family(
+            str(ev.op.get("name") or ""), str(ev.op.get("type") or "")) != "exp":
+        return ""  # the replay's op raised large finite values beyond range (x ** 2 of 1e20): no log(0), no exp
     exp = (" Beyond 88, exp(x) overflows too: if the loss takes exp of it, bound it or use a stable form."
            if sat.max_abs >= 88.7 else "")
     return (
@@ -539,7 +542,7 @@ def _by_loss_input(ev: Evidence) -> str:
     loss_fn = ev.info.activation
     if loss_fn and not _LOG_LOSS.search(loss_fn):
         return ""
-    if _log_read_zeros_elsewhere(ev, li):
+    if _op_not_broken_by_zeros(ev) or _log_read_zeros_elsewhere(ev, li):
         return ""
     # A loss function of unknown name: only exact zeros, which no loss but a
     # log (or a normalisation) turns into a NaN, are evidence enough; not
@@ -565,6 +568,15 @@ def _by_loss_input(ev: Evidence) -> str:
             % (what, li.tag, ev.step)
         )
     return ""
+
+
+def _op_not_broken_by_zeros(ev: Evidence) -> bool:
+    """Whether the replay named an op that exact zeros do not make non-finite
+    (a Square that overflowed, an Exp): neither a log nor a division. Then
+    the zeros of the tensor logged before the loss are no cause."""
+    if ev.op is None:
+        return False
+    return op_family(str(ev.op.get("name") or ""), str(ev.op.get("type") or "")) not in ("log", "div")
 
 
 def _log_read_zeros_elsewhere(ev: Evidence, li: LossInput) -> bool:

@@ -723,3 +723,46 @@ def test_a_learning_rate_that_grows_the_output_until_it_overflows_is_called_grow
     assert truth and (a["step"], a["tensor"]) == (truth[0], "pred"), (truth, a)
     assert "learning rate" in a["hint"] and "grew" in a["hint"], a["hint"]
     assert "sigmoid" not in a["hint"], a["hint"]
+
+
+def test_a_block_applied_to_its_own_output_until_the_loss_overflows_is_not_called_a_log(tmp_path):
+    """A ReLU block applied to its own output eight times, scaled up each
+    time (the injected fault), until the squared error overflows at the
+    first step. The op is the Square that TensorFlow's own check names, and
+    the hint is its overflow from finite values: not the log(0) of the ReLU
+    output's zeros, nor a saturating logit (the loss takes no log)."""
+    keras.utils.set_random_seed(0)
+    block = keras.Sequential([keras.Input((16,)), keras.layers.Dense(16), keras.layers.ReLU()])
+    head = keras.layers.Dense(1)
+    optimizer = keras.optimizers.Adam(1e-3)
+
+    def one_step(x, y):
+        with tf.GradientTape() as tape:
+            h = x
+            for k in range(8):
+                h = block(h) * 1000.0
+                tbn.log_numerics("iter%d" % k, h)
+            loss = tf.reduce_mean(tf.square(head(h) - y))  # SELF_APPLIED_SQUARE
+            tbn.log_numerics("loss", loss)
+        variables = block.trainable_variables + head.trainable_variables
+        grads = tape.gradient(loss, variables)
+        tbn.log_gradients(grads, variables)
+        optimizer.apply_gradients(zip(grads, variables))
+
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(16, 16)).astype(np.float32) * 10, rng.normal(size=(16, 1)).astype(np.float32)
+    op_type, _ = _check_numerics_names(tf.function(lambda a, b: tf.reduce_mean(
+        tf.square(head(_apply_eight(block, a)) - b))), (tf.constant(x), tf.constant(y)))
+    step = tf.Variable(0, dtype=tf.int64)
+    with tf.summary.create_file_writer(str(tmp_path)).as_default(step=step):
+        tbn.guard(optimizer)(tf.function(one_step))(tf.constant(x), tf.constant(y))
+    a = _report(tmp_path)["first_anomaly"]
+    assert (a["step"], a["tensor"], a["op"]["type"]) == (0, "loss", op_type) and op_type == "Square", a
+    assert a["op"]["source"].endswith("test_step_guard.py:%d (one_step)" % line_of(__file__, "# SELF_APPLIED_SQUARE"))
+    assert a["hint"].startswith("Square (") and "made +Inf from finite values" in a["hint"], a["hint"]
+
+
+def _apply_eight(block, h):
+    for _ in range(8):
+        h = block(h) * 1000.0
+    return h
