@@ -163,7 +163,8 @@ def _evidence(ra: RunAnalysis, cell, cause: dict[str, Any] | None, op: dict[str,
                           large_update=evidence.large_update(every, step, ra.safe_range.update_ratio_max),
                           op_output=_verdict_output(ra, op, step) or evidence.op_output(every, op, step),
                           zero_labels=evidence.zero_labels(every, step),
-                          unbounded=evidence.unbounded(every, step))
+                          unbounded=evidence.unbounded(every, step),
+                          depth_growth=evidence.grew_by_depth(every, step))
 
 
 def _verdict_output(ra: RunAnalysis, op: dict[str, Any] | None, step: int) -> dict[str, Any] | None:

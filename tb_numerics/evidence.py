@@ -29,8 +29,9 @@ import numpy as np
 from tb_numerics import detectors
 from tb_numerics.records import F, TensorSeries, derived, nonfinite_count
 
-__all__ = ["Amplified", "LargeUpdate", "Saturating", "Unbounded", "Unscaled", "amplified", "large_update",
-           "op_output", "saturating", "unbounded", "unscaled", "zero_labels", "SATURATES_AT", "UNSCALED_RMS"]
+__all__ = ["Amplified", "DepthGrowth", "LargeUpdate", "Saturating", "Unbounded", "Unscaled", "amplified",
+           "grew_by_depth", "large_update", "op_output", "saturating", "unbounded", "unscaled", "zero_labels",
+           "SATURATES_AT", "UNSCALED_RMS"]
 
 # Inputs whose root mean square is at least this at every batch are in raw
 # units: standardised data have an RMS of about 1, data in [0, 1] below 1.
@@ -70,6 +71,26 @@ class Saturating:
     step: int
     max_abs: float
     loss_function: str = ""  # the loss's function name, "" where unknown
+
+
+@dataclasses.dataclass(frozen=True)
+class DepthGrowth:
+    """Layer-level tensors, consecutive in execution order, whose max |x| grew
+    at each one at ``step``: a block that amplifies its input, repeated."""
+
+    first: str
+    last: str
+    count: int
+    first_max: float
+    last_max: float
+
+
+# A run of tensors that grew by depth: at least this many, each at least
+# ``_DEPTH_STEP`` times the one before, ``_DEPTH_TOTAL`` times from the first
+# to the last (a healthy network's activations keep their scale by design).
+_DEPTH_RUN = 3
+_DEPTH_STEP = 2.0
+_DEPTH_TOTAL = 1e3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +195,32 @@ def saturating(series: Sequence[TensorSeries], step: int) -> Saturating | None:
             return Saturating(layer[out].tag, step, float(np.max(mx)), loss.info.activation)
         return None
     return None
+
+
+def grew_by_depth(series: Sequence[TensorSeries], step: int) -> DepthGrowth | None:
+    """The longest run of layer-level activations, consecutive in execution
+    order and all finite at ``step``, whose max |x| grew at least
+    ``_DEPTH_STEP`` times at each and ``_DEPTH_TOTAL`` times in all; None
+    where there is none. ``series`` in execution order."""
+    acts = [s for s in series if s.info.role == "activation" and not s.tag.startswith("ops/")]
+    tops: list[tuple[str, float]] = []
+    for s in acts:
+        j = np.flatnonzero(s.steps == step)
+        v = s.values[j].astype(np.float64) if len(j) else np.zeros((0, len(F)))
+        d = derived(v)
+        finite = len(v) and bool(np.all(d["finite"] == v[:, F["count"]]))
+        tops.append((s.tag, float(np.max(d["max_abs"])) if finite else float("nan")))
+    best: DepthGrowth | None = None
+    start = 0
+    for k in range(1, len(tops) + 1):
+        if k < len(tops) and tops[k][1] >= _DEPTH_STEP * tops[k - 1][1] > 0:
+            continue  # the run goes on (a NaN compares False and ends it)
+        n = k - start
+        if n >= _DEPTH_RUN and tops[k - 1][1] >= _DEPTH_TOTAL * tops[start][1]:
+            if best is None or n > best.count:
+                best = DepthGrowth(tops[start][0], tops[k - 1][0], n, tops[start][1], tops[k - 1][1])
+        start = k
+    return best
 
 
 def _nonfinite_at(s: TensorSeries, step: int) -> bool:

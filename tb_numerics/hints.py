@@ -189,6 +189,8 @@ class Evidence:
     zero_labels: str | None = None
     # A loss that fell below 0 and on: no lower bound.
     unbounded: evidence.Unbounded | None = None
+    # Activations that grew from one to the next at the step: a block that amplifies, repeated.
+    depth_growth: evidence.DepthGrowth | None = None
 
 
 def op_family(tag: str, op_type: str, activation: str = "") -> str | None:
@@ -217,7 +219,8 @@ def choose(ev: Evidence) -> str:
                  _by_nan_carried_in,
                  _by_zero_labels,
                  _by_unscaled, _by_unbounded,
-                 _by_amplified, _by_saturating, _by_large_update, _by_outlier, _by_trend, _by_overflowed_op):
+                 _by_amplified, _by_saturating, _by_large_update, _by_outlier, _by_trend, _by_depth_growth,
+                 _by_overflowed_op):
         text = rule(ev)
         if text:
             return text
@@ -632,6 +635,23 @@ def _by_trend(ev: Evidence) -> str:
             % (c["tensor"], c["step"], c["detail"])
         )
     return ""
+
+
+def _by_depth_growth(ev: Evidence) -> str:
+    """An overflow at the end of activations that grew from one to the next
+    within the step (a block applied to its own output, a deep stack that
+    does not keep its scale): the growth is the cause, the op its last stop."""
+    dg = ev.depth_growth
+    if dg is None or (ev.op is not None and not _overflowed(ev)):
+        return ""
+    per = (dg.last_max / dg.first_max) ** (1.0 / (dg.count - 1))
+    return (
+        "At step %d the values grew from one logged tensor to the next, %d in a row: %s max |x| %s to %s max |x| "
+        "%s (about %s× at each), until they overflowed. A block that amplifies what it is given, applied in "
+        "sequence or to its own output, does not keep their scale: normalise inside it (LayerNormalization, or "
+        "BatchNormalization in training mode), scale its weights or its residual branch down, or clip its "
+        "output." % (ev.step, dg.count, dg.first, number(dg.first_max), dg.last, number(dg.last_max), number(per))
+    )
 
 
 def _by_overflowed_op(ev: Evidence) -> str:
