@@ -205,8 +205,9 @@ def grew_by_depth(series: Sequence[TensorSeries], step: int) -> DepthGrowth | No
     acts = [s for s in series if s.info.role == "activation" and not s.tag.startswith("ops/")]
     tops: list[tuple[str, float]] = []
     for s in acts:
-        j = np.flatnonzero(s.steps == step)
-        v = s.values[j].astype(np.float64) if len(j) else np.zeros((0, len(F)))
+        # The step's records only: a long run's compact series reads them back from their block.
+        lo, hi = (int(np.searchsorted(s.steps, step, side=side)) for side in ("left", "right"))
+        v = s.records(lo, hi)
         d = derived(v)
         finite = len(v) and bool(np.all(d["finite"] == v[:, F["count"]]))
         tops.append((s.tag, float(np.max(d["max_abs"])) if finite else float("nan")))
