@@ -640,9 +640,11 @@ def _by_trend(ev: Evidence) -> str:
 def _by_depth_growth(ev: Evidence) -> str:
     """An overflow at the end of activations that grew from one to the next
     within the step (a block applied to its own output, a deep stack that
-    does not keep its scale): the growth is the cause, the op its last stop."""
+    does not keep its scale): the growth is the cause, the op its last stop.
+    Only where the replay's op overflowed: growth beside a NaN that no
+    overflow made (an acos beyond [-1, 1]) explains nothing."""
     dg = ev.depth_growth
-    if dg is None or (ev.op is not None and not _overflowed(ev)):
+    if dg is None or ev.op is None or not _overflowed(ev):
         return ""
     per = (dg.last_max / dg.first_max) ** (1.0 / (dg.count - 1))
     return (

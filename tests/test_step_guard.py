@@ -764,6 +764,30 @@ def test_a_block_applied_to_its_own_output_until_the_loss_overflows_is_not_calle
     assert "to iter7 max |x|" in a["hint"] and "log" not in a["hint"].replace("logged", ""), a["hint"]
 
 
+def test_growth_by_depth_beside_a_nan_no_overflow_made_is_no_hint(tmp_path):
+    """Six logged ReLU layers whose values grow about 4x at each, then an acos
+    of values beyond [-1, 1] (the injected fault: NaN, no overflow anywhere).
+    The growth explains nothing there, so the hint does not name it."""
+    keras.utils.set_random_seed(0)
+    layers = [keras.layers.Dense(32, activation="relu", kernel_initializer=keras.initializers.RandomNormal(stddev=1.0))
+              for _ in range(6)]
+
+    @tf.function
+    def forward(x):
+        h = x
+        for k, layer in enumerate(layers):
+            h = layer(h)
+            tbn.log_numerics("layer%d" % k, h)
+        tbn.log_numerics("angle", tf.math.acos(tf.tanh(h) * 1.5))
+
+    step = tf.Variable(0, dtype=tf.int64)
+    with tf.summary.create_file_writer(str(tmp_path)).as_default(step=step):
+        forward(tf.constant(np.random.default_rng(0).normal(size=(16, 32)).astype(np.float32)))
+    a = _report(tmp_path)["first_anomaly"]
+    assert (a["step"], a["tensor"]) == (0, "angle") and a["nan"] > 0, a
+    assert "grew from one logged tensor" not in a["hint"] and "overflow" not in a["hint"], a["hint"]
+
+
 def _apply_eight(block, h):
     for _ in range(8):
         h = block(h) * 1000.0
