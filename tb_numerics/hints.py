@@ -227,9 +227,16 @@ def choose(ev: Evidence) -> str:
     return _no_hint(ev)
 
 
+def _replayed_family(ev: Evidence) -> str | None:
+    """``op_family`` of the op the replay named (untrusted JSON); None without one."""
+    if ev.op is None:
+        return None
+    return op_family(str(ev.op.get("name") or ""), str(ev.op.get("type") or ""))
+
+
 def _by_op(ev: Evidence) -> str:
     if ev.op is not None:
-        family = op_family(str(ev.op.get("name") or ""), str(ev.op.get("type") or ""))
+        family = _replayed_family(ev)
         phase = ev.op.get("phase")
     else:
         family, phase = op_family(ev.tag, ev.info.op_type, ev.info.activation), ev.info.phase
@@ -420,8 +427,7 @@ def _by_saturating(ev: Evidence) -> str:
     sat = ev.saturating
     if sat is None or _NO_LOG_LOSS.search(sat.loss_function):
         return ""  # a loss known to take no log (a squared error) meets no log(0)
-    if ev.op is not None and _overflowed(ev) and op_family(
-            str(ev.op.get("name") or ""), str(ev.op.get("type") or "")) != "exp":
+    if ev.op is not None and _overflowed(ev) and _replayed_family(ev) != "exp":
         return ""  # the replay's op raised large finite values beyond range (x ** 2 of 1e20): no log(0), no exp
     exp = (" Beyond 88, exp(x) overflows too: if the loss takes exp of it, bound it or use a stable form."
            if sat.max_abs >= 88.7 else "")
@@ -577,9 +583,7 @@ def _op_not_broken_by_zeros(ev: Evidence) -> bool:
     """Whether the replay named an op that exact zeros do not make non-finite
     (a Square that overflowed, an Exp): neither a log nor a division. Then
     the zeros of the tensor logged before the loss are no cause."""
-    if ev.op is None:
-        return False
-    return op_family(str(ev.op.get("name") or ""), str(ev.op.get("type") or "")) not in ("log", "div")
+    return ev.op is not None and _replayed_family(ev) not in ("log", "div")
 
 
 def _log_read_zeros_elsewhere(ev: Evidence, li: LossInput) -> bool:
@@ -587,7 +591,7 @@ def _log_read_zeros_elsewhere(ev: Evidence, li: LossInput) -> bool:
     not the tensor logged before the loss (a hand-written log(|p - y|) after
     a logged ReLU layer): then the op's own input is the evidence
     (``_by_op``), and the logged tensor's usual zeros are not."""
-    if ev.op is None or op_family(str(ev.op.get("name") or ""), str(ev.op.get("type") or "")) != "log":
+    if _replayed_family(ev) != "log":
         return False
     inputs = [i for i in ev.op.get("inputs") or [] if isinstance(i, dict)]
     held = [(_count(i.get("count")), _count(i.get("zeros"))) for i in inputs if _count(i.get("zeros"))]
