@@ -21,7 +21,10 @@ those five arithmetic reductions per tensor (and, where subnormals are not
 flushed, ``|sign(x)|`` summed for the zeros), and one ``lax.cond`` per call,
 taken only where a tensor's sums are not finite or its max |x| is large,
 computes that call's exact records: the NaN/+Inf/-Inf counts and masked
-statistics, the overflow count, the scaled sums.
+statistics, the overflow count, the scaled sums, as two variadic
+reductions per tensor (XLA compiles the branch into every step: with a
+reduction per statistic it was most of the records' compile time, and the
+branch ran 5x slower; ``bench/jax_records.py``).
 
 Subnormals: XLA on CPU runs float32 and float64 arithmetic with
 denormals-are-zero and flush-to-zero, so the step itself computes with
@@ -106,27 +109,11 @@ def value_dtype():
     return jnp.float64 if x64() else jnp.float32
 
 
-def _count(mask) -> jax.Array:
-    """The number of True in ``mask``, int32 (the exact path's: a compare in a reduction is slow, but rare here)."""
-    return _count_ones(mask.astype(jnp.float32))
-
-
 def _count_ones(ones) -> jax.Array:
     """The sum of an array of 0 and 1, int32: a float sum, fused and vectorized, where that is exact."""
     if ones.size <= _EXACT_FLOAT_COUNT or ones.dtype == jnp.float64:
         return jnp.sum(ones).astype(jnp.int32)
     return jnp.sum(ones.astype(jnp.int32))
-
-
-def _small_counts(xa, tiny, flush: bool) -> tuple:
-    """(zeros, underflow) by compares: where the device flushes subnormals,
-    all values below the smallest normal are zeros (a compare that keeps or
-    flushes them agrees on that), else they are split exactly."""
-    small = _count(jnp.abs(xa) < tiny)
-    if flush:
-        return small, jnp.zeros((), jnp.int32)
-    zeros = _count(xa == 0)
-    return zeros, small - zeros
 
 
 class _Operand:
@@ -174,21 +161,40 @@ class _Operand:
 
     def exact(self) -> tuple:
         """(counts, values) of a tensor that holds NaN or Inf, or large values:
-        every count exact, the rest over its finite elements, the sums scaled."""
-        xa = self.x
+        every count exact, the rest over its finite elements, the sums scaled.
+        Two variadic reductions (``_reduce``): this branch is rare at run
+        time, but XLA compiles it into every step, where a reduction apiece
+        (ten) made it four fifths of the records' compile time."""
+        xa, acc = self.x, self.acc
         finite = jnp.isfinite(xa)
-        inf = jnp.asarray(jnp.inf, self.acc)
-        lo = jnp.min(jnp.where(finite, xa, inf), initial=inf)
-        hi = jnp.max(jnp.where(finite, xa, -inf), initial=-inf)
+        absx = jnp.abs(xa)
+        inf, zero = jnp.asarray(jnp.inf, acc), jnp.zeros((), jnp.int32)
+
+        def count(mask):
+            return mask.astype(jnp.int32)
+
+        lo, hi, nan, posinf, neginf, zeros, small, overflow = _reduce(
+            (jnp.where(finite, xa, inf), jnp.where(finite, xa, -inf), count(jnp.isnan(xa)), count(xa == inf),
+             count(xa == -inf), count(xa == 0), count(absx < jnp.asarray(self.tiny, acc)),
+             count(finite & (absx > jnp.asarray(self.margin, acc)))),
+            (inf, -inf) + (zero,) * 6,
+            (jnp.minimum, jnp.maximum) + (jnp.add,) * 6)
         lo, hi = self.extremes(lo, hi, jnp.asarray(xa.size == 0))
         biggest = jnp.nan_to_num(jnp.maximum(jnp.abs(lo), jnp.abs(hi)))
-        scale = jnp.where(biggest > _SCALE_ABOVE, jnp.exp2(jnp.floor(jnp.log2(jnp.maximum(biggest, 1)))), 1).astype(self.acc)
+        scale = jnp.where(biggest > _SCALE_ABOVE, jnp.exp2(jnp.floor(jnp.log2(jnp.maximum(biggest, 1)))), 1).astype(acc)
         xs = jnp.where(finite, xa, 0) / scale
-        zeros, underflow = _small_counts(xa, jnp.asarray(self.tiny, self.acc), self.flush)
-        overflow = _count(finite & (jnp.abs(xa) > jnp.asarray(self.margin, self.acc)))
-        counts = jnp.stack([jnp.asarray(xa.size, jnp.int32), _count(jnp.isnan(xa)), _count(xa == inf),
-                            _count(xa == -inf), zeros, overflow, underflow])
-        return counts, jnp.stack([lo, hi, jnp.sum(xs), jnp.sum(xs * xs), scale])
+        total, total_sq = _reduce((xs, xs * xs), (jnp.zeros((), acc),) * 2, (jnp.add, jnp.add))
+        # Where the device flushes subnormals, every value below the smallest normal is a zero.
+        zeros, underflow = (small, zero) if self.flush else (zeros, small - zeros)
+        counts = jnp.stack([jnp.asarray(xa.size, jnp.int32), nan, posinf, neginf, zeros, overflow, underflow])
+        return counts, jnp.stack([lo, hi, total, total_sq, scale])
+
+
+def _reduce(operands: tuple, inits: tuple, ops: tuple) -> tuple:
+    """Reductions of same-shaped arrays over all their axes, each with its
+    own binary op and initial value, as one variadic reduction (one loop)."""
+    return lax.reduce(operands, inits, lambda a, b: tuple(op(x, y) for op, x, y in zip(ops, a, b)),
+                      tuple(range(operands[0].ndim)))
 
 
 def many_stats(tensors: list, names: list[str] | None = None) -> tuple:
