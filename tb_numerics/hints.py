@@ -79,6 +79,9 @@ _OP_HINTS = {
     ("log", "forward"): "log(0) = -inf: the log of a value that reaches 0 (e.g. a saturated softmax "
     "probability). Use tf.nn.softmax_cross_entropy_with_logits / log_softmax, or add an epsilon (log(x + eps)) "
     "or clip the input away from 0.",
+    ("log", "negative"): "The log of a negative value is NaN: the log's input went below 0 (e.g. a linear "
+    "output or a difference, where a probability or a positive quantity was meant). Keep the input positive: a "
+    "softmax, sigmoid or softplus output, or log(maximum(x, eps)).",
     ("log", "backward"): "The gradient of log is infinite at 0: the log's input reached 0. Use "
     "log_softmax or softmax_cross_entropy_with_logits, or add an epsilon.",
     ("div", "forward"): "Division by zero: 0/0 is NaN and x/0 is Inf (e.g. a norm of an all-zero "
@@ -242,6 +245,8 @@ def _by_op(ev: Evidence) -> str:
         family, phase = op_family(ev.tag, ev.info.op_type, ev.info.activation), ev.info.phase
     if family is None or (family == "pow" and phase != "backward" and _overflowed(ev)):
         return ""
+    if family == "log" and phase != "backward" and _negative_inputs(ev.op):
+        return _OP_HINTS[("log", "negative")] + _negative_inputs(ev.op) + _inputs_evidence(ev.op) + _data_note(ev)
     text = _OP_HINTS[(family, "backward" if phase == "backward" else "forward")]
     return text + _inputs_evidence(ev.op) + _data_note(ev)
 
@@ -484,6 +489,20 @@ def _inputs_evidence(op: dict[str, Any] | None) -> str:
             parts.append("input %d held %s exact zeros of %s (min %s, max %s)" % (
                 k, count(i["zeros"]), count(_finite(i.get("count")) or 0), _num(i.get("min")),
                 _num(i.get("max"))))
+    return (" At that step its " + "; ".join(parts) + ".") if parts else ""
+
+
+def _negative_inputs(op: dict[str, Any] | None) -> str:
+    """The op's inputs that held negative values at that step, where a
+    replay saw them (a log's NaN, not its log(0)): e.g. " At that step its
+    input 1 held negative values (min -4, max -3.9)." """
+    if not op or not isinstance(op.get("inputs"), list):
+        return ""
+    parts = []
+    for k, i in enumerate(op["inputs"], 1):
+        lo = _finite(i.get("min")) if isinstance(i, dict) else None
+        if lo is not None and lo < 0:
+            parts.append("input %d held negative values (min %s, max %s)" % (k, number(lo), _num(i.get("max"))))
     return (" At that step its " + "; ".join(parts) + ".") if parts else ""
 
 

@@ -684,6 +684,48 @@ def test_a_hand_written_log_of_zeros_is_explained_by_the_ops_own_input(tmp_path)
     assert "hidden/output held exact zeros" not in a["hint"], a["hint"]
 
 
+def test_a_hand_written_log_of_a_negative_value_is_not_called_log_of_zero(tmp_path):
+    """A hand-written loss log(p - y + 4) whose argument goes below 0 at
+    step BAD (the injected fault: targets 8 above the step's own
+    predictions, so every value is -4 and none is 0): the log is NaN, not
+    -Inf. The hint names the Log's negative input, which the replay
+    recorded, not a log(0) its input never met."""
+    keras.utils.set_random_seed(0)
+    dense, head = keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)
+    optimizer = keras.optimizers.SGD(1e-3)
+
+    def predict(x):
+        h = dense(x)
+        tbn.log_numerics("hidden/output", h)
+        return head(h)
+
+    @tbn.guard(optimizer)
+    @tf.function
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.math.log(predict(x) - y + 4.0))  # LOG_OF_NEGATIVE
+            tbn.log_numerics("loss", loss)
+        variables = dense.trainable_variables + head.trainable_variables
+        grads = tape.gradient(loss, variables)
+        tbn.log_gradients(grads, variables)
+        optimizer.apply_gradients(zip(grads, variables))
+
+    rng = np.random.default_rng(0)
+    step = tf.Variable(0, dtype=tf.int64)
+    with tf.summary.create_file_writer(str(tmp_path)).as_default(step=step):
+        for i in range(STEPS):
+            step.assign(i)
+            x = rng.normal(size=(8, 4)).astype(np.float32)
+            p = predict(tf.constant(x)).numpy()
+            y = (p + 8.0 if i == BAD else p - rng.uniform(0.5, 1.0, size=p.shape)).astype(np.float32)
+            train_step(tf.constant(x), tf.constant(y))
+    a = _report(tmp_path)["first_anomaly"]
+    assert (a["step"], a["tensor"], a["op"]["type"]) == (BAD, "loss", "Log"), a
+    assert a["op"]["source"].endswith("test_step_guard.py:%d (train_step)" % line_of(__file__, "# LOG_OF_NEGATIVE"))
+    assert "log of a negative value" in a["hint"] and "log(0)" not in a["hint"], a["hint"]
+    assert "its input 1 held negative values (min -4" in a["hint"], a["hint"]
+
+
 def test_a_learning_rate_that_grows_the_output_until_it_overflows_is_called_growth(tmp_path):
     """A hand-written loop whose learning rate grows tenfold every two steps
     (the injected fault) until the output's MatMul overflows; the loss, a
