@@ -99,7 +99,7 @@ class RowPlan:
         self.states = [v for v, _ in states]
         self.state_rows = range(len(self.rows), len(self.rows) + len(states))
         self.rows += [Row(v.path, "weight", _dtype(v), tuple(v.shape), present=True,
-                          description="non-trainable variable of a %s, updated by the forward pass" % kind)
+                          description="non-trainable variable of a %s, %s" % (kind, metadata.FORWARD_STATE))
                       for v, kind in states]
         self.variables = sorted(model.trainable_variables, key=lambda v: owner.get(id(v), len(layers)))
         self.var_layer = [owner.get(id(v), -1) for v in self.variables]

@@ -137,6 +137,11 @@ class FormatError(ValueError):
     """A record or its metadata cannot be read by this version."""
 
 
+# How a writer ends the description of a weight the forward pass updates
+# (``TensorInfo.forward_state``).
+FORWARD_STATE = "updated by the forward pass"
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorInfo:
     """What the metadata says about one logged tensor (one tag)."""
@@ -164,6 +169,13 @@ class TensorInfo:
     @property
     def phase(self) -> str:
         return ROLE_PHASE.get(self.role, "forward")
+
+    @property
+    def forward_state(self) -> bool:
+        """Whether this is a weight the forward pass updates (BatchNorm's
+        moving statistics), as the Keras callback describes one: it follows
+        the data's statistics, not the optimizer's steps."""
+        return self.role == "weight" and self.description.endswith(FORWARD_STATE)
 
     def to_json(self) -> dict[str, Any]:
         return {

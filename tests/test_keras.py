@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 import tb_numerics
-from tb_numerics import analysis, cli, event_reader, stats
+from tb_numerics import analysis, cli, event_reader, rules, stats
 from tb_numerics.keras import NumericsCallback
 
 import two_replicas
@@ -452,6 +452,39 @@ def test_the_state_of_trainable_layers_is_recorded_and_a_frozen_layers_is_not(tm
         assert [h.series.info.description for h in ra.health if h.series.tag == path] == [
             "non-trainable variable of a BatchNormalization, updated by the forward pass"]
     assert not {p for p in steps if p.startswith(("net/frozen_dense/", "net/frozen_bn/"))}
+
+
+def test_a_moving_statistic_that_absorbs_an_outlier_batch_is_no_divergence(tmp_path):
+    """One sample 300x the others at step 12 (the zoo's trigger): a
+    BatchNormalization's moving variance takes in its batch's variance and
+    climbs 100x between two weights steps while training stays healthy. The
+    moving statistics follow the data, as the input batch does: no growth
+    warning names them. The truth: Keras' own layer (its moving variance
+    read before steps 10 and 21) and Keras' losses (finite at every step)."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, name="dense"),
+                              keras.layers.BatchNormalization(name="bn"), keras.layers.Dense(4, name="head")], name="net")
+    model.compile(optimizer=keras.optimizers.SGD(0.01), loss="mse")
+    x, y = _data(n=30 * 8)
+    x[12 * 8] *= 300.0
+    variance, losses = {}, []
+
+    class Keras(keras.callbacks.Callback):
+        def on_train_batch_begin(self, batch, logs=None):
+            if batch in (10, 21):
+                variance[batch] = float(np.max(model.get_layer("bn").moving_variance.numpy()))
+
+        def on_train_batch_end(self, batch, logs=None):
+            losses.append(logs["loss"])
+
+    model.fit(x, y, batch_size=8, epochs=1, shuffle=False, verbose=0,
+              callbacks=[NumericsCallback(str(tmp_path)), Keras()])
+    assert variance[21] >= 100 * variance[10] and np.all(np.isfinite(losses)), (variance, losses)
+    ra = _analysis(tmp_path)
+    kind = {rules.kind_code(k.name): k.name for k in rules.KINDS}
+    named = [(h.series.tag, sorted({kind[int(c)] for c in h.kinds if c})) for h in ra.health
+             if "/moving_" in h.series.tag]
+    assert len(named) == 2 and all(not kinds for _, kinds in named), named
 
 
 def test_a_state_variable_a_user_made_trainable_is_recorded_once_as_a_weight(tmp_path):

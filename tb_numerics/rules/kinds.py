@@ -181,9 +181,17 @@ def _jump_mask(s: SeriesView, p: Any) -> np.ndarray:
 
 
 def _not_input(mask: Callable[[SeriesView, Any], np.ndarray]) -> Callable[[SeriesView, Any], np.ndarray | None]:
-    """A mask that does not apply to the input batch (data's range drifting
-    over steps is no divergence of training)."""
-    return lambda s, p: None if s.series.info.role == "input" else mask(s, p)
+    """A mask that does not apply to the input batch, nor to the statistics
+    of the data a forward pass keeps (BatchNorm's moving variance taking in
+    an outlier batch's): data's range drifting over steps is no divergence
+    of training."""
+    return lambda s, p: None if s.series.info.role == "input" or s.series.info.forward_state else mask(s, p)
+
+
+def _not_forward_state(mask: Callable[[SeriesView, Any], np.ndarray]) -> Callable[[SeriesView, Any], np.ndarray | None]:
+    """A mask that does not apply to the statistics of the data a forward
+    pass keeps (see ``_not_input``)."""
+    return lambda s, p: None if s.series.info.forward_state else mask(s, p)
 
 
 def _underflow_mask(s: SeriesView, p: Any) -> np.ndarray:
@@ -469,7 +477,7 @@ KINDS: tuple[WarningKind, ...] = (
         "fast_growth", "fast growth",
         "Values grew by orders of magnitude in one step: training is diverging; lower the "
         "learning rate or clip gradients.",
-        ("jump_factor", "growth_floor"), _growth_detail(None), mask=_jump_mask),
+        ("jump_factor", "growth_floor"), _growth_detail(None), mask=_not_forward_state(_jump_mask)),
     WarningKind(
         "headroom", "headroom running out",
         "At this growth the tensor overflows its dtype soon: lower the learning rate, normalise, "
