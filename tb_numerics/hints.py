@@ -38,7 +38,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from typing import Any
+from typing import Any, Callable
 
 from tb_numerics import evidence, metadata
 from tb_numerics.rules import NONFINITE_WORDS, count, number, percent
@@ -245,8 +245,9 @@ def _by_op(ev: Evidence) -> str:
         family, phase = op_family(ev.tag, ev.info.op_type, ev.info.activation), ev.info.phase
     if family is None or (family == "pow" and phase != "backward" and _overflowed(ev)):
         return ""
-    if family == "log" and phase != "backward" and _negative_inputs(ev.op):
-        return _OP_HINTS[("log", "negative")] + _negative_inputs(ev.op) + _inputs_evidence(ev.op) + _data_note(ev)
+    negative = _negative_inputs(ev.op) if family == "log" and phase != "backward" else ""
+    if negative:
+        return _OP_HINTS[("log", "negative")] + negative + _inputs_evidence(ev.op) + _data_note(ev)
     text = _OP_HINTS[(family, "backward" if phase == "backward" else "forward")]
     return text + _inputs_evidence(ev.op) + _data_note(ev)
 
@@ -478,32 +479,33 @@ def _finite_batch(step: int, what: str, detail: str, where: str) -> str:
         "or clip the inputs in the data pipeline (a range check, normalisation)." % (step, what, detail, where))
 
 
-def _inputs_evidence(op: dict[str, Any] | None) -> str:
-    """The op's inputs at that step, where a replay saw them: e.g.
-    " Its input 1 held 3 exact zeros of 64 (min 0)." """
+def _inputs_held(op: dict[str, Any] | None, held: Callable[[dict[str, Any]], str | None]) -> str:
+    """" At that step its input K held ...; ...." for each input of the op,
+    where a replay saw them, that ``held`` describes (None: nothing to say)."""
     if not op or not isinstance(op.get("inputs"), list):
         return ""
     parts = []
     for k, i in enumerate(op["inputs"], 1):
-        if isinstance(i, dict) and _finite(i.get("zeros")):
-            parts.append("input %d held %s exact zeros of %s (min %s, max %s)" % (
-                k, count(i["zeros"]), count(_finite(i.get("count")) or 0), _num(i.get("min")),
-                _num(i.get("max"))))
+        what = held(i) if isinstance(i, dict) else None
+        if what:
+            parts.append("input %d held %s" % (k, what))
     return (" At that step its " + "; ".join(parts) + ".") if parts else ""
+
+
+def _inputs_evidence(op: dict[str, Any] | None) -> str:
+    """The op's inputs that held exact zeros: e.g. " At that step its input 1
+    held 3 exact zeros of 64 (min 0, max 2)." """
+    return _inputs_held(op, lambda i: "%s exact zeros of %s (min %s, max %s)" % (
+        count(i["zeros"]), count(_finite(i.get("count")) or 0), _num(i.get("min")), _num(i.get("max")))
+        if _finite(i.get("zeros")) else None)
 
 
 def _negative_inputs(op: dict[str, Any] | None) -> str:
-    """The op's inputs that held negative values at that step, where a
-    replay saw them (a log's NaN, not its log(0)): e.g. " At that step its
-    input 1 held negative values (min -4, max -3.9)." """
-    if not op or not isinstance(op.get("inputs"), list):
-        return ""
-    parts = []
-    for k, i in enumerate(op["inputs"], 1):
-        lo = _finite(i.get("min")) if isinstance(i, dict) else None
-        if lo is not None and lo < 0:
-            parts.append("input %d held negative values (min %s, max %s)" % (k, number(lo), _num(i.get("max"))))
-    return (" At that step its " + "; ".join(parts) + ".") if parts else ""
+    """The op's inputs that held negative values (a log's NaN, not its
+    log(0)): e.g. " At that step its input 1 held negative values (min -4,
+    max -3.9)." """
+    return _inputs_held(op, lambda i: "negative values (min %s, max %s)" % (number(i["min"]), _num(i.get("max")))
+                        if (_finite(i.get("min")) or 0) < 0 else None)
 
 
 def _by_batch(ev: Evidence) -> str:

@@ -180,18 +180,17 @@ def _jump_mask(s: SeriesView, p: Any) -> np.ndarray:
     return flags & ~detectors.transient(flags, max_abs, np.r_[np.nan, max_abs[:-1]], nonfinite_count(s.v) == 0)
 
 
-def _not_input(mask: Callable[[SeriesView, Any], np.ndarray]) -> Callable[[SeriesView, Any], np.ndarray | None]:
-    """A mask that does not apply to the input batch, nor to the statistics
-    of the data a forward pass keeps (BatchNorm's moving variance taking in
-    an outlier batch's): data's range drifting over steps is no divergence
-    of training."""
-    return lambda s, p: None if s.series.info.role == "input" or s.series.info.forward_state else mask(s, p)
+def _not_on(skip: Callable[[metadata.TensorInfo], bool],
+            mask: Callable[[SeriesView, Any], np.ndarray]) -> Callable[[SeriesView, Any], np.ndarray | None]:
+    """``mask``, except on a series whose metadata ``skip`` names."""
+    return lambda s, p: None if skip(s.series.info) else mask(s, p)
 
 
-def _not_forward_state(mask: Callable[[SeriesView, Any], np.ndarray]) -> Callable[[SeriesView, Any], np.ndarray | None]:
-    """A mask that does not apply to the statistics of the data a forward
-    pass keeps (see ``_not_input``)."""
-    return lambda s, p: None if s.series.info.forward_state else mask(s, p)
+def _follows_data(info: metadata.TensorInfo) -> bool:
+    """The input batch, and the statistics of the data a forward pass keeps
+    (BatchNorm's moving variance taking in an outlier batch's): their range
+    drifting over steps is no divergence of training."""
+    return info.role == "input" or info.forward_state
 
 
 def _underflow_mask(s: SeriesView, p: Any) -> np.ndarray:
@@ -477,21 +476,22 @@ KINDS: tuple[WarningKind, ...] = (
         "fast_growth", "fast growth",
         "Values grew by orders of magnitude in one step: training is diverging; lower the "
         "learning rate or clip gradients.",
-        ("jump_factor", "growth_floor"), _growth_detail(None), mask=_not_forward_state(_jump_mask)),
+        ("jump_factor", "growth_floor"), _growth_detail(None),
+        mask=_not_on(lambda info: info.forward_state, _jump_mask)),
     WarningKind(
         "headroom", "headroom running out",
         "At this growth the tensor overflows its dtype soon: lower the learning rate, normalise, "
         "or (under mixed precision) keep this computation in float32.",
         ("growth_window", "headroom_steps", "growth_floor"), _headroom_detail,
-        mask=_not_input(lambda s, p: detectors.headroom(s.series, s.d, p.growth_window, p.headroom_steps,
-                                                        p.growth_floor)),
+        mask=_not_on(_follows_data, lambda s, p: detectors.headroom(s.series, s.d, p.growth_window,
+                                                                    p.headroom_steps, p.growth_floor)),
         early=True),
     WarningKind(
         "growth", "growth",
         "Values keep growing step after step: lower the learning rate, normalise the layer "
         "(BatchNorm/LayerNorm), and check that the loss does not reward growth.",
         ("growth_window", "growth_factor", "growth_floor"), _growth_detail("growth_window"),
-        mask=_not_input(lambda s, p: growth_flags(s.d["max_abs"], p))),
+        mask=_not_on(_follows_data, lambda s, p: growth_flags(s.d["max_abs"], p))),
     _by_depth(
         "exploding_by_depth", "exploding gradients by depth",
         "The first layer's gradients are far larger than the last layer's: gradients "
