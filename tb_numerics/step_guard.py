@@ -31,6 +31,14 @@ branch looks closer:
   the state it left, so an Adam second moment made infinite is the anomaly
   of this step, in phase ``update``.
 
+A batch that arrived non-finite is no op's fault: where a held step's
+arguments hold a NaN or an Inf (a -Inf alone may be a mask the program
+made), they are written as records of role ``input`` at that step, as
+``NumericsCallback`` records each batch, with where the bad values are
+(``metadata.BATCH_TAG``): the batch is the step's first anomaly. A step
+given an iterator it takes its batch from is not replayed (it would take
+another batch from training); its verdict says why.
+
 What the guard finds is filed at the step the step's own records were
 written at, read where the update is: in a function that runs several
 steps a call (a ``tf.range`` loop advancing a step variable), the failing
@@ -73,17 +81,21 @@ does not see the loss).
 
 from __future__ import annotations
 
+import collections.abc
 import contextlib
 import dataclasses
 import functools
+import inspect
 import json
 from typing import Any, Callable, Sequence
 
+import keras
 import numpy as np
 import tensorflow as tf
 
 from tb_numerics import (
-    _survive_tf, _tf_internal, metadata, oplevel, records, rules, stats, summary, survive, update_check,
+    _keras_batch, _survive_tf, _tf_internal, metadata, oplevel, records, rules, stats, summary, survive,
+    update_check,
 )
 
 __all__ = ["StepGuard", "guard"]
@@ -165,6 +177,7 @@ class StepGuard:
         self._losses: list = []  # within a step: the losses logged so far (``summary.watching_losses``)
         self._prev_step: int | None = None
         self._replays = 0
+        self._batch_noted = False  # where a bad batch held its bad values: written once
         policy = survive.OnAnomaly.of(on_anomaly)
         self._policy = _GuardPolicy(policy, self._opts, variables) if policy is not None else None
         self._windows = ([_survive_tf.SpikeWindow(dataclasses.replace(policy.spike, loss=False, grad_norm=True))
@@ -205,6 +218,9 @@ class StepGuard:
             if at[0] != _NO_STEP:
                 bad, applied = int(at[0]), (int(at[1]) if at[1] != _NO_STEP else None)
                 self._bad_at.assign(np.full(2, _NO_STEP, np.int64))
+        if bad is not None and bad == step and (new[_HELD] or new[_SCALE_SKIPPED]):
+            # One step a call (its records at the step set before it): the arguments are that step's batch.
+            self._note_bad_batch(bad, args, kwargs)
         if self.verdict is None and bad is not None and (new[_HELD] or new[_OVERFLOWED]):
             self._escalate(bad, bool(new[_HELD]), args, kwargs, applied)
         elif self.verdict is None and bad is not None and new[_SCALE_SKIPPED] and self._replay:
@@ -302,6 +318,30 @@ class StepGuard:
             self._bad_at.assign(tf.where(first, tf.stack([step, self._applied_at.read_value()]), self._bad_at))
         return tf.constant(True)
 
+    def _note_bad_batch(self, step: int, args: tuple, kwargs: dict) -> None:
+        """At a held or skipped step: where the step's arguments (its batch,
+        as the step received it) hold a NaN or an Inf, their records, of role
+        and phase ``input`` (what ``NumericsCallback`` records of every
+        batch), written at ``step``: no op of the step made those values, so
+        the batch is the step's first anomaly; and once, where they hold
+        them, per feature and example (``metadata.BATCH_TAG``, for the hint)."""
+        # A -Inf argument may be a mask the program made (an additive attention mask): intended.
+        leaves = [(tag, a, records.numpy_stats(a)) for tag, a in _batch_leaves(self._fn, args, kwargs)]
+        bad = [(tag, a) for tag, a, v in leaves if records.nonfinite_count(v, neginf_ok=True) > 0]
+        if not bad:
+            return
+        _write([(tag, v, metadata.TensorInfo(
+            role="input", dtype=str(a.dtype), shape=tuple(a.shape), neginf_ok=True,
+            description="the step's argument %s, as the guarded step received it" % tag[len("input/"):]))
+            for tag, a, v in leaves], step)
+        if not self._batch_noted:
+            self._batch_noted = True
+            found = [f for f in (_keras_batch.bad_features(tag, [a], str(a.dtype)) for tag, a in bad) if f]
+            if found:
+                info = metadata.TensorInfo(role="other", op_type="Batch",
+                                           description=json.dumps({"step": step, "tensors": found}))
+                _write([(metadata.BATCH_TAG, records.numpy_stats(np.zeros(0, np.float32)), info)], step)
+
     def _escalate(self, step: int, held: bool, args: tuple, kwargs: dict, applied: int | None = None) -> None:
         """At a step whose update was held back or overflowed: the state the
         update made non-finite, written at the step that made it (``applied``:
@@ -341,7 +381,16 @@ class StepGuard:
 
     def _replay_op(self, step: int, args: tuple, kwargs: dict) -> Any:
         """The step's first non-finite op, run again at op level with every
-        update suppressed and every variable write put back."""
+        update suppressed and every variable write put back.
+
+        Raises:
+          _NotReplayable: the step reads its batch from an iterator argument.
+        """
+        if _reads_iterator(args, kwargs):
+            raise _NotReplayable(
+                "it was not run again: the step reads its batch from an iterator it is given, so a replay "
+                "would take another batch, and take it from training; pass the batch itself "
+                "(step(x, y), with next(iterator) outside the step) for the replay to name the op")
         with contextlib.ExitStack() as stack:
             for opt in self._opts:
                 stack.enter_context(_apply_as(opt, lambda apply: lambda *a, **k: None))
@@ -356,6 +405,8 @@ class StepGuard:
         try:
             with _loss_scale_one(self._opts) if unscaled else contextlib.nullcontext():
                 found = self._replay_op(step, args, kwargs)
+        except _NotReplayable as e:
+            found, verdict["why"] = None, str(e)
         except Exception as e:  # noqa: BLE001 - a replay must never stop training
             found, verdict["why"] = None, "the replay raised %s: %s" % (type(e).__name__, e)
         if found is None:
@@ -456,6 +507,33 @@ class _GuardPolicy:
         if action == "stop":
             words = survive.summarize([dict(event, step=step if step is not None else -1)])["words"]
             raise survive.TrainingStopped("tb-numerics: %s (%s)" % (words, event.get("detail", "")), event)
+
+
+class _NotReplayable(Exception):
+    """A step that cannot be run again as it ran (the verdict says why)."""
+
+
+def _reads_iterator(args: tuple, kwargs: dict) -> bool:
+    """Whether an argument is an iterator (a ``tf.data`` one, a generator):
+    each run of the step takes the next batch from it."""
+    leaves = tf.nest.flatten((args, kwargs), expand_composites=False)
+    return any(isinstance(t, (tf.data.Iterator, collections.abc.Iterator)) for t in leaves)
+
+
+def _batch_leaves(fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[tuple[str, np.ndarray]]:
+    """(tag, values) of each float tensor or array among a step's arguments
+    (not a variable: a weight is no batch), tagged ``input/<parameter>``, and
+    ``input/<parameter>/<path>`` inside a tuple or a dict."""
+    try:
+        bound = inspect.signature(fn).bind(*args, **kwargs).arguments
+    except (TypeError, ValueError):  # no signature to bind to: by position
+        bound = {**{"arg%d" % i: a for i, a in enumerate(args)}, **kwargs}
+    out = []
+    for name, value in bound.items():
+        for path, t in keras.tree.flatten_with_path(value):
+            if _keras_batch.is_float_tensor(t) and not isinstance(t, tf.Variable):
+                out.append(("/".join(["input", name, *map(str, path)]), np.asarray(t)))
+    return out
 
 
 def _reachable(t: Any) -> bool:

@@ -726,6 +726,100 @@ def test_a_hand_written_log_of_a_negative_value_is_not_called_log_of_zero(tmp_pa
     assert "its input 1 held negative values (min -4" in a["hint"], a["hint"]
 
 
+def _batch_oracle_step(x, y):
+    """``tf.summary``'s own record of whether the step's batch holds a NaN or an Inf (the oracle of its step)."""
+    finite = tf.reduce_all(tf.math.is_finite(x)) & tf.reduce_all(tf.math.is_finite(y))
+    tf.summary.scalar("oracle/batch_not_finite", tf.cast(tf.logical_not(finite), tf.float32))
+
+
+def _regression_step(model, optimizer):
+    """A hand-written step of a regression under the guard, whose prediction, loss and gradients are logged."""
+
+    @tbn.guard(optimizer)
+    @tf.function
+    def train_step(x, y):
+        _batch_oracle_step(x, y)
+        with tf.GradientTape() as tape:
+            p = model(x, training=True)
+            tbn.log_numerics("pred", p)
+            loss = tf.reduce_mean(tf.square(p - y))
+            tbn.log_numerics("loss", loss)
+        grads = tape.gradient(loss, model.trainable_variables)
+        tbn.log_gradients(grads, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+    return train_step
+
+
+@pytest.mark.parametrize("argument, example, feature", [("x", 3, 5), ("y", 7, 1)])
+def test_a_batch_that_arrives_with_a_nan_is_the_anomaly_not_the_op_that_reads_it(tmp_path, argument, example,
+                                                                                  feature):
+    """A hand-written loop whose batch at step BAD holds one NaN (the
+    injected fault: in the inputs, or in the targets, at a given example and
+    feature). No op of the step made it: the first anomaly is the guarded
+    step's argument, in phase ``input``, at the step ``tf.summary`` saw the
+    NaN in the batch, and the hint says where in the batch it is; not the
+    MatMul (or the Sub) that read it first, which the replay names."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(2)])
+    train_step = _regression_step(model, keras.optimizers.SGD(0.01))
+    rng = np.random.default_rng(0)
+    step = tf.Variable(0, dtype=tf.int64)
+    with tf.summary.create_file_writer(str(tmp_path)).as_default(step=step):
+        for i in range(STEPS):
+            step.assign(i)
+            batch = {"x": rng.normal(size=(32, 8)).astype(np.float32), "y": rng.normal(size=(32, 2)).astype(np.float32)}
+            if i == BAD:
+                batch[argument][example, feature] = np.nan
+            train_step(tf.constant(batch["x"]), tf.constant(batch["y"]))
+    (truth,) = _oracle_steps(tmp_path, "oracle/batch_not_finite", 0.5)
+    a = _report(tmp_path)["first_anomaly"]
+    assert (a["step"], a["tensor"], a["phase"], a["nan"]) == (truth, "input/" + argument, "input", 1), a
+    assert a["op"] is None, a["op"]
+    assert "all in feature %d (of %d)" % (feature, 8 if argument == "x" else 2) in a["hint"], a["hint"]
+    assert "in 1 of its 32 examples (the first: %d)" % example in a["hint"], a["hint"]
+
+
+def test_a_step_that_takes_its_batch_from_an_iterator_is_not_replayed(tmp_path):
+    """A replay runs the held step again on its arguments; a step that takes
+    its batch from an iterator it is given would take the next batch there:
+    another batch than the one that failed, and one taken from training.
+    The guard does not replay such a step and says why; training takes each
+    batch once (the oracle: the iterator ends after as many steps as it has
+    batches), and the first anomaly is at the step ``tf.summary`` saw the NaN."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(2)])
+    optimizer = keras.optimizers.SGD(0.01)
+    rng = np.random.default_rng(0)
+    n = BAD + 3  # batches after the bad one, for a replay to take
+    x, y = rng.normal(size=(32 * n, 8)).astype(np.float32), rng.normal(size=(32 * n, 2)).astype(np.float32)
+    x[32 * BAD + 3, 5] = np.nan
+    batches = iter(tf.data.Dataset.from_tensor_slices((x, y)).batch(32))
+
+    @tbn.guard(optimizer)
+    @tf.function
+    def train_step(iterator):
+        xb, yb = next(iterator)
+        _batch_oracle_step(xb, yb)
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(xb, training=True) - yb))
+            tbn.log_numerics("loss", loss)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+    step = tf.Variable(0, dtype=tf.int64)
+    with tf.summary.create_file_writer(str(tmp_path)).as_default(step=step):
+        for i in range(n):
+            step.assign(i)
+            train_step(batches)
+    with pytest.raises(StopIteration):
+        next(batches)
+    (truth,) = _oracle_steps(tmp_path, "oracle/batch_not_finite", 0.5)
+    a = _report(tmp_path)["first_anomaly"]
+    assert (a["step"], a["tensor"]) == (truth, "loss"), a
+    assert a["replay"]["reproduced"] is False and "from an iterator" in a["replay"]["why"], a["replay"]
+
+
 def test_a_learning_rate_that_grows_the_output_until_it_overflows_is_called_growth(tmp_path):
     """A hand-written loop whose learning rate grows tenfold every two steps
     (the injected fault) until the output's MatMul overflows; the loss, a
