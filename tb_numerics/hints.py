@@ -574,6 +574,8 @@ def _by_loss_input(ev: Evidence) -> str:
         return ""
     if _op_not_broken_by_zeros(ev) or _log_read_zeros_elsewhere(ev, li):
         return ""
+    if not loss_fn and _replayed_family(ev) == "div":
+        return ""  # a division the replay named in a hand-written loss (a cosine's 0/0): the op's hint says it
     # A loss function of unknown name: only exact zeros, which no loss but a
     # log (or a normalisation) turns into a NaN, are evidence enough; not
     # where the loss stayed finite at a step its input held as large a share

@@ -820,6 +820,60 @@ def test_a_step_that_takes_its_batch_from_an_iterator_is_not_replayed(tmp_path):
     assert a["replay"]["reproduced"] is False and "from an iterator" in a["replay"]["why"], a["replay"]
 
 
+def test_a_hand_written_cosine_of_a_zero_tower_output_is_called_a_division_not_a_log(tmp_path):
+    """Two ReLU towers feeding a hand-written cosine similarity (one of the
+    reports we started from); at step BAD one example of the second tower's
+    input is all zeros (the injected fault), so its output row is, its norm
+    is 0 and the cosine divides 0 by 0. The towers' outputs and the loss
+    are logged. The op is the division an eager op callback sees make the
+    first NaN, and the hint is the division's, not a log's: the loss takes
+    no log, though the tensor logged before it held exact zeros."""
+    keras.utils.set_random_seed(0)
+
+    def tower():
+        return keras.Sequential([keras.Input((4,)), keras.layers.Dense(
+            8, activation="relu", use_bias=False, kernel_initializer=keras.initializers.RandomUniform(0.1, 1.0))])
+
+    left, right = tower(), tower()
+    variables = left.trainable_variables + right.trainable_variables
+    optimizer = keras.optimizers.SGD(1e-4)
+
+    def forward(x1, x2, log=True):
+        a, b = left(x1), right(x2)
+        if log:
+            tbn.log_numerics("left/output", a)
+            tbn.log_numerics("right/output", b)
+        cosine = tf.reduce_sum(a * b, -1) / (tf.norm(a, axis=-1) * tf.norm(b, axis=-1))  # COSINE
+        loss = tf.reduce_mean(tf.square(1.0 - cosine))
+        if log:
+            tbn.log_numerics("loss", loss)
+        return loss
+
+    @tbn.guard(optimizer)
+    @tf.function
+    def train_step(x1, x2):
+        with tf.GradientTape() as tape:
+            loss = forward(x1, x2)
+        grads = tape.gradient(loss, variables)
+        tbn.log_gradients(grads, variables)
+        optimizer.apply_gradients(zip(grads, variables))
+
+    rng = np.random.default_rng(0)
+    step = tf.Variable(0, dtype=tf.int64)
+    with tf.summary.create_file_writer(str(tmp_path)).as_default(step=step):
+        for i in range(STEPS):
+            step.assign(i)
+            x1, x2 = (rng.uniform(0.5, 1.0, size=(16, 4)).astype(np.float32) for _ in range(2))
+            if i == BAD:
+                x2[5] = 0.0
+                oracle_op = _first_op_making_nan_or_posinf(forward, tf.constant(x1), tf.constant(x2))
+            train_step(tf.constant(x1), tf.constant(x2))
+    a = _report(tmp_path)["first_anomaly"]
+    assert (a["step"], a["tensor"], a["op"]["type"]) == (BAD, "loss", oracle_op), a
+    assert a["op"]["source"].endswith("test_step_guard.py:%d (forward)" % line_of(__file__, "# COSINE"))
+    assert a["hint"].startswith("Division by zero: 0/0 is NaN") and "log" not in a["hint"], a["hint"]
+
+
 def test_a_learning_rate_that_grows_the_output_until_it_overflows_is_called_growth(tmp_path):
     """A hand-written loop whose learning rate grows tenfold every two steps
     (the injected fault) until the output's MatMul overflows; the loss, a
