@@ -574,8 +574,10 @@ def _by_loss_input(ev: Evidence) -> str:
         return ""
     if _op_not_broken_by_zeros(ev) or _log_read_zeros_elsewhere(ev, li):
         return ""
-    if not loss_fn and _replayed_family(ev) == "div":
-        return ""  # a division the replay named in a hand-written loss (a cosine's 0/0): the op's hint says it
+    if not loss_fn and _replayed_family(ev) in ("div", "log"):
+        # A hand-written loss whose op the replay named (a cosine's 0/0, the log of a softmax
+        # probability that rounded to 0): the op's hint, with its inputs' zeros, says what happened.
+        return ""
     # A loss function of unknown name: only exact zeros, which no loss but a
     # log (or a normalisation) turns into a NaN, are evidence enough; not
     # where the loss stayed finite at a step its input held as large a share
@@ -590,7 +592,8 @@ def _by_loss_input(ev: Evidence) -> str:
             "%s the log of its input: %s held exact zeros at step %d: %s of %s values, %s%s. "
             "log(0) is -Inf, and a cross-entropy that normalises an all-zero row divides 0 by 0. "
             "An output that can be exactly 0 (ReLU, linear) does not fit a log loss: use a softmax or "
-            "sigmoid output, or from_logits=True on the loss."
+            "sigmoid output, or from_logits=True on the loss; an output that is a softmax or sigmoid already "
+            "rounded to 0 in float32: compute the loss from its logits (from_logits=True, tf.nn.log_softmax)."
             % (what, li.tag, ev.step, format(li.zeros, ","), format(li.count, ","), percent(share), trend)
         )
     if li.negatives and loss_fn:

@@ -874,6 +874,52 @@ def test_a_hand_written_cosine_of_a_zero_tower_output_is_called_a_division_not_a
     assert a["hint"].startswith("Division by zero: 0/0 is NaN") and "log" not in a["hint"], a["hint"]
 
 
+def test_a_hand_written_cross_entropy_of_a_softmax_that_rounded_to_zero_gets_the_logs_hint(tmp_path):
+    """-sum(y * log(p)) on a softmax output (one of the reports we started
+    from), the probabilities logged; at step BAD the batch is 1000x larger
+    (the injected fault), the logits far apart, and labelled classes'
+    probabilities round to exactly 0 in float32. The op is the Log
+    TensorFlow's own check names, at this line; the hint is the log(0) of a
+    saturated probability with the fix from the logits, not that an output
+    that can be 0 does not fit a log loss: it is a softmax."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((10,)), keras.layers.Dense(32, activation="relu"),
+                              keras.layers.Dense(5, activation="softmax")])
+    optimizer = keras.optimizers.SGD(1e-3)
+
+    def loss_of(x, y):
+        p = model(x, training=True)
+        tbn.log_numerics("probs", p)
+        loss = -tf.reduce_mean(tf.reduce_sum(y * tf.math.log(p), axis=-1))  # CROSS_ENTROPY
+        tbn.log_numerics("loss", loss)
+        return loss
+
+    @tbn.guard(optimizer)
+    @tf.function
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_of(x, y)
+        grads = tape.gradient(loss, model.trainable_variables)
+        tbn.log_gradients(grads, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+    rng = np.random.default_rng(0)
+    step = tf.Variable(0, dtype=tf.int64)
+    with tf.summary.create_file_writer(str(tmp_path)).as_default(step=step):
+        for i in range(STEPS):
+            step.assign(i)
+            x = rng.normal(size=(32, 10)).astype(np.float32) * (1000.0 if i == BAD else 1.0)
+            y = np.eye(5, dtype=np.float32)[rng.integers(0, 5, 32)]
+            if i == BAD:
+                truth = _check_numerics_names(loss_of, (tf.constant(x), tf.constant(y)))
+            train_step(tf.constant(x), tf.constant(y))
+    assert truth == ("Log", [line_of(__file__, "# CROSS_ENTROPY")])
+    a = _report(tmp_path)["first_anomaly"]
+    assert (a["step"], a["tensor"], a["op"]["type"]) == (BAD, "loss", "Log"), a
+    assert a["op"]["source"].endswith("test_step_guard.py:%d (loss_of)" % truth[1][0]), a["op"]
+    assert a["hint"].startswith("log(0) = -inf") and "does not fit a log loss" not in a["hint"], a["hint"]
+
+
 def test_a_learning_rate_that_grows_the_output_until_it_overflows_is_called_growth(tmp_path):
     """A hand-written loop whose learning rate grows tenfold every two steps
     (the injected fault) until the output's MatMul overflows; the loss, a
