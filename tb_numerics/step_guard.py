@@ -516,8 +516,7 @@ class _NotReplayable(Exception):
 def _reads_iterator(args: tuple, kwargs: dict) -> bool:
     """Whether an argument is an iterator (a ``tf.data`` one, a generator):
     each run of the step takes the next batch from it."""
-    leaves = tf.nest.flatten((args, kwargs), expand_composites=False)
-    return any(isinstance(t, (tf.data.Iterator, collections.abc.Iterator)) for t in leaves)
+    return any(isinstance(t, (tf.data.Iterator, collections.abc.Iterator)) for t in (*args, *kwargs.values()))
 
 
 def _batch_leaves(fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[tuple[str, np.ndarray]]:
@@ -530,7 +529,11 @@ def _batch_leaves(fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[tup
         bound = {**{"arg%d" % i: a for i, a in enumerate(args)}, **kwargs}
     out = []
     for name, value in bound.items():
-        for path, t in keras.tree.flatten_with_path(value):
+        try:
+            leaves = keras.tree.flatten_with_path(value)
+        except (TypeError, ValueError):  # a structure no tree library walks (a dict of mixed keys)
+            continue
+        for path, t in leaves:
             if _keras_batch.is_float_tensor(t) and not isinstance(t, tf.Variable):
                 out.append(("/".join(["input", name, *map(str, path)]), np.asarray(t)))
     return out
