@@ -569,7 +569,7 @@ def _by_loss_input(ev: Evidence) -> str:
     li = ev.loss_input
     if ev.info.role != "loss" or li is None:
         return ""
-    loss_fn = ev.info.activation
+    loss_fn = ev.info.activation or _log_loss_scope(ev.op)
     if loss_fn and not _LOG_LOSS.search(loss_fn):
         return ""
     if _op_not_broken_by_zeros(ev) or _log_read_zeros_elsewhere(ev, li):
@@ -603,6 +603,13 @@ def _by_loss_input(ev: Evidence) -> str:
             % (what, li.tag, ev.step)
         )
     return ""
+
+
+def _log_loss_scope(op: dict[str, Any] | None) -> str:
+    """The library loss the replayed op ran inside, by its name scope
+    (``categorical_crossentropy/RealDiv``), where it names one that takes a log; else ""."""
+    name = str((op or {}).get("name") or "")
+    return next((part for part in name.split("/")[:-1] if _LOG_LOSS.search(part)), "")
 
 
 def _op_not_broken_by_zeros(ev: Evidence) -> bool:

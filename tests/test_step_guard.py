@@ -920,6 +920,53 @@ def test_a_hand_written_cross_entropy_of_a_softmax_that_rounded_to_zero_gets_the
     assert a["hint"].startswith("log(0) = -inf") and "does not fit a log loss" not in a["hint"], a["hint"]
 
 
+def test_a_keras_cross_entropy_in_a_hand_written_loop_is_named_from_the_replayed_ops_scope(tmp_path):
+    """A hand-written loop calling ``keras.losses.CategoricalCrossentropy``
+    on a ReLU output (no softmax); at step BAD one example's input row is
+    all zeros (the injected fault), so its output row is and the loss's
+    normalisation divides 0 by 0. ``log_numerics`` cannot know the loss
+    function; the op TensorFlow's check names is the division inside the
+    Keras loss, and the hint names that loss from the op's scope and says a
+    ReLU output does not fit it, not "add an epsilon to the denominator"."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((6,)), keras.layers.Dense(
+        4, activation="relu", use_bias=False, kernel_initializer=keras.initializers.RandomUniform(0.1, 1.0))])
+    optimizer = keras.optimizers.SGD(1e-4)
+    cross_entropy = keras.losses.CategoricalCrossentropy()
+
+    def loss_of(x, y):
+        p = model(x, training=True)
+        tbn.log_numerics("out", p)
+        loss = cross_entropy(y, p)  # KERAS_CROSS_ENTROPY
+        tbn.log_numerics("loss", loss)
+        return loss
+
+    @tbn.guard(optimizer)
+    @tf.function
+    def train_step(x, y):
+        with tf.GradientTape() as tape:
+            loss = loss_of(x, y)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+    rng = np.random.default_rng(0)
+    step = tf.Variable(0, dtype=tf.int64)
+    with tf.summary.create_file_writer(str(tmp_path)).as_default(step=step):
+        for i in range(STEPS):
+            step.assign(i)
+            x = rng.uniform(0.5, 1.0, size=(16, 6)).astype(np.float32)
+            y = np.eye(4, dtype=np.float32)[rng.integers(0, 4, 16)]
+            if i == BAD:
+                x[9] = 0.0
+                truth = _check_numerics_names(loss_of, (tf.constant(x), tf.constant(y)))
+            train_step(tf.constant(x), tf.constant(y))
+    a = _report(tmp_path)["first_anomaly"]
+    assert (a["step"], a["tensor"], a["op"]["type"]) == (BAD, "loss", truth[0]), (a, truth)
+    assert "categorical_crossentropy" in a["op"]["name"], a["op"]
+    assert a["hint"].startswith("The loss (categorical_crossentropy) takes the log of its input"), a["hint"]
+    assert "use a softmax or sigmoid output" in a["hint"], a["hint"]
+
+
 def test_a_learning_rate_that_grows_the_output_until_it_overflows_is_called_growth(tmp_path):
     """A hand-written loop whose learning rate grows tenfold every two steps
     (the injected fault) until the output's MatMul overflows; the loss, a
