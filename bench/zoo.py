@@ -22,7 +22,7 @@ fatal):
   NaN (checked in numpy), the truth has no model op;
 * the product: the same code under tb-numerics (``NumericsCallback()``
   with its defaults for ``model.fit``; ``log_numerics``/``log_gradients``
-  and a replay for the loop), then ``tb-numerics report --json``;
+  under ``tbn.guard`` for the loop), then ``tb-numerics report --json``;
 * the product on the fixed variant (its warnings are false warnings), and
   with ``--check-fixed`` the oracle on it (which must not fire: a fixed
   variant that still makes a NaN is a broken cell, reported as such).
@@ -236,9 +236,11 @@ class OracleHook:
     def log_gradients(self, grads: Any, variables: Any) -> None:
         pass
 
-    def after_gradients(self, step, fn, batch, loss, grads) -> bool:
+    def guarded(self, step_fn: Any, optimizer: Any) -> Any:
+        return step_fn
+
+    def stepped(self, loss: Any) -> None:
         self.losses.append(float(loss))
-        return True
 
     def writing(self):
         return contextlib.nullcontext()
@@ -256,16 +258,14 @@ class ProductHook:
         import tensorflow as tf
 
         import tb_numerics as tbn
-        from tb_numerics import oplevel
         from tb_numerics.keras import NumericsCallback
 
-        self.tf, self.tbn, self.oplevel = tf, tbn, oplevel
+        self.tf, self.tbn = tf, tbn
         self.losses: list[float] = []  # each step's own loss (Keras' logs), for ``damaged``
         self.running_mean = False
         self.callbacks = [NumericsCallback(logdir), _loss_log(self)]
         self.writer = tf.summary.create_file_writer(logdir)
         self.step_var = tf.Variable(0, dtype=tf.int64, trainable=False)
-        self.replayed = False
 
     def fit(self, model: Any, data: Any) -> None:
         self.running_mean = _logs_running_mean(model)
@@ -283,18 +283,14 @@ class ProductHook:
     def log_gradients(self, grads: Any, variables: Any) -> None:
         self.tbn.log_gradients(grads, variables)
 
-    def after_gradients(self, step, fn, batch, loss, grads) -> bool:
-        """Applies a finite step; replays the first non-finite one at op level and skips its update.
+    def guarded(self, step_fn: Any, optimizer: Any) -> Any:
+        """The step under ``tbn.guard``, as the README tells a custom loop to
+        run: a step whose gradients or logged loss are not finite is held
+        back, the first one replayed at op level."""
+        return self.tbn.guard(optimizer)(step_fn)
 
-        THE ONE PLACE to switch to the custom-loop escalation wrapper once it lands.
-        """
-        tf = self.tf
+    def stepped(self, loss: Any) -> None:
         self.losses.append(float(loss))
-        finite = bool(tf.reduce_all([tf.reduce_all(tf.math.is_finite(t)) for t in [loss, *grads] if t is not None]))
-        if not finite and not self.replayed:
-            self.replayed = True
-            self.oplevel.replay_step(fn, *batch, step=step, writer=self.writer)
-        return finite
 
     @contextlib.contextmanager
     def writing(self):

@@ -10,8 +10,9 @@ data of both variants, so only the code differs.
 
 ``train(arch, fault, fixed, hook)`` trains ``STEPS`` steps; ``hook`` is the
 runner's: its ``fit(model, data)`` trains the Keras architectures (with
-``model.fit``), and for the hand-written loop its ``after_gradients``
-decides whether a step's update is applied (see ``bench/zoo.py``).
+``model.fit``), and for the hand-written loop its ``guarded(step,
+optimizer)`` wraps the step (the product's side: ``tbn.guard``) and
+``stepped(loss)`` takes each step's loss (see ``bench/zoo.py``).
 """
 
 from __future__ import annotations
@@ -453,10 +454,14 @@ def _train_loop(arch: Arch, fault: str, fixed: bool, opt, x: np.ndarray, y: np.n
         hook.log_gradients(grads, variables)
         return loss, grads
 
+    def train_step(xb, yb):
+        loss, grads = gradients(xb, yb)
+        opt.apply(grads, variables)
+        return loss
+
+    step_fn = hook.guarded(train_step, opt)
     with hook.writing():
         for step in range(STEPS):
             hook.begin_step(step)
             batch = (tf.constant(x[step * BATCH:(step + 1) * BATCH]), tf.constant(y[step * BATCH:(step + 1) * BATCH]))
-            loss, grads = gradients(*batch)
-            if hook.after_gradients(step, gradients, batch, loss, grads):
-                opt.apply(grads, variables)
+            hook.stepped(step_fn(*batch))

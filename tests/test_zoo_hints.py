@@ -26,6 +26,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 
 import zoo  # noqa: E402
+import zoo_models  # noqa: E402 - where the zoo injects its faults
 
 FAULTS = ["vae:unscaled", "vae:exp_out", "vae:no_eps", "gan:log_softmax", "gan:div_stat", "loop:nan_batch"]
 # Each raised warnings on main: fast growth at the GAN's absorbed outlier batch, vanishing at the
@@ -72,9 +73,13 @@ def test_an_outlier_that_an_exp_amplified_is_named_with_its_numbers(reports):
 
 
 def test_a_nan_that_came_with_the_batch_is_named_in_a_custom_loop(reports):
-    """The loop logs no input: the first op to hold the NaN cannot make one, so it came in."""
-    hint = _hint(reports, "loop:nan_batch")
-    assert "Square" in hint and "input batch" in hint, hint
+    """The loop logs no input; under ``tbn.guard`` the held step's arguments
+    are its batch: the first anomaly is that batch, and the hint says where
+    the zoo put the NaN (the first example of the trigger step's batch,
+    feature 0), not the Square that read it first."""
+    a = reports["loop:nan_batch:fault"]["first_anomaly"]
+    assert (a["step"], a["tensor"], a["phase"]) == (zoo_models.TRIGGER_STEP, "input/xb", "input"), a
+    assert "all in feature 0 (of 16)" in a["hint"] and "(the first: 0)" in a["hint"], a["hint"]
 
 
 @pytest.mark.parametrize("cell", FIXED)
