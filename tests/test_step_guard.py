@@ -733,7 +733,10 @@ def _batch_oracle_step(x, y):
 
 
 def _regression_step(model, optimizer):
-    """A hand-written step of a regression under the guard, whose prediction, loss and gradients are logged."""
+    """A hand-written step of a regression under the guard, whose prediction,
+    loss and gradients are logged; under a LossScaleOptimizer, the loss
+    scaled for the tape and the gradients logged unscaled."""
+    scaled = isinstance(optimizer, keras.optimizers.LossScaleOptimizer)
 
     @tbn.guard(optimizer)
     @tf.function
@@ -744,25 +747,34 @@ def _regression_step(model, optimizer):
             tbn.log_numerics("pred", p)
             loss = tf.reduce_mean(tf.square(p - y))
             tbn.log_numerics("loss", loss)
-        grads = tape.gradient(loss, model.trainable_variables)
+            target = optimizer.scale_loss(loss) if scaled else loss
+        grads = tape.gradient(target, model.trainable_variables)
+        if scaled:
+            grads = [g / tf.cast(optimizer.dynamic_scale, g.dtype) for g in grads]
         tbn.log_gradients(grads, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
 
     return train_step
 
 
-@pytest.mark.parametrize("argument, example, feature", [("x", 3, 5), ("y", 7, 1)])
+@pytest.mark.parametrize("argument, example, feature, scaled", [("x", 3, 5, False), ("y", 7, 1, False),
+                                                                 ("x", 3, 5, True)])
 def test_a_batch_that_arrives_with_a_nan_is_the_anomaly_not_the_op_that_reads_it(tmp_path, argument, example,
-                                                                                  feature):
+                                                                                  feature, scaled):
     """A hand-written loop whose batch at step BAD holds one NaN (the
     injected fault: in the inputs, or in the targets, at a given example and
     feature). No op of the step made it: the first anomaly is the guarded
     step's argument, in phase ``input``, at the step ``tf.summary`` saw the
     NaN in the batch, and the hint says where in the batch it is; not the
-    MatMul (or the Sub) that read it first, which the replay names."""
+    MatMul (or the Sub) that read it first, which the replay names. Under a
+    LossScaleOptimizer (``scaled``), which skips the step itself, the same."""
     keras.utils.set_random_seed(0)
     model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(2)])
-    train_step = _regression_step(model, keras.optimizers.SGD(0.01))
+    optimizer = keras.optimizers.SGD(0.01)
+    if scaled:
+        optimizer = keras.optimizers.LossScaleOptimizer(optimizer)
+        optimizer.build(model.trainable_variables)  # its loss scale, read in the step
+    train_step = _regression_step(model, optimizer)
     rng = np.random.default_rng(0)
     step = tf.Variable(0, dtype=tf.int64)
     with tf.summary.create_file_writer(str(tmp_path)).as_default(step=step):
