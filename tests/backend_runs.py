@@ -39,7 +39,7 @@ from tb_numerics import analysis, event_reader, metadata, records, rules  # noqa
 from tb_numerics.keras import NumericsCallback  # noqa: E402
 
 BATCH, STEPS, BAD_STEP = 8, 12, 7
-FAULTS = ("log0", "div00", "overflow", "sqrt0")
+FAULTS = ("log0", "div00", "overflow", "sqrt0", "norm00")
 
 
 @keras.saving.register_keras_serializable("tbn_tests")
@@ -53,7 +53,7 @@ class Fault(keras.layers.Layer):
     def __init__(self, kind: str, **kwargs):
         super().__init__(**kwargs)
         self.kind = kind
-        if kind == "sqrt0":
+        if kind in ("sqrt0", "norm00"):
             self.scale = self.add_weight(shape=(), initializer="ones", name="scale")
 
     def call(self, x):
@@ -65,6 +65,9 @@ class Fault(keras.layers.Layer):
             out = keras.ops.log(trigger)  # FAULT_LINE log0
         elif self.kind == "overflow":
             out = keras.ops.exp(100.0 * (1.0 - trigger))  # FAULT_LINE overflow
+        elif self.kind == "norm00":  # divided by its norm: 0/0 where the trigger is 0 (and the norm's slope is Inf)
+            scaled = self.scale * trigger
+            out = scaled / keras.ops.norm(scaled, axis=-1, keepdims=True)  # FAULT_LINE norm00
         else:
             out = trigger
         return keras.ops.concatenate([head, out], axis=-1)

@@ -11,8 +11,14 @@ the Keras name scope it ran in with the primitive (``dense_3/dot_general``),
 its phase comes from the transformations JAX wrote into the name stack
 (``jvp(...)``: forward; ``transpose(jvp(...))``: backward; after the
 gradients: update; a ``jvp`` equation that only the backward pass reads, a
-derivative's coefficient such as ``0.5 / sqrt(x)``, is backward), its line is the innermost frame of the user's code in
+derivative's coefficient such as ``0.5 / sqrt(x)``, is backward, inside a
+call such as ``jnp.linalg.norm``'s too), its line is the innermost frame of the user's code in
 the equation's traceback, and its inputs' ranges are those it was given.
+Such a coefficient is computed in the forward part, before forward ops that
+the step, as TensorFlow and PyTorch run it, runs before any derivative: where
+one is not finite, the evaluation goes on, and it is the op only where no
+forward op goes bad after it (a norm's slope at 0 is Inf; the 0/0 of the
+division by that norm is the op).
 The evaluation is pure: nothing of the model's state changes.
 
 Unlike ``jax_debug_nans``, which re-runs a jitted function un-jitted after it
@@ -109,6 +115,9 @@ class _Evaluator:
     def __init__(self) -> None:
         self.seen_backward = False
         self._forced: str | None = None  # the phase of the equation being stepped into
+        # The first residual (a derivative's coefficient the forward part computes for the
+        # backward pass) that was not finite: the op, unless a forward op goes bad after it.
+        self.deferred: _Found | None = None
         # id of each value that passes a mask's -Inf on (``passes_mask``), or a non-finite
         # constant of the program moved or cast (``_MOVES``) -> the value.
         self._masks: dict[int, Any] = {}
@@ -129,10 +138,13 @@ class _Evaluator:
             if phases is not None:
                 self._forced = "backward" if i in phases.eqns else outer
             sub = _sub_jaxpr(eqn)
+            # Its outputs only the backward pass reads (a call's or a loop's residuals, such as 0.5 / sqrt(x)).
+            back = {k for k, v in enumerate(eqn.outvars) if phases is not None and v in phases.read_by_backward}
             if sub is not None:
-                outvals = self.run(sub[0], sub[1], invals, names or [""])
+                jvp = any(c.startswith("jvp(") for c in names)
+                inner = _phases(sub[0], back, jvp) if back or jvp else None
+                outvals = self.run(sub[0], sub[1], invals, names or [""], inner)
             elif eqn.primitive.name in _CONTROL_FLOW:
-                back = {k for k, v in enumerate(eqn.outvars) if phases is not None and v in phases.read_by_backward}
                 outvals = self._control_flow(eqn, invals, names or [""], back)
             else:
                 outvals = self._bind(eqn, invals, names, lambda: [
@@ -169,7 +181,16 @@ class _Evaluator:
             if constant is not None and eqn.primitive.name in _MOVES and len(bad) == 1 and constant():
                 self._masks[id(bad[0])] = bad[0]  # the program's own NaN or Inf, moved or cast
                 return outvals
-            raise _Found(eqn, names, phase, invals, outvals, m)
+            found = _Found(eqn, names, phase, invals, outvals, m)
+            residual = self._forced == "backward" and not any(c.startswith("transpose(") for c in names)
+            if residual and masked is not None:
+                # The backward pass runs after the forward part it is computed in: a forward op
+                # that goes bad later in that part ran first in the step's own order.
+                self.deferred = self.deferred or found
+                return outvals
+            if self.deferred is not None and phase != "forward":
+                raise self.deferred
+            raise found
         return outvals
 
     def _is_mask(self, var: Any, value: Any, constvars: list) -> bool:
@@ -194,8 +215,11 @@ class _Evaluator:
         except _Found as whole:
             jvp = any(c.startswith("jvp(") for c in names)
             _CONTROL_FLOW[eqn.primitive.name](self, eqn.params, invals, names, backward_outs, jvp)
-            # Stepped through, no op inside made a value not finite: a -Inf it hands out is a mask's.
             bad = [v for v in whole.outvals if _nonfinite(v)]
+            if self.deferred is not None and all(
+                    k in backward_outs for k, v in enumerate(whole.outvals) if _nonfinite(v)):
+                return whole.outvals  # only residuals are not finite: the residual found inside stands for them
+            # Stepped through, no op inside made a value not finite: a -Inf it hands out is a mask's.
             if all(passes_mask(records.numpy_stats(np.asarray(v, np.float64)), [], []) for v in bad):
                 self._masks.update((id(v), v) for v in bad)
                 return whole.outvals
@@ -304,6 +328,8 @@ def replay(train_step: Any, state: Any, data: Any, step: int) -> dict[str, Any]:
     evaluator = _Evaluator()
     try:
         evaluator.run(closed.jaxpr, list(closed.consts), args, [], _phases(closed.jaxpr))
+        if evaluator.deferred is not None:
+            raise evaluator.deferred
     except _Found as found:
         batch_finite = not any(_nonfinite(x) for x in jax.tree_util.tree_leaves(data))
         return _replay_common.verdict(_op(found, step, fallback), NOT_REPRODUCED, batch_finite)
