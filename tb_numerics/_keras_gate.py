@@ -30,7 +30,7 @@ from tb_numerics._keras_plan import RowPlan
 from tb_numerics.records import F
 from tb_numerics.survive import Spike
 
-__all__ = ["UpdateGate"]
+__all__ = ["UpdateGate", "apply_if_all_finite"]
 
 
 class UpdateGate:
@@ -99,7 +99,7 @@ class UpdateGate:
         (``stats.all_finite``). A LossScaleOptimizer skips such steps itself.
         Under several replicas the update merges across them, which cannot
         sit in a branch taken in a replica: the branch is taken in the
-        cross-replica context (``_apply_if_all_finite``), under the
+        cross-replica context (``apply_if_all_finite``), under the
         strategies a replay supports (MirroredStrategy).
         """
         if not self.gates or (self.lso and self.spike is None and self.listed is None and not self._holds_state
@@ -190,7 +190,7 @@ class UpdateGate:
         if trace.applied_so_far is not None:
             ok = tf.logical_and(ok, trace.applied_so_far)
         if ctx is not None:
-            applied = ctx.merge_call(functools.partial(_apply_if_all_finite, apply=apply, variables=variables),
+            applied = ctx.merge_call(functools.partial(apply_if_all_finite, apply=apply, variables=variables),
                                      args=(ok, grads))
         else:
 
@@ -203,7 +203,7 @@ class UpdateGate:
         return applied
 
 
-def _apply_if_all_finite(strategy: Any, finite: Any, grads: Any, *, apply: Callable[..., Any],
+def apply_if_all_finite(strategy: Any, finite: Any, grads: Any, *, apply: Callable[..., Any],
                          variables: list) -> tf.Tensor:
     """Under several replicas, in the cross-replica context: runs the
     optimizer's update on every replica where every replica's loss and

@@ -94,7 +94,7 @@ import numpy as np
 import tensorflow as tf
 
 from tb_numerics import (
-    _keras_batch, _survive_tf, _tf_internal, metadata, oplevel, records, rules, stats, summary, survive,
+    _keras_batch, _keras_gate, _survive_tf, _tf_internal, metadata, oplevel, records, rules, stats, summary, survive,
     update_check,
 )
 
@@ -269,7 +269,14 @@ class StepGuard:
                     self._applied_at.assign(at)
                 return tf.constant(True)
 
-            self._applied = tf.cond(run, update, lambda: tf.constant(False))
+            ctx = stats.replica_context()
+            if ctx is None:
+                self._applied = tf.cond(run, update, lambda: tf.constant(False))
+            else:  # the update merges across replicas: its branch is taken outside them, for all of them
+                self._applied = ctx.merge_call(functools.partial(
+                    _keras_gate.apply_if_all_finite, apply=apply, variables=trainable_variables), args=(run, grads))
+                if at is not None:
+                    self._applied_at.assign(tf.where(self._applied, at, self._applied_at.read_value()))
             tf.cond(code > 0, lambda: self._count(code - 1, at), lambda: tf.constant(False))
 
         return gated

@@ -31,6 +31,7 @@ import pytest
 import tensorflow as tf
 
 import tb_numerics as tbn
+import two_replicas
 from op_records import line_of
 from tb_numerics import cli
 from tb_numerics.keras import NumericsCallback
@@ -977,6 +978,68 @@ def test_a_keras_cross_entropy_in_a_hand_written_loop_is_named_from_the_replayed
     assert "categorical_crossentropy" in a["op"]["name"], a["op"]
     assert a["hint"].startswith("The loss (categorical_crossentropy) takes the log of its input"), a["hint"]
     assert "use a softmax or sigmoid output" in a["hint"], a["hint"]
+
+
+_MIRRORED_GUARD = """
+    import contextlib, io
+    import keras
+    import tb_numerics as tbn
+    from tb_numerics import cli
+    logdir, bad = sys.argv[1], 3
+    with strategy.scope():
+        keras.utils.set_random_seed(0)
+        model = keras.Sequential([keras.Input((8,)), keras.layers.Dense(16, activation="relu"), keras.layers.Dense(1)])
+        optimizer = keras.optimizers.SGD(0.01)
+        optimizer.build(model.trainable_variables)
+
+    def replica_step(x, y):
+        with tf.GradientTape() as tape:
+            p = model(x, training=True)
+            tbn.log_numerics("pred", p)
+            loss = tf.reduce_mean(tf.square(p - y)) / strategy.num_replicas_in_sync
+            tbn.log_numerics("loss", loss)
+        grads = tape.gradient(loss, model.trainable_variables)
+        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+
+    @tbn.guard(optimizer)
+    @tf.function
+    def train_step(x, y):
+        strategy.run(replica_step, args=(x, y))
+
+    rng, step, kernels = np.random.default_rng(0), tf.Variable(0, dtype=tf.int64), []
+    with tf.summary.create_file_writer(logdir).as_default(step=step):
+        for i in range(bad + 2):
+            step.assign(i)
+            x, y = rng.normal(size=(32, 8)).astype(np.float32), rng.normal(size=(32, 1)).astype(np.float32)
+            if i == bad:
+                x[20, 1] = np.nan  # in the second replica's half of the batch
+            train_step(tf.constant(x), tf.constant(y))
+            kernels.append(model.layers[0].kernel.numpy().tolist())
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        cli.main(["report", "--json", logdir])
+    (run,) = json.loads(out.getvalue())["runs"]
+    a = run["first_anomaly"]
+    print(json.dumps({"kernels": kernels, "first_anomaly": [a["step"], a["tensor"], a["phase"]]}))
+"""
+
+
+def test_a_guarded_step_under_a_mirrored_strategy_holds_back_the_bad_update_and_trains_on(tmp_path):
+    """A custom loop under ``tf.distribute.MirroredStrategy`` (two replicas),
+    the step under ``tbn.guard``: the update merges across the replicas, so
+    it cannot sit in a branch taken inside one (it raised "merge_call called
+    while defining a new graph"). The batch of step 3 holds a NaN in one
+    replica's half (the injected fault). Training runs on; the oracle is
+    the model's own kernel: unchanged by the bad step on both replicas'
+    shared copy, changed by every other; and the first anomaly is that
+    batch at that step."""
+    res = two_replicas.run(_MIRRORED_GUARD, str(tmp_path))
+    kernels = [np.asarray(k) for k in res["kernels"]]
+    bad = 3
+    assert np.array_equal(kernels[bad], kernels[bad - 1])
+    assert all(not np.array_equal(kernels[i], kernels[i - 1]) for i in range(1, len(kernels)) if i != bad)
+    assert np.isfinite(kernels[-1]).all()
+    assert res["first_anomaly"] == [bad, "input/x", "input"], res["first_anomaly"]
 
 
 def test_a_learning_rate_that_grows_the_output_until_it_overflows_is_called_growth(tmp_path):
