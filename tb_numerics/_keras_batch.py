@@ -29,7 +29,7 @@ import numpy as np
 
 from tb_numerics import metadata
 
-__all__ = ["BatchPlan", "bad_features", "is_float_tensor"]
+__all__ = ["BatchPlan", "bad_features", "float_leaves", "is_float_tensor"]
 
 # How many of the features holding bad values a record lists (the worst first).
 _MAX_FEATURES = 8
@@ -54,7 +54,7 @@ def is_float_tensor(t: Any) -> bool:
     return isinstance(t, tuple(types)) and keras.backend.standardize_dtype(t.dtype) in metadata.DTYPE_LIMITS
 
 
-def _float_leaves(structure: Any) -> list[tuple[str, Any]]:
+def float_leaves(structure: Any) -> list[tuple[str, Any]]:
     """(path, tensor) of each float tensor of ``structure``; the path "" for a bare tensor."""
     return [("/".join(str(k) for k in path), t) for path, t in keras.tree.flatten_with_path(structure)
             if is_float_tensor(t)]
@@ -96,7 +96,7 @@ class BatchPlan:
         tensors than rows."""
         out, offset = [], 0
         for (head, n), part in zip(self.parts, keras.utils.unpack_x_y_sample_weight(data)):
-            leaves = _float_leaves(part)
+            leaves = float_leaves(part)
             if len(leaves) > n:
                 out.append((offset, head, [t for _, t in leaves]))
             else:

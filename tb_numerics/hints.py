@@ -574,7 +574,7 @@ def _by_loss_input(ev: Evidence) -> str:
         return ""
     if _op_not_broken_by_zeros(ev) or _log_read_zeros_elsewhere(ev, li):
         return ""
-    if not loss_fn and _replayed_family(ev) in ("div", "log"):
+    if not loss_fn and ev.op is not None:
         # A hand-written loss whose op the replay named (a cosine's 0/0, the log of a softmax
         # probability that rounded to 0): the op's hint, with its inputs' zeros, says what happened.
         return ""

@@ -89,7 +89,6 @@ import inspect
 import json
 from typing import Any, Callable, Sequence
 
-import keras
 import numpy as np
 import tensorflow as tf
 
@@ -537,12 +536,11 @@ def _batch_leaves(fn: Callable[..., Any], args: tuple, kwargs: dict) -> list[tup
     out = []
     for name, value in bound.items():
         try:
-            leaves = keras.tree.flatten_with_path(value)
+            leaves = _keras_batch.float_leaves(value)
         except (TypeError, ValueError):  # a structure no tree library walks (a dict of mixed keys)
             continue
-        for path, t in leaves:
-            if _keras_batch.is_float_tensor(t) and not isinstance(t, tf.Variable):
-                out.append(("/".join(["input", name, *map(str, path)]), np.asarray(t)))
+        out += [("/".join(filter(None, ["input", name, path])), np.asarray(t)) for path, t in leaves
+                if not isinstance(t, tf.Variable)]
     return out
 
 

@@ -215,10 +215,10 @@ class _Evaluator:
         except _Found as whole:
             jvp = any(c.startswith("jvp(") for c in names)
             _CONTROL_FLOW[eqn.primitive.name](self, eqn.params, invals, names, backward_outs, jvp)
-            bad = [v for v in whole.outvals if _nonfinite(v)]
-            if self.deferred is not None and all(
-                    k in backward_outs for k, v in enumerate(whole.outvals) if _nonfinite(v)):
+            bad_at = [k for k, v in enumerate(whole.outvals) if _nonfinite(v)]
+            if self.deferred is not None and set(bad_at) <= backward_outs:
                 return whole.outvals  # only residuals are not finite: the residual found inside stands for them
+            bad = [whole.outvals[k] for k in bad_at]
             # Stepped through, no op inside made a value not finite: a -Inf it hands out is a mask's.
             if all(passes_mask(records.numpy_stats(np.asarray(v, np.float64)), [], []) for v in bad):
                 self._masks.update((id(v), v) for v in bad)
