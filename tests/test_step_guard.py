@@ -642,20 +642,38 @@ def _mse_gradients(model, x, y) -> list[np.ndarray]:
     return [g.numpy() for g in tape.gradient(loss, model.trainable_variables)]
 
 
+def _steps(logdir, n: int = STEPS):
+    """Steps 0 .. n - 1, each under a writer to ``logdir`` whose step is a
+    variable set to it (what ``tf.summary`` advises for a traced step)."""
+    step = tf.Variable(0, dtype=tf.int64)
+    with tf.summary.create_file_writer(str(logdir)).as_default(step=step):
+        for i in range(n):
+            step.assign(i)
+            yield i
+
+
+def _logged_relu_head():
+    """(predict, variables) of a ReLU layer whose output is logged
+    (``hidden/output``) and a linear head on it; ``variables()`` once built."""
+    keras.utils.set_random_seed(0)
+    dense, head = keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)
+
+    def predict(x):
+        h = dense(x)
+        tbn.log_numerics("hidden/output", h)
+        return head(h)
+
+    return predict, lambda: dense.trainable_variables + head.trainable_variables
+
+
 def test_a_hand_written_log_of_zeros_is_explained_by_the_ops_own_input(tmp_path):
     """A ReLU layer is logged, then a hand-written loss log(|p - y|) meets
     exact zeros at step BAD (the injected fault: targets set to the step's
     own predictions). The hint cites the Log's own input (8 exact zeros of
     8), which the replay recorded, not the ReLU layer's usual zeros, which
     never reach that log."""
-    keras.utils.set_random_seed(0)
-    dense, head = keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)
+    predict, trained = _logged_relu_head()
     optimizer = keras.optimizers.Adam(1e-2)
-
-    def predict(x):
-        h = dense(x)
-        tbn.log_numerics("hidden/output", h)
-        return head(h)
 
     @tbn.guard(optimizer)
     @tf.function
@@ -663,21 +681,18 @@ def test_a_hand_written_log_of_zeros_is_explained_by_the_ops_own_input(tmp_path)
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(tf.math.log(tf.abs(predict(x) - y)))  # LOG_OF_ABS
             tbn.log_numerics("loss", loss)
-        variables = dense.trainable_variables + head.trainable_variables
+        variables = trained()
         grads = tape.gradient(loss, variables)
         tbn.log_gradients(grads, variables)
         optimizer.apply_gradients(zip(grads, variables))
 
     rng = np.random.default_rng(0)
-    step = tf.Variable(0, dtype=tf.int64)
-    with tf.summary.create_file_writer(str(tmp_path)).as_default(step=step):
-        for i in range(STEPS):
-            step.assign(i)
-            x = rng.normal(size=(8, 4)).astype(np.float32)
-            y = rng.normal(size=(8, 1)).astype(np.float32)
-            if i == BAD:
-                y = predict(tf.constant(x)).numpy()
-            train_step(tf.constant(x), tf.constant(y))
+    for i in _steps(tmp_path):
+        x = rng.normal(size=(8, 4)).astype(np.float32)
+        y = rng.normal(size=(8, 1)).astype(np.float32)
+        if i == BAD:
+            y = predict(tf.constant(x)).numpy()
+        train_step(tf.constant(x), tf.constant(y))
     a = _report(tmp_path)["first_anomaly"]
     assert (a["step"], a["tensor"], a["op"]["type"]) == (BAD, "loss", "Log"), a
     assert a["op"]["source"].endswith("test_step_guard.py:%d (train_step)" % line_of(__file__, "# LOG_OF_ABS"))
@@ -691,14 +706,8 @@ def test_a_hand_written_log_of_a_negative_value_is_not_called_log_of_zero(tmp_pa
     predictions, so every value is -4 and none is 0): the log is NaN, not
     -Inf. The hint names the Log's negative input, which the replay
     recorded, not a log(0) its input never met."""
-    keras.utils.set_random_seed(0)
-    dense, head = keras.layers.Dense(8, activation="relu"), keras.layers.Dense(1)
+    predict, trained = _logged_relu_head()
     optimizer = keras.optimizers.SGD(1e-3)
-
-    def predict(x):
-        h = dense(x)
-        tbn.log_numerics("hidden/output", h)
-        return head(h)
 
     @tbn.guard(optimizer)
     @tf.function
@@ -706,20 +715,17 @@ def test_a_hand_written_log_of_a_negative_value_is_not_called_log_of_zero(tmp_pa
         with tf.GradientTape() as tape:
             loss = tf.reduce_mean(tf.math.log(predict(x) - y + 4.0))  # LOG_OF_NEGATIVE
             tbn.log_numerics("loss", loss)
-        variables = dense.trainable_variables + head.trainable_variables
+        variables = trained()
         grads = tape.gradient(loss, variables)
         tbn.log_gradients(grads, variables)
         optimizer.apply_gradients(zip(grads, variables))
 
     rng = np.random.default_rng(0)
-    step = tf.Variable(0, dtype=tf.int64)
-    with tf.summary.create_file_writer(str(tmp_path)).as_default(step=step):
-        for i in range(STEPS):
-            step.assign(i)
-            x = rng.normal(size=(8, 4)).astype(np.float32)
-            p = predict(tf.constant(x)).numpy()
-            y = (p + 8.0 if i == BAD else p - rng.uniform(0.5, 1.0, size=p.shape)).astype(np.float32)
-            train_step(tf.constant(x), tf.constant(y))
+    for i in _steps(tmp_path):
+        x = rng.normal(size=(8, 4)).astype(np.float32)
+        p = predict(tf.constant(x)).numpy()
+        y = (p + 8.0 if i == BAD else p - rng.uniform(0.5, 1.0, size=p.shape)).astype(np.float32)
+        train_step(tf.constant(x), tf.constant(y))
     a = _report(tmp_path)["first_anomaly"]
     assert (a["step"], a["tensor"], a["op"]["type"]) == (BAD, "loss", "Log"), a
     assert a["op"]["source"].endswith("test_step_guard.py:%d (train_step)" % line_of(__file__, "# LOG_OF_NEGATIVE"))
@@ -777,14 +783,11 @@ def test_a_batch_that_arrives_with_a_nan_is_the_anomaly_not_the_op_that_reads_it
         optimizer.build(model.trainable_variables)  # its loss scale, read in the step
     train_step = _regression_step(model, optimizer)
     rng = np.random.default_rng(0)
-    step = tf.Variable(0, dtype=tf.int64)
-    with tf.summary.create_file_writer(str(tmp_path)).as_default(step=step):
-        for i in range(STEPS):
-            step.assign(i)
-            batch = {"x": rng.normal(size=(32, 8)).astype(np.float32), "y": rng.normal(size=(32, 2)).astype(np.float32)}
-            if i == BAD:
-                batch[argument][example, feature] = np.nan
-            train_step(tf.constant(batch["x"]), tf.constant(batch["y"]))
+    for i in _steps(tmp_path):
+        batch = {"x": rng.normal(size=(32, 8)).astype(np.float32), "y": rng.normal(size=(32, 2)).astype(np.float32)}
+        if i == BAD:
+            batch[argument][example, feature] = np.nan
+        train_step(tf.constant(batch["x"]), tf.constant(batch["y"]))
     (truth,) = _oracle_steps(tmp_path, "oracle/batch_not_finite", 0.5)
     a = _report(tmp_path)["first_anomaly"]
     assert (a["step"], a["tensor"], a["phase"], a["nan"]) == (truth, "input/" + argument, "input", 1), a
@@ -820,11 +823,8 @@ def test_a_step_that_takes_its_batch_from_an_iterator_is_not_replayed(tmp_path):
         grads = tape.gradient(loss, model.trainable_variables)
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
 
-    step = tf.Variable(0, dtype=tf.int64)
-    with tf.summary.create_file_writer(str(tmp_path)).as_default(step=step):
-        for i in range(n):
-            step.assign(i)
-            train_step(batches)
+    for i in _steps(tmp_path, n):
+        train_step(batches)
     with pytest.raises(StopIteration):
         next(batches)
     (truth,) = _oracle_steps(tmp_path, "oracle/batch_not_finite", 0.5)
@@ -872,15 +872,12 @@ def test_a_hand_written_cosine_of_a_zero_tower_output_is_called_a_division_not_a
         optimizer.apply_gradients(zip(grads, variables))
 
     rng = np.random.default_rng(0)
-    step = tf.Variable(0, dtype=tf.int64)
-    with tf.summary.create_file_writer(str(tmp_path)).as_default(step=step):
-        for i in range(STEPS):
-            step.assign(i)
-            x1, x2 = (rng.uniform(0.5, 1.0, size=(16, 4)).astype(np.float32) for _ in range(2))
-            if i == BAD:
-                x2[5] = 0.0
-                oracle_op = _first_op_making_nan_or_posinf(forward, tf.constant(x1), tf.constant(x2))
-            train_step(tf.constant(x1), tf.constant(x2))
+    for i in _steps(tmp_path):
+        x1, x2 = (rng.uniform(0.5, 1.0, size=(16, 4)).astype(np.float32) for _ in range(2))
+        if i == BAD:
+            x2[5] = 0.0
+            oracle_op = _first_op_making_nan_or_posinf(forward, tf.constant(x1), tf.constant(x2))
+        train_step(tf.constant(x1), tf.constant(x2))
     a = _report(tmp_path)["first_anomaly"]
     assert (a["step"], a["tensor"], a["op"]["type"]) == (BAD, "loss", oracle_op), a
     assert a["op"]["source"].endswith("test_step_guard.py:%d (forward)" % line_of(__file__, "# COSINE"))
@@ -917,15 +914,12 @@ def test_a_hand_written_cross_entropy_of_a_softmax_that_rounded_to_zero_gets_the
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
 
     rng = np.random.default_rng(0)
-    step = tf.Variable(0, dtype=tf.int64)
-    with tf.summary.create_file_writer(str(tmp_path)).as_default(step=step):
-        for i in range(STEPS):
-            step.assign(i)
-            x = rng.normal(size=(32, 10)).astype(np.float32) * (1000.0 if i == BAD else 1.0)
-            y = np.eye(5, dtype=np.float32)[rng.integers(0, 5, 32)]
-            if i == BAD:
-                truth = _check_numerics_names(loss_of, (tf.constant(x), tf.constant(y)))
-            train_step(tf.constant(x), tf.constant(y))
+    for i in _steps(tmp_path):
+        x = rng.normal(size=(32, 10)).astype(np.float32) * (1000.0 if i == BAD else 1.0)
+        y = np.eye(5, dtype=np.float32)[rng.integers(0, 5, 32)]
+        if i == BAD:
+            truth = _check_numerics_names(loss_of, (tf.constant(x), tf.constant(y)))
+        train_step(tf.constant(x), tf.constant(y))
     assert truth == ("Log", [line_of(__file__, "# CROSS_ENTROPY")])
     a = _report(tmp_path)["first_anomaly"]
     assert (a["step"], a["tensor"], a["op"]["type"]) == (BAD, "loss", "Log"), a
@@ -963,16 +957,13 @@ def test_a_keras_cross_entropy_in_a_hand_written_loop_is_named_from_the_replayed
         optimizer.apply_gradients(zip(grads, model.trainable_variables))
 
     rng = np.random.default_rng(0)
-    step = tf.Variable(0, dtype=tf.int64)
-    with tf.summary.create_file_writer(str(tmp_path)).as_default(step=step):
-        for i in range(STEPS):
-            step.assign(i)
-            x = rng.uniform(0.5, 1.0, size=(16, 6)).astype(np.float32)
-            y = np.eye(4, dtype=np.float32)[rng.integers(0, 4, 16)]
-            if i == BAD:
-                x[9] = 0.0
-                truth = _check_numerics_names(loss_of, (tf.constant(x), tf.constant(y)))
-            train_step(tf.constant(x), tf.constant(y))
+    for i in _steps(tmp_path):
+        x = rng.uniform(0.5, 1.0, size=(16, 6)).astype(np.float32)
+        y = np.eye(4, dtype=np.float32)[rng.integers(0, 4, 16)]
+        if i == BAD:
+            x[9] = 0.0
+            truth = _check_numerics_names(loss_of, (tf.constant(x), tf.constant(y)))
+        train_step(tf.constant(x), tf.constant(y))
     a = _report(tmp_path)["first_anomaly"]
     assert (a["step"], a["tensor"], a["op"]["type"]) == (BAD, "loss", truth[0]), (a, truth)
     assert "categorical_crossentropy" in a["op"]["name"], a["op"]
