@@ -57,7 +57,11 @@ forward one (which no loss scale makes: a log(0), a float16 overflow
 inside a layer), that step is replayed as a held one; a gradient op that
 overflowed float16 is the scale's to handle, unless the step's gradients are
 still non-finite with the scale at 1 (a sqrt's gradient at 0): then that
-step is replayed at 1 and is the anomaly (the verdict says ``unscaled``). The guard replays the first non-finite step;
+step is replayed at 1 and is the anomaly (the verdict says ``unscaled``).
+A skip no scale made is the step's anomaly, as a held step is (for
+``on_anomaly`` too), as ``NumericsCallback`` rules: a loss logged before the
+update is not finite, the scale is below 1, the batch arrived non-finite,
+or the look above found the op. The guard replays the first non-finite step;
 later ones are gated, and replayed where an ``on_anomaly`` policy acts on
 them (three replays in all).
 
@@ -200,6 +204,7 @@ class StepGuard:
                 "@tf.function, and call the guarded step from Python" % getattr(self._fn, "__name__", "step"))
         step = _current_step()
         self._applied = None
+        batch = None  # at a held step whose batch arrived non-finite: its event's tensor and detail
         before = self._policy.state_before() if self._policy is not None else None
         with contextlib.ExitStack() as stack:
             for i, opt in enumerate(self._opts):
@@ -219,13 +224,16 @@ class StepGuard:
                 self._bad_at.assign(np.full(2, _NO_STEP, np.int64))
         if bad is not None and bad == step and (new[_HELD] or new[_SCALE_SKIPPED]):
             # One step a call (its records at the step set before it): the arguments are that step's batch.
-            self._note_bad_batch(bad, args, kwargs)
+            batch = self._note_bad_batch(bad, args, kwargs)
+            if batch is not None:
+                new = _not_the_scales(new)  # a batch that arrived non-finite: no scale's doing
         if self.verdict is None and bad is not None and (new[_HELD] or new[_OVERFLOWED]):
             self._escalate(bad, bool(new[_HELD]), args, kwargs, applied)
         elif self.verdict is None and bad is not None and new[_SCALE_SKIPPED] and self._replay:
-            self._look_inside_skip(bad, args, kwargs)
+            if self._look_inside_skip(bad, args, kwargs):
+                new = _not_the_scales(new)
         if self._policy is not None:
-            self._survive(bad, new, args, kwargs, before)
+            self._survive(bad, new, args, kwargs, before, batch)
         self._prev_step = step
         return out
 
@@ -300,8 +308,16 @@ class StepGuard:
             total = tf.add_n([_sq_sum(g) for g in present]) if present else tf.constant(0.0, tf.float64)
             skipped = tf.cond(stats.sums_finite([total]), lambda: tf.constant(False),
                               lambda: tf.logical_not(stats.all_finite(present)))
-            tf.cond(skipped, lambda: self._count(tf.constant(_SCALE_SKIPPED, tf.int64), at),
-                    lambda: tf.constant(False))
+            # Not the scale's to handle (as the callback's rule): a loss logged before the update that
+            # is not finite (no scale made it), or a scale below the one scaling down can still help.
+            theirs = tf.constant(False)
+            losses = [t for t in self._losses if _reachable(t)]
+            if losses:
+                theirs = tf.logical_not(stats.all_finite(losses))
+            if scale is not None:
+                theirs |= tf.convert_to_tensor(scale) < rules.LOSS_SCALE_HANDLED_MIN
+            slot = tf.where(theirs, tf.constant(_HELD, tf.int64), tf.constant(_SCALE_SKIPPED, tf.int64))
+            tf.cond(skipped, lambda: self._count(slot, at), lambda: tf.constant(False))
             return apply(grads, trainable_variables)
 
         return counted
@@ -324,18 +340,19 @@ class StepGuard:
             self._bad_at.assign(tf.where(first, tf.stack([step, self._applied_at.read_value()]), self._bad_at))
         return tf.constant(True)
 
-    def _note_bad_batch(self, step: int, args: tuple, kwargs: dict) -> None:
+    def _note_bad_batch(self, step: int, args: tuple, kwargs: dict) -> dict[str, str] | None:
         """At a held or skipped step: where the step's arguments (its batch,
         as the step received it) hold a NaN or an Inf, their records, of role
         and phase ``input`` (what ``NumericsCallback`` records of every
         batch), written at ``step``: no op of the step made those values, so
         the batch is the step's first anomaly; and once, where they hold
-        them, per feature and example (``metadata.BATCH_TAG``, for the hint)."""
+        them, per feature and example (``metadata.BATCH_TAG``, for the hint).
+        Returns the first such argument's tag and its non-finite values in words, else None."""
         # A -Inf argument may be a mask the program made (an additive attention mask): intended.
         leaves = [(tag, a, records.numpy_stats(a)) for tag, a in _batch_leaves(self._fn, args, kwargs)]
         bad = [(tag, a) for tag, a, v in leaves if records.nonfinite_count(v, neginf_ok=True) > 0]
         if not bad:
-            return
+            return None
         _write([(tag, v, metadata.TensorInfo(
             role="input", dtype=str(a.dtype), shape=tuple(a.shape), neginf_ok=True,
             description="the step's argument %s, as the guarded step received it" % tag[len("input/"):]))
@@ -347,6 +364,8 @@ class StepGuard:
                 info = metadata.TensorInfo(role="other", op_type="Batch",
                                            description=json.dumps({"step": step, "tensors": found}))
                 _write([(metadata.BATCH_TAG, records.numpy_stats(np.zeros(0, np.float32)), info)], step)
+        tag, v = next((tag, v) for tag, _, v in leaves if records.nonfinite_count(v, neginf_ok=True) > 0)
+        return {"tensor": tag, "detail": "%s: %s" % (tag, rules.describe_nonfinite(v))}
 
     def _escalate(self, step: int, held: bool, args: tuple, kwargs: dict, applied: int | None = None) -> None:
         """At a step whose update was held back or overflowed: the state the
@@ -364,7 +383,7 @@ class StepGuard:
         elif held and self._replay:
             self.verdict = self._replayed(step, args, kwargs)
 
-    def _look_inside_skip(self, step: int, args: tuple, kwargs: dict) -> None:
+    def _look_inside_skip(self, step: int, args: tuple, kwargs: dict) -> bool:
         """At a step a LossScaleOptimizer skipped (non-finite gradients): its
         replay's first non-finite op, looked at writing nothing. A forward
         one (a log(0), or a float16 overflow inside a layer whose output
@@ -372,7 +391,8 @@ class StepGuard:
         the step is replayed again as any held one. A gradient op may be
         the scale overflowing float16, which the skip handles: the step is
         looked at again with the scale at 1, and a gradient still non-finite
-        there (a sqrt's or a division's at 0) is the anomaly, replayed at 1."""
+        there (a sqrt's or a division's at 0) is the anomaly, replayed at 1.
+        Returns whether the step is an anomaly: no skip of the scale's own."""
         try:
             with tf.summary.record_if(False):
                 found = self._replay_op(step, args, kwargs)
@@ -381,9 +401,10 @@ class StepGuard:
                     with _loss_scale_one(self._opts):
                         found = self._replay_op(step, args, kwargs)
         except Exception:  # noqa: BLE001 - a look must never stop training
-            return
+            return False
         if found is not None:
             self.verdict = self._replayed(step, args, kwargs, unscaled)
+        return found is not None
 
     def _replay_op(self, step: int, args: tuple, kwargs: dict) -> Any:
         """The step's first non-finite op, run again at op level with every
@@ -428,15 +449,20 @@ class StepGuard:
         _write([(metadata.REPLAY_TAG, records.numpy_stats(np.zeros(0, np.float32)), info)], step)
         return verdict
 
-    def _survive(self, step: int | None, new: np.ndarray, args: tuple, kwargs: dict, before: list | None) -> None:
+    def _survive(self, step: int | None, new: np.ndarray, args: tuple, kwargs: dict, before: list | None,
+                 batch: dict[str, str] | None = None) -> None:
         """The policy's part after a call: nothing on a healthy step (but a
         snapshot every ``snapshot_every``), else an action and its event
-        (``before``: ``variables=`` as the call began)."""
+        (``before``: ``variables=`` as the call began; ``batch``: the
+        argument that arrived non-finite, the event's tensor: no op's fault,
+        so no replay's op)."""
         if not (new[_HELD] or new[_SPIKED]):
             self._policy.applied(self._written)
             return
         event: dict[str, Any] = {"trigger": "grad_norm_spike" if not new[_HELD] else "nonfinite"}
-        if new[_HELD]:
+        if new[_HELD] and batch is not None:
+            event.update(batch)
+        elif new[_HELD]:
             event.update(tensor="gradients", detail="the gradients or a loss logged before the update held a NaN or "
                          "an Inf (the update was held back)")
             verdict = self.verdict if self.verdict is not None and self.verdict.get("step") == step else None
@@ -517,6 +543,15 @@ class _GuardPolicy:
 
 class _NotReplayable(Exception):
     """A step that cannot be run again as it ran (the verdict says why)."""
+
+
+def _not_the_scales(new: np.ndarray) -> np.ndarray:
+    """A call's new counts with its LossScaleOptimizer skips counted as held
+    steps: anomalies of the step, not a scale calibrating itself."""
+    out = new.copy()
+    out[_HELD] += out[_SCALE_SKIPPED]
+    out[_SCALE_SKIPPED] = 0
+    return out
 
 
 def _reads_iterator(args: tuple, kwargs: dict) -> bool:

@@ -177,6 +177,15 @@ def _bn_fit(x, y, callbacks=()) -> keras.Model:
     return model
 
 
+@contextlib.contextmanager
+def _mixed_float16():
+    keras.mixed_precision.set_global_policy("mixed_float16")
+    try:
+        yield
+    finally:
+        keras.mixed_precision.set_global_policy("float32")
+
+
 def _without_batch(x, y, batch: int):
     keep = np.r_[0 : batch * backend_runs.BATCH, (batch + 1) * backend_runs.BATCH : len(x)]
     return x[keep], y[keep]
@@ -670,22 +679,34 @@ def test_a_custom_loop_under_the_guard_skips_and_stops(tmp_path, compiled):
     assert [(e["step"], e["action"]) for e in actions["events"]] == [(BAD, "skip"), (BAD + 1, "stop")]
 
 
-def test_a_custom_loop_skip_puts_back_the_variables_it_was_given(tmp_path):
+@pytest.mark.parametrize("scaled", [None, "loss_logged", "nothing_logged"],
+                         ids=["sgd", "loss_scale_loss_logged", "loss_scale_nothing_logged"])
+def test_a_custom_loop_skip_puts_back_the_variables_it_was_given(tmp_path, scaled):
     """A guarded ``tf.function`` loop over a BatchNormalization model, given
     ``variables=model.non_trainable_variables``, skips a batch of NaN inputs:
     the model is then as the same plain loop without that batch leaves it
-    (no tb-numerics: the oracle), its moving statistics finite."""
+    (no tb-numerics: the oracle), its moving statistics finite. Under
+    ``mixed_float16`` with a LossScaleOptimizer (``scaled``) the scale skips
+    that step by itself; a NaN batch is no scale's doing, so the policy acts
+    there too, whether the loop logs its loss or nothing at all."""
     x, y = backend_runs.bn_data()
     bad = backend_runs.BAD_STEP
     x[bad * backend_runs.BATCH : (bad + 1) * backend_runs.BATCH] = np.nan
 
     def train(xs, ys, guarded: bool):
-        model = backend_runs.bn_model()
+        with _mixed_float16() if scaled else contextlib.nullcontext():
+            model = backend_runs.bn_model()
         opt = keras.optimizers.SGD(0.01)
+        if scaled:  # a scale no healthy step's gradients overflow: every skip is the NaN batch's
+            opt = keras.optimizers.LossScaleOptimizer(opt, initial_scale=2.0**8)
 
         def step_fn(xb, yb):
             with tf.GradientTape() as tape:
-                loss = tf.reduce_mean(tf.square(model(xb, training=True) - yb))
+                loss = tf.reduce_mean(tf.square(tf.cast(model(xb, training=True), tf.float32) - yb))
+                if guarded and scaled == "loss_logged":
+                    tbn.log_numerics("loss", loss)
+                if scaled:
+                    loss = opt.scale_loss(loss)
             opt.apply_gradients(zip(tape.gradient(loss, model.trainable_variables), model.trainable_variables))
 
         step_fn = tf.function(step_fn)
@@ -702,8 +723,62 @@ def test_a_custom_loop_skip_puts_back_the_variables_it_was_given(tmp_path):
 
     model = train(x, y, guarded=True)
     _assert_same_variables(model, train(*_without_batch(x, y, bad), guarded=False))
-    (event,) = _report(tmp_path)["actions"]["events"]
-    assert (event["step"], event["action"]) == (bad, "skip")
+    run = _report(tmp_path)
+    (event,) = run["actions"]["events"]
+    # The event names the batch, as the first anomaly does: not the op that first read it.
+    assert (event["step"], event["action"], event["tensor"]) == (bad, "skip", "input/xb")
+    assert event["detail"] == "input/xb: %d NaN of %d values" % (backend_runs.BATCH * 5, backend_runs.BATCH * 5)
+    assert run["first_anomaly"]["step"] == bad and run["first_anomaly"]["tensor"] == "input/xb"
+
+
+def test_under_a_loss_scale_a_custom_loop_skips_a_nan_loss_then_stops_where_it_persists(tmp_path):
+    """A guarded loop under mixed_float16 with a LossScaleOptimizer, its loss
+    logged; from batch BAD on every batch holds a finite value whose log is
+    NaN (the injected fault). The scale skips those steps by itself, but no
+    scale makes a NaN loss: the policy skips the first (its replay names the
+    Log) and stops at the next, as without a loss scale. The scale's own
+    skips before (its first scale overflows float16) are no event."""
+    from op_records import line_of
+
+    bad, steps = 12, 16
+    with _mixed_float16():
+        model = _mlp()
+    opt = keras.optimizers.LossScaleOptimizer(keras.optimizers.SGD(0.01), initial_scale=2.0**24)
+    opt.build(model.trainable_variables)
+
+    @tbn.guard(opt, on_anomaly=tbn.OnAnomaly("skip", max_skips=1))
+    @tf.function
+    def train_step(xb, yb):
+        with tf.GradientTape() as tape:
+            pred = tf.cast(model(tf.math.log(xb + 6.0)), tf.float32)  # SCALED_NAN_LOSS
+            loss = tf.reduce_mean(tf.square(pred - yb))
+            tbn.log_numerics("loss", loss)
+            scaled = opt.scale_loss(loss)
+        opt.apply_gradients(zip(tape.gradient(scaled, model.trainable_variables), model.trainable_variables))
+
+    rs = np.random.RandomState(0)
+    x = rs.randn(steps, 16, 8).astype("float32")
+    x[bad:, 3, 1] = -7.0
+    y = np.tanh(x[..., :2].sum(-1, keepdims=True)).astype("float32")
+    writer, step, iterations, stopped = tf.summary.create_file_writer(str(tmp_path)), tf.Variable(0, tf.int64), [], None
+    with writer.as_default(step=step):
+        for i in range(steps):
+            step.assign(i)
+            try:
+                train_step(tf.constant(x[i]), tf.constant(y[i]))
+            except tbn.survive.TrainingStopped as e:
+                stopped = e
+                break
+            iterations.append(int(opt.iterations))
+    writer.close()
+    own = [i for i in range(bad) if iterations[i] == (iterations[i - 1] if i else 0)]
+    assert own and own[-1] < bad - 1  # the scale calibrated itself, then trained
+    assert isinstance(stopped, tbn.survive.TrainingStopped) and "stopped at step %d" % (bad + 1) in str(stopped)
+    assert _finite(model)
+    events = _report(tmp_path)["actions"]["events"]
+    assert [(e["step"], e["action"]) for e in events] == [(bad, "skip"), (bad + 1, "stop")]
+    assert events[0]["op"]["type"] == "Log" and events[0]["op"]["source"].endswith(
+        "test_survive.py:%d (train_step)" % line_of(__file__, "# SCALED_NAN_LOSS"))
 
 
 # ------------------------------------------------ the spike trigger, and a fault that does not reproduce
