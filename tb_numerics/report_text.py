@@ -60,10 +60,14 @@ def anomaly_lines(a: dict, head: str = "first anomaly: ") -> list[str]:
 def _last_steps_line(a: dict) -> str:
     """The last healthy step and, where it differs, the last finite one, each
     saying what it is (a warning is finite but not healthy)."""
-    line = "  last healthy step: %s" % a["last_healthy_step"]
-    finite = a.get("last_finite_step")
-    if finite is not None and finite != a["last_healthy_step"]:
-        line += " (no warning and no NaN/Inf in this tensor); last finite step: %d (a warning, but no NaN/Inf)" % finite
+    healthy, finite = a["last_healthy_step"], a.get("last_finite_step")
+    if healthy is None:
+        line = "  last healthy step: none (this tensor has no healthy record before it)"
+    else:
+        line = "  last healthy step: %d" % healthy
+    if finite is not None and finite != healthy:
+        line += "%s; last finite step: %d (a warning, but no NaN/Inf)" % (
+            "" if healthy is None else " (no warning and no NaN/Inf in this tensor)", finite)
     return line
 
 

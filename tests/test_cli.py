@@ -191,3 +191,15 @@ def test_the_report_says_what_the_last_healthy_and_last_finite_steps_are():
     lines = report_text.anomaly_lines(analysis.first_anomaly(ra))
     assert lines[1] == ("  last healthy step: 4 (no warning and no NaN/Inf in this tensor); "
                         "last finite step: 7 (a warning, but no NaN/Inf)")
+
+
+def test_a_tensor_bad_at_its_first_record_has_no_last_healthy_step_in_words():
+    """A batch the guard recorded only at the step it arrived non-finite: the
+    text says the tensor has no record before it, not Python's None."""
+    from tb_numerics import analysis, records, report_text
+
+    info = metadata.TensorInfo(dtype="float32", role="input")
+    ra = analysis.analyze_run("r", [records.make_series("input/x", info, [6], [numpy_stats(np.float32([np.nan, 1]))])])
+    lines = report_text.anomaly_lines(analysis.first_anomaly(ra))
+    assert lines[1] == "  last healthy step: none (this tensor has no healthy record before it)"
+    assert not any("None" in line for line in lines)
