@@ -158,6 +158,26 @@ def _positive_int(name: str, value: Any) -> int:
     return value
 
 
+# Optimizers whose update keeps a running mean (or sum) of each gradient's
+# square and divides by its root: a gradient beyond the square root of its
+# dtype's largest value makes it Inf, and where it is 0 the update is 0/0
+# without a positive epsilon.
+_SQUARING = frozenset({"Adam", "AdamW", "Nadam", "RMSprop", "Adagrad", "Adadelta", "Adafactor", "Lamb", "Ftrl"})
+
+
+def squares_gradients(optimizer: Any) -> str:
+    """The optimizer's class name where its update squares the gradients
+    (Adam, RMSprop, Adagrad, ... and their subclasses), else "". A
+    LossScaleOptimizer is judged by the optimizer it wraps. Keras' own
+    classes, so the same on every backend."""
+    inner = getattr(optimizer, "inner_optimizer", None)
+    if inner is not None:
+        return squares_gradients(inner)
+    if any(cls.__name__ in _SQUARING for cls in type(optimizer).__mro__):
+        return type(optimizer).__name__
+    return ""
+
+
 class NumericsCallbackBase(keras.callbacks.Callback):
     """Logs per-layer activations, gradients, weights and update ratios during ``fit``.
 
@@ -297,7 +317,7 @@ class NumericsCallbackBase(keras.callbacks.Callback):
     def _squared_by(self, optimizer: Any) -> str:
         """The optimizer's name where its update squares the gradients
         (kept in the gradients' metadata), else ""."""
-        return ""
+        return squares_gradients(optimizer)
 
     def _check_update(self, steps: list[Step]) -> bool:
         """Looks at the state the steps' updates left, where they give a

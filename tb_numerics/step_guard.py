@@ -97,7 +97,7 @@ import numpy as np
 import tensorflow as tf
 
 from tb_numerics import (
-    _keras_batch, _keras_gate, _survive_tf, _tf_internal, metadata, oplevel, records, rules, stats, summary, survive,
+    _keras_batch, _keras_gate, _keras_host, _survive_tf, _tf_internal, metadata, oplevel, records, rules, stats, summary, survive,
     update_check,
 )
 
@@ -170,7 +170,7 @@ class StepGuard:
         self._fn = fn
         self._opts = list(optimizers)
         self._replay = replay
-        self._squared_by = next(filter(None, map(update_check.squares_gradients, self._opts)), "")
+        self._squared_by = next(filter(None, map(_keras_host.squares_gradients, self._opts)), "")
         # Steps held back, steps applied with an overflowing square, steps a spike held back,
         # steps a LossScaleOptimizer skipped (see _HELD).
         self._counts = _tf_internal.untracked_variable(np.zeros(4, np.int64), "tb_numerics_guard")

@@ -30,25 +30,10 @@ import tensorflow as tf
 
 from tb_numerics import metadata, records, stats
 
-__all__ = ["UPDATE_PREFIX", "nonfinite_state", "squares_gradients"]
+__all__ = ["UPDATE_PREFIX", "nonfinite_state"]
 
 UPDATE_PREFIX = "update/"
-# Optimizers whose update squares the gradient (a second moment or a sum of squares).
-_SQUARING = frozenset({"Adam", "AdamW", "Nadam", "RMSprop", "Adagrad", "Adadelta", "Adafactor", "Lamb", "Ftrl"})
-
 Record = tuple[str, np.ndarray, metadata.TensorInfo]
-
-
-def squares_gradients(optimizer: Any) -> str:
-    """The optimizer's class name where its update squares the gradients
-    (Adam, RMSprop, Adagrad, ... and their subclasses), else "". A
-    LossScaleOptimizer is judged by the optimizer it wraps."""
-    inner = getattr(optimizer, "inner_optimizer", None)
-    if inner is not None:
-        return squares_gradients(inner)
-    if any(cls.__name__ in _SQUARING for cls in type(optimizer).__mro__):
-        return type(optimizer).__name__
-    return ""
 
 
 def _path(variable: Any) -> str:

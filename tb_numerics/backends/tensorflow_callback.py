@@ -36,7 +36,7 @@ from tb_numerics import _requires
 
 _requires.tensorflow(__name__)  # says what to install where TensorFlow is missing
 
-from tb_numerics import _keras_replay, survive, update_check  # noqa: E402 - after that check
+from tb_numerics import _keras_replay, survive  # noqa: E402 - after that check
 from tb_numerics._keras_diagnosis import Diagnosis, why_no_replay  # noqa: E402
 from tb_numerics._keras_host import NumericsCallbackBase, Step, StepValues  # noqa: E402
 from tb_numerics._keras_patch import StepHooks  # noqa: E402
@@ -154,9 +154,6 @@ class TensorFlowNumericsCallback(NumericsCallbackBase):
     def on_train_batch_begin(self, batch, logs=None) -> None:
         if self._survival is not None:
             self._survival.before(batch)
-
-    def _squared_by(self, optimizer: Any) -> str:
-        return update_check.squares_gradients(optimizer)
 
     def _new_steps(self) -> list[Step]:
         steps = self._program.new_steps(self._last_call)
