@@ -133,12 +133,11 @@ function replayWords(a) {
   const r = a.replay;
   if (!isObject(r) || r.reproduced !== false) return null;
   const why = text(r.why);
-  return el(
-    "p",
-    { class: "replay" },
-    el("span", { class: "cause-label" }, "Replay: "),
-    `replaying this step at op level did not reproduce the failure${why ? ` (${why})` : ""}; the answer above is from the layer-level records.`
-  );
+  // The optimizer made it (phase update): a replay of the step has no op to find.
+  const words = a.phase === "update"
+    ? `no op of the step to name${why ? ` (${why})` : ""}; the answer above is from the records of the update.`
+    : `replaying this step at op level did not reproduce the failure${why ? ` (${why})` : ""}; the answer above is from the layer-level records.`;
+  return el("p", { class: "replay" }, el("span", { class: "cause-label" }, "Replay: "), words);
 }
 
 /** "Show me" goes to the op's own row where the timeline has one. */

@@ -220,8 +220,8 @@ class StepReplay:
         try:
             kept = None if self.why_not else self._kept(int(step), replica or 0)
             if kept is None:
-                verdict.update(reproduced=False, why=self.why_not or "no batch was kept for this step: its layer "
-                               "outputs, loss and gradients were finite (it went bad in the update)")
+                verdict.update(reproduced=False, why=self.why_not or "its layer outputs, loss and gradients were "
+                               "finite: it went bad in the optimizer's update, which a replay of the step does not run")
             else:
                 verdict.update(self._verdict(self._run(train_step, kept, int(step), loss_scale), check,
                                              stats.batch_finite(kept[0]), later_steps))

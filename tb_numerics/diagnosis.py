@@ -164,7 +164,8 @@ def _evidence(ra: RunAnalysis, cell, cause: dict[str, Any] | None, op: dict[str,
                           op_output=_verdict_output(ra, op, step) or evidence.op_output(every, op, step),
                           zero_labels=evidence.zero_labels(every, step),
                           unbounded=evidence.unbounded(every, step),
-                          depth_growth=evidence.grew_by_depth(every, step))
+                          depth_growth=evidence.grew_by_depth(every, step),
+                          update_made=evidence.update_made(every, h.series, step))
 
 
 def _verdict_output(ra: RunAnalysis, op: dict[str, Any] | None, step: int) -> dict[str, Any] | None:

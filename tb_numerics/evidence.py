@@ -15,7 +15,9 @@ not (issue 26):
 * were the batch's targets or sample weights all 0 at the step, unlike
   the batches before (a mean over labelled samples divides 0 by 0);
 * did the loss fall below 0 and on, to 10 times its first magnitude: a
-  loss with no lower bound, which training lowers by growing the values.
+  loss with no lower bound, which training lowers by growing the values;
+* did an update make a variable non-finite from finite gradients: the
+  optimizer's own arithmetic (a 0/0 where epsilon is 0), not the step's.
 """
 
 from __future__ import annotations
@@ -26,12 +28,12 @@ from typing import Sequence
 
 import numpy as np
 
-from tb_numerics import detectors
+from tb_numerics import detectors, metadata
 from tb_numerics.records import F, TensorSeries, derived, nonfinite_count
 
-__all__ = ["Amplified", "DepthGrowth", "LargeUpdate", "Saturating", "Unbounded", "Unscaled", "amplified",
-           "grew_by_depth", "large_update", "op_output", "saturating", "unbounded", "unscaled", "zero_labels",
-           "SATURATES_AT", "UNSCALED_RMS"]
+__all__ = ["Amplified", "DepthGrowth", "LargeUpdate", "Saturating", "Unbounded", "Unscaled", "UpdateMade",
+           "amplified", "grew_by_depth", "large_update", "op_output", "saturating", "unbounded", "unscaled",
+           "update_made", "zero_labels", "SATURATES_AT", "UNSCALED_RMS"]
 
 # Inputs whose root mean square is at least this at every batch are in raw
 # units: standardised data have an RMS of about 1, data in [0, 1] below 1.
@@ -110,6 +112,21 @@ class LargeUpdate:
 
     step: int
     ratios: dict[str, float]  # layer -> ||w_new - w_old|| / ||w_old||
+
+
+@dataclasses.dataclass(frozen=True)
+class UpdateMade:
+    """A variable the update of ``step`` made non-finite while its gradients there were finite."""
+
+    step: int  # the step whose update it was
+    nan: int  # the anomaly's own counts
+    inf: int
+    zeros: int  # exact zeros in the variable's gradients at ``step``
+    count: int  # their values (0: no gradient of it recorded)
+    optimizer: str  # its class where it squares the gradients (``TensorInfo.squared_by``), else ""
+    # The largest |gradient| at ``step`` where its square is beyond its dtype's largest value, else 0.
+    square_overflow: float = 0.0
+    dtype: str = ""  # the gradients' dtype
 
 
 def _inputs(series: Sequence[TensorSeries]) -> list[TensorSeries]:
@@ -291,3 +308,48 @@ def unbounded(series: Sequence[TensorSeries], step: int) -> Unbounded | None:
         if mean[low] < 0 and abs(mean[low]) >= 10 * abs(mean[ok[0]]):
             return Unbounded(s.tag, int(s.steps[ok[0]]), float(mean[ok[0]]), int(s.steps[low]), float(mean[low]))
     return None
+
+
+def update_made(series: Sequence[TensorSeries], anomaly: TensorSeries, step: int) -> UpdateMade | None:
+    """Where the first anomaly (``anomaly`` at ``step``) is a variable an
+    update made non-finite (phase ``update``: a variable as the update of
+    ``step`` left it, ``update/<path>``; its layer's update ratio,
+    ``update_ratio/<layer>``; or a weight as ``step`` began, made by the
+    update of the step before), and that update's gradients of it were
+    finite where recorded: the optimizer made the value, not the step."""
+    if anomaly.info.phase != "update":
+        return None
+    tag = anomaly.tag
+    if tag.startswith("update_ratio/"):
+        layer = tag.split("/", 1)[1]
+        grads = [s for s in series if s.info.role == "gradient" and layer in s.tag.split("/")[1:-1]]
+    else:
+        path = tag[len("update/"):] if tag.startswith("update/") else tag
+        grads = [s for s in series if s.info.role == "gradient" and s.tag == "gradients/" + path]
+        if not grads:  # an optimizer's slot of a variable: <optimizer>/<its path, "/" as "_">_<slot> in Keras
+            slot = path.split("/", 1)[-1]
+            of = [s for s in series if s.info.role == "gradient"
+                  and slot.startswith(s.tag[len("gradients/"):].replace("/", "_") + "_")]
+            grads = sorted(of, key=lambda s: -len(s.tag))[:1]
+    at = step
+    if anomaly.info.role == "weight" and not tag.startswith("update_ratio/"):  # as the step began
+        before = [int(s.steps[s.steps < step].max()) for s in grads if (s.steps < step).any()]
+        if not before:
+            return None
+        at = max(before)
+    rows = [s.values[s.steps == at].astype(np.float64) for s in grads]
+    rows = [r for r in rows if len(r)]
+    if any(np.any(nonfinite_count(r) > 0) for r in rows):
+        return None  # the gradients carried it in
+    own = anomaly.values[anomaly.steps == step].astype(np.float64)
+    own = own[np.flatnonzero(nonfinite_count(own) > 0)[:1]] if len(own) else own
+    if not len(own):
+        return None
+    zeros = int(sum(r[:, F["zeros"]].sum() for r in rows))
+    count = int(sum(r[:, F["count"]].sum() for r in rows))
+    optimizer = next((s.info.squared_by for s in grads if s.info.squared_by), "")
+    dtype = next((s.info.dtype for s in grads if s.info.dtype in metadata.DTYPE_LIMITS), "")
+    big = max((float(np.abs(r[:, [F["min"], F["max"]]]).max()) for r in rows), default=0.0)
+    overflow = big if dtype and math.isfinite(big) and big * big > metadata.DTYPE_LIMITS[dtype][0] else 0.0
+    return UpdateMade(at, int(own[0, F["nan"]]), int(own[0, F["posinf"]] + own[0, F["neginf"]]), zeros, count,
+                      optimizer, overflow, dtype)

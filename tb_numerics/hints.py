@@ -194,6 +194,8 @@ class Evidence:
     unbounded: evidence.Unbounded | None = None
     # Activations that grew from one to the next at the step: a block that amplifies, repeated.
     depth_growth: evidence.DepthGrowth | None = None
+    # A variable the update made non-finite from finite gradients: the optimizer's own arithmetic.
+    update_made: evidence.UpdateMade | None = None
 
 
 def op_family(tag: str, op_type: str, activation: str = "") -> str | None:
@@ -218,12 +220,15 @@ def choose(ev: Evidence) -> str:
     # it comes before the op that overflowed and the growth that led there.
     # Then what the op and the other tensors' records tell apart, most
     # specific first; an outlier batch alone, and growth alone, come last.
-    for rule in (_by_batch, _by_loss_input, _by_negative_loss, _by_op, _by_cast_overflow, _by_masked_row,
-                 _by_nan_carried_in,
+    # An update that made a NaN from finite gradients with zeros in them is
+    # an adaptive optimizer's 0/0; any other update-made value is named last,
+    # after the growth rules that say where a large update came from.
+    for rule in (_by_batch, _by_loss_input, _by_negative_loss, _by_op, _by_optimizer_moments, _by_cast_overflow,
+                 _by_masked_row, _by_nan_carried_in,
                  _by_zero_labels,
                  _by_unscaled, _by_unbounded,
                  _by_amplified, _by_saturating, _by_large_update, _by_outlier, _by_trend, _by_depth_growth,
-                 _by_overflowed_op):
+                 _by_overflowed_op, _by_update):
         text = rule(ev)
         if text:
             return text
@@ -457,6 +462,58 @@ def _by_large_update(ev: Evidence) -> str:
         "their own size (||w_new - w_old|| / ||w_old||: %s), with the inputs in range: the step size is too "
         "large for this model, most often a learning rate too high (or a warm-up missing). Lower the learning "
         "rate (e.g. 10×), or clip gradients." % (lu.step, len(lu.ratios), "" if len(lu.ratios) == 1 else "s", named))
+
+
+def _by_optimizer_moments(ev: Evidence) -> str:
+    """A value an optimizer that divides by the root of its squared
+    gradients made non-finite from finite gradients: a gradient whose square
+    overflowed its dtype (v is Inf), or, for a NaN where some gradients were
+    exactly 0, m / (sqrt(v) + epsilon) at 0/0 for a weight that has had no
+    gradient yet, unless epsilon is positive."""
+    u = ev.update_made
+    if u is None or not u.optimizer:
+        return ""
+    if u.square_overflow:
+        return (
+            "The update of step %d made %s non-finite from finite gradients: %s keeps a running mean of each "
+            "gradient's square, and a gradient of |g| = %s at that step has a square beyond %s's largest value %s, "
+            "so that running mean is Inf, and every later update of that weight divides by it. Find what made that gradient so "
+            "large (a loss or sample weight far out of scale, a learning rate too high before it) and clip "
+            "gradients (clipnorm) before the update." % (
+                u.step, _updated(ev), u.optimizer, number(u.square_overflow), u.dtype,
+                number(metadata.DTYPE_LIMITS[u.dtype][0])))
+    if not u.nan or not u.zeros:
+        return ""
+    return (
+        "The update of step %d made %s NaN from finite gradients: %s divides each weight's step by the root "
+        "of its running mean of squared gradients, m / (sqrt(v) + epsilon), and where a weight's gradient has been "
+        "exactly 0 at every step so far (at step %d, %s of the %s values of its gradient were 0), m and v are 0: "
+        "0/0 unless epsilon is positive. Keep the optimizer's epsilon above 0 (Keras' default is 1e-7; in float16 "
+        "an epsilon of 1e-8 rounds to 0), and look for the weights that get no gradient (an input feature that is "
+        "always 0, an embedding row never looked up, a unit that never fires)." % (
+            u.step, _updated(ev), u.optimizer, u.step, count(u.zeros), count(u.count)))
+
+
+def _updated(ev: Evidence) -> str:
+    """What the update made non-finite, in words: a variable, or a layer's weights."""
+    if ev.tag.startswith("update_ratio/"):
+        return "the weights of layer %s" % ev.tag.split("/", 1)[1]
+    return ev.tag.removeprefix("update/")
+
+
+def _by_update(ev: Evidence) -> str:
+    """Any other value an update made non-finite from finite gradients."""
+    u = ev.update_made
+    if u is None:
+        return ""
+    made = " and ".join(w for w in ("%s NaN" % count(u.nan) if u.nan else "", "%s Inf" % count(u.inf) if u.inf
+                                    else "") if w)
+    grads = "its gradients at that step were finite" if u.count else "the step's loss and gradients were finite"
+    return (
+        "The update of step %d made %s non-finite (%s), and %s: the optimizer's own arithmetic made the value, not "
+        "the forward or backward pass. Check its hyperparameters (a positive epsilon; a finite learning rate: a "
+        "schedule that divides by the step count is Inf at step 0) and any code of your own in the update (a "
+        "constraint, a weight decay, a custom optimizer)." % (u.step, _updated(ev), made, grads))
 
 
 def _by_outlier(ev: Evidence) -> str:

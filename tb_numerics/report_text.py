@@ -84,7 +84,10 @@ def _op_lines(a: dict) -> list[str]:
         return [line] + ["    input %d%s: %s" % (k, _input_name(i), hints.input_range(i))
                          for k, i in enumerate(inputs, 1) if isinstance(i, dict)]
     if isinstance(replay, dict) and replay.get("reproduced") is False:
-        return ["  replay: did not reproduce the failure (%s)" % safe_text(str(replay.get("why", "")))]
+        why = safe_text(str(replay.get("why", "")))
+        if a.get("phase") == "update":  # the optimizer made it: a replay of the step has no op to find
+            return ["  replay: no op to name (%s)" % why]
+        return ["  replay: did not reproduce the failure (%s)" % why]
     return []
 
 

@@ -439,6 +439,25 @@ def run_loss_overflow(root: str) -> dict:
     return {"report": report(logdir), "verdict": cb.replay_verdict, "weights_finite": finite}
 
 
+def run_adam_eps0(root: str) -> dict:
+    """Adam with epsilon=0 and an input feature that is 0 in every batch: its
+    kernel row never has a gradient, so its update is 0/0 from the first
+    step, a NaN the optimizer makes from finite gradients. The truth: the
+    batches after which Keras' own weights were not finite."""
+    logdir = os.path.join(root, "adam_eps0")
+    x, y = data("div00")
+    x, y = x.copy(), y[:, :1].copy()
+    x[:, 0] = 0.0
+    keras.utils.set_random_seed(5)
+    m = keras.Sequential([keras.Input((5,)), keras.layers.Dense(8, activation="tanh", name="dense_0"),
+                          keras.layers.Dense(1, name="head")], name="eps0")
+    m.compile(optimizer=keras.optimizers.Adam(1e-3, epsilon=0.0), loss="mse")
+    oracle = _WeightsOracle()
+    m.fit(x, y, batch_size=BATCH, epochs=1, shuffle=False, verbose=0, callbacks=[NumericsCallback(logdir), oracle])
+    bad = [b for b, ws in enumerate(oracle.after) if not all(np.isfinite(w).all() for w in ws)]
+    return {"report": report(logdir), "oracle_bad": bad}
+
+
 def run_normed_dropout(root: str) -> dict:
     """``div00``'s fault in the loss of a model with BatchNormalization and Dropout."""
     logdir = os.path.join(root, "normed_dropout")
@@ -640,6 +659,7 @@ def main(out: str, root: str) -> None:
     results["nan_batch"] = run_nan_batch(root)
     results["accumulated"] = run_accumulated(root)
     results["loss_overflow"] = run_loss_overflow(root)
+    results["adam_eps0"] = run_adam_eps0(root)
     for by_hand in (False, True):
         results["guide_hand" if by_hand else "guide_compute"] = run_guide_step(root, by_hand)
     for kind in ("log0", "sqrt0"):

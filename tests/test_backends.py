@@ -346,6 +346,19 @@ def test_a_nan_born_in_a_layer_called_inside_a_loop_is_seen_where_the_loop_hands
             assert a["op"]["type"].lower() == family, (b, a["op"])
 
 
+def test_a_nan_the_optimizer_makes_from_finite_gradients_is_the_updates_and_explained_on_every_backend(runs):
+    """Adam(epsilon=0) and a weight that never has a gradient: its update is
+    0/0. On every backend the first anomaly is at the first batch after which
+    Keras' own weights held a NaN (a callback reading them), in phase update,
+    and the hint names the optimizer's 0/0 and its epsilon."""
+    for b in BACKENDS:
+        r = runs[b]["adam_eps0"]
+        a = r["report"]["first_anomaly"]
+        assert r["oracle_bad"] and a is not None, b
+        assert (a["step"], a["phase"]) == (r["oracle_bad"][0], "update"), (b, a)
+        assert "Adam divides" in a["hint"] and "0/0 unless epsilon is positive" in a["hint"], (b, a["hint"])
+
+
 def test_a_moving_statistic_that_went_non_finite_is_the_first_anomaly_at_its_step(runs):
     """A finite batch of 3e19 makes BatchNormalization's moving variance +Inf.
     On TensorFlow and JAX the layer's output, the loss and the gradients stay

@@ -530,6 +530,24 @@ def test_op_input_ranges_replay_and_new_kinds_render_as_text(open_page, tb_more)
     assert p.dialogs == []
 
 
+def _made_by_the_update(summary):
+    """A first anomaly the optimizer's update made: no replay ran."""
+    summary["first_anomaly"].update(phase="update", op=None, replay={
+        "reproduced": False, "why": "its layer outputs, loss and gradients were finite: it went bad in the update"})
+
+
+def test_an_anomaly_the_update_made_says_no_op_is_to_name_not_that_the_replay_did_not_reproduce(open_page, tb_more):
+    p = open_page()
+    p.page.route("**/summary?*", _with_fields(_made_by_the_update))
+    p.page.goto(tb_more.url + ENTRY + "#run=ops")
+    anomaly = banner_row(p.page, data.OPS_RUN).locator(".banner.anomaly")
+    expect(anomaly.locator(".replay")).to_have_text(
+        "Replay: no op of the step to name (its layer outputs, loss and gradients were finite: it went bad in the "
+        "update); the answer above is from the records of the update."
+    )
+    assert p.dialogs == []
+
+
 def _input_batch(summary):
     """A first anomaly in the batch as it arrived (phase input), with no op."""
     summary["first_anomaly"].update(tensor="input", phase="input", role="input", op_type=None, op=None, replay=None)

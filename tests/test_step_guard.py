@@ -244,6 +244,70 @@ def test_an_overflowing_square_is_the_anomaly_of_its_update(where, tmp_path):
     squares = [w for w in run["warnings"] if w["kind"] == "square_overflow"]
     assert squares and all(w["tensor"].startswith("gradients/") and w["first_step"] == truth for w in squares)
     assert "Adam" in squares[0]["detail"]
+    # The hint: the optimizer's running mean of the squares, not growth (one batch scaled by 1e25).
+    assert "Adam keeps a running mean of each gradient's square" in a["hint"], a["hint"]
+    assert "square beyond float32's largest value" in a["hint"]
+
+
+def _zero_feature_adam(logdir, where: str, epsilon: float) -> list[int]:
+    """An MLP whose first input feature is 0 in every batch (its kernel row
+    never gets a gradient) trained by Adam with ``epsilon``, in ``fit`` with
+    the callback or in a guarded loop. Returns the steps after whose update
+    the model's weights held a NaN, read off the model between steps (the
+    oracle: Keras alone, no record of tb-numerics)."""
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), keras.layers.Dense(8, activation="tanh"), keras.layers.Dense(1)])
+    opt = keras.optimizers.Adam(1e-3, epsilon=epsilon)
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(STEPS * 8, 4)).astype(np.float32), rng.normal(size=(STEPS * 8, 1)).astype(np.float32)
+    x[:, 0] = 0.0
+    bad = []
+
+    def after(step):
+        if not all(np.isfinite(np.asarray(w)).all() for w in model.weights):
+            bad.append(step)
+
+    if where == "fit":
+        model.compile(opt, "mse")
+        probe = keras.callbacks.LambdaCallback(on_train_batch_end=lambda b, logs: after(b))
+        model.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[NumericsCallback(str(logdir)), probe])
+        return bad
+
+    @tbn.guard(opt)
+    @tf.function
+    def train_step(xb, yb):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.square(model(xb) - yb))
+            tbn.log_numerics("loss", loss)
+        grads = tape.gradient(loss, model.trainable_variables)
+        tbn.log_gradients(grads, model.trainable_variables)
+        opt.apply_gradients(zip(grads, model.trainable_variables))
+
+    for i in _steps(logdir, STEPS):
+        train_step(tf.constant(x[8 * i:8 * i + 8]), tf.constant(y[8 * i:8 * i + 8]))
+        after(i)
+    return bad
+
+
+@pytest.mark.parametrize("where", ["fit", "loop"])
+def test_an_adam_without_epsilon_that_divides_zero_by_zero_is_explained_as_the_optimizers(where, tmp_path):
+    """Adam(epsilon=0) and a weight that has had no gradient: its update is
+    0/0, a NaN born in the optimizer from finite gradients. The anomaly is
+    the first step after whose update Keras' own weights held a NaN, in
+    phase update, and the hint names the optimizer's 0/0 and its epsilon;
+    with Keras' default epsilon the same training stays finite and healthy
+    (the injected epsilon is the cause)."""
+    truth = _zero_feature_adam(tmp_path / "eps0", where, 0.0)[0]
+    a = _report(tmp_path / "eps0")["first_anomaly"]
+    assert (a["step"], a["phase"]) == (truth, "update"), a
+    assert "Adam divides" in a["hint"] and "0/0 unless epsilon is positive" in a["hint"], a["hint"]
+    assert "at step %d, 8 of the " % truth in a["hint"]  # the zero feature's kernel row: 8 units
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        cli.main(["report", str(tmp_path / "eps0")])
+    assert "did not reproduce" not in out.getvalue()  # no replay runs the update: nothing failed to reproduce
+    assert _zero_feature_adam(tmp_path / "eps_default", where, 1e-7) == []
+    assert _report(tmp_path / "eps_default")["first_anomaly"] is None
 
 
 class TwoOptimizers(keras.Model):
