@@ -74,6 +74,7 @@ HINT_WORDS = {
     "log_softmax": r"log_softmax|softmax_cross_entropy|from_logits|log_sigmoid|with_logits",
     "div_stat": r"division by zero|divides by zero|0/0|\beps(ilon)?\b|denominator",
     "exp_out": r"\bexp\b|exponential",
+    "adam_eps0": r"\beps(ilon)?\b",
 }
 CI_SLICE = (("loop", "div_stat"), ("cnn_bn", "nan_batch"), ("gru", "no_eps"), ("transformer", "lr100"))
 NO_HINT = "no hint: "
@@ -353,8 +354,13 @@ def run_oracle(arch: str, fault: str, fixed: bool) -> dict:
     """
     import tensorflow as tf
 
+    import keras
     import zoo_models
 
+    # Keep Keras' and TensorFlow's own frames in an eager op's traceback: the
+    # optimizer's frames are what tell an update op from a forward one (``_phase``).
+    keras.config.disable_traceback_filtering()
+    tf.debugging.disable_traceback_filtering()
     tf.debugging.enable_check_numerics()
     hook = OracleHook()
     out: dict[str, Any] = {"fired": False, "input_bad_step": _input_bad_step(arch, fault, fixed)}

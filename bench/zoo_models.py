@@ -45,6 +45,7 @@ FAULTS = {
     "div_stat": "division by a batch statistic (the count of labelled samples)",
     "exp_out": "exp of an unbounded output",
     "reward": "a weight decay written with its sign flipped: the loss rewards growth",
+    "adam_eps0": "Adam with epsilon 0: a weight that gets no gradient (an embedding's padding row) divides 0 by 0",
 }
 
 
@@ -391,7 +392,7 @@ ARCHS = {a.name: a for a in (
     Arch("gru", "rate", "seq", 0.02, ("nan_batch", "no_eps", "div_stat", "exp_out"), GRUModel),
     Arch("vae", "vae", "vec", 0.01, ("unscaled", "nan_batch", "no_eps", "div_stat", "exp_out"), VAE),
     Arch("gan", "gan", "vec", 0.01, ("nan_batch", "div_stat", "log_softmax"), GAN, note="two optimizers"),
-    Arch("embedding", "cls", "tokens", 0.05, ("no_eps", "div_stat", "log_softmax"), EmbeddingModel),
+    Arch("embedding", "cls", "tokens", 0.05, ("no_eps", "div_stat", "log_softmax", "adam_eps0"), EmbeddingModel),
     Arch("loop", "rate", "vec", 0.01, ("nan_batch", "no_eps", "div_stat", "exp_out"), None,
          note="hand-written loop, log_numerics"),
 )}
@@ -405,7 +406,10 @@ def _policy(arch: Arch, fault: str | None, fixed: bool) -> str:
 
 def _optimizer(arch: Arch, fault: str | None, fixed: bool, policy: str) -> keras.optimizers.Optimizer:
     lr = arch.lr * (100 if fault == "lr100" and not fixed else 1)
-    opt = keras.optimizers.SGD(lr, momentum=0.9)
+    if fault == "adam_eps0":  # fixed: Keras' default epsilon
+        opt = keras.optimizers.Adam(lr / 10, epsilon=1e-7 if fixed else 0.0)
+    else:
+        opt = keras.optimizers.SGD(lr, momentum=0.9)
     # A small initial scale: the calibration's overflowing first steps would stop the oracle.
     return keras.optimizers.LossScaleOptimizer(opt, initial_scale=256) if policy == "mixed_float16" else opt
 

@@ -357,6 +357,10 @@ def test_a_nan_the_optimizer_makes_from_finite_gradients_is_the_updates_and_expl
         assert r["oracle_bad"] and a is not None, b
         assert (a["step"], a["phase"]) == (r["oracle_bad"][0], "update"), (b, a)
         assert "Adam divides" in a["hint"] and "0/0 unless epsilon is positive" in a["hint"], (b, a["hint"])
+        # No replay of the step runs the update: what a replay says, it says of the update, not of
+        # a compiler or random draws that made a step's replay come out finite.
+        why = (a.get("replay") or {}).get("why", "")
+        assert not why or "update" in why and "random" not in why, (b, why)
 
 
 def test_a_moving_statistic_that_went_non_finite_is_the_first_anomaly_at_its_step(runs):

@@ -67,5 +67,6 @@ def verdict(op: OpRecord | None, not_reproduced: str, batch_finite: bool = True)
         return {"reproduced": False, "why": batch_text(op.name)}
     if op.reads_nonfinite():
         return {"reproduced": False, "why": "the first non-finite op (%s) read values that were already "
-                "non-finite (a variable an earlier update made so): %s" % (op.name, not_reproduced)}
+                "non-finite: a variable an earlier update made so, which a replay of the step does not run "
+                "(the update's records say which)" % op.name}
     return {"reproduced": True, "op": op.to_json()}
