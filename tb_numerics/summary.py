@@ -374,6 +374,7 @@ def write_stats(
     writer = _tf_internal.default_summary_writer()
     if writer is None:
         return tf.constant(False)
+    _refuse_compiled("write_stats(%r)" % name)
     step = _resolve_step(step)
     st = _tag_state(writer, name, lambda order: dataclasses.replace(info, order=order))
     vec = _combine(tf.cast(tf.convert_to_tensor(stats_vec), tf.float64))
@@ -424,6 +425,8 @@ def log_numerics(
     Raises:
       TypeError: ``tensor`` is not float16, bfloat16, float32 or float64.
       ValueError: ``compute_dtype`` is not one of those.
+      RuntimeError: called, with a default writer, inside a ``jit_compile=True``
+        function, where no summary can be written (``xla.CompiledStats``).
     """
     every_n = _check_every_n(every_n_steps)
     compute_dtype = _check_compute_dtype(compute_dtype)
@@ -437,6 +440,7 @@ def log_numerics(
     writer = _tf_internal.default_summary_writer()
     if writer is None:
         return tf.constant(False)
+    _refuse_compiled("log_numerics(%r)" % name)
     step = _resolve_step(step)
     if role is None:
         after_gradients = _writer_state(writer).gradients_at == _position(step)
@@ -453,6 +457,17 @@ def log_numerics(
         return _emit([(st, _combine(stats.tensor_stats(x, name)))], step, every_n)
 
     return _gated_compute(compute_and_emit)
+
+
+def _refuse_compiled(call: str) -> None:
+    """Raises where the graph being traced is compiled by XLA (``jit_compile=True``):
+    no summary op runs there, and TensorFlow's own error names an op of ours."""
+    if tf.inside_function() and _tf_internal.in_xla_context():
+        raise RuntimeError(
+            "tb_numerics.%s was called inside a tf.function with jit_compile=True, where XLA compiles no "
+            "summary write. Compute the records inside and write them outside: tb_numerics.xla.CompiledStats "
+            "(numerics.collect({...}) in the compiled step, returned; numerics.write(records, step=...) after it), "
+            "or log from a step that is not compiled" % call)
 
 
 def _gated_compute(fn) -> tf.Tensor:
@@ -520,6 +535,7 @@ def log_gradients(
     writer = _tf_internal.default_summary_writer()
     if writer is None or not pairs:
         return tf.constant(False)
+    _refuse_compiled("log_gradients")
     step = _resolve_step(step)
     squared_by = _squared_by.get()
     states = [_tag_state(writer, tag, _info_for(g, "gradient", None, dt, compute_dtype=compute_dtype, squared_by=squared_by))

@@ -103,3 +103,31 @@ def test_callback_jit_compile_records_match(tmp_path):
     plain = _fit(tmp_path / "plain", jit=False)
     _assert_same_records(compiled, plain)
     assert "d1/output" in compiled and "gradients/net/d1/kernel" in compiled
+
+
+@pytest.mark.parametrize("call", ["log_numerics", "log_gradients"])
+def test_logging_inside_a_compiled_step_says_what_to_do_and_keeps_what_was_logged(tmp_path, call):
+    """``log_numerics`` in a ``jit_compile=True`` step raised TensorFlow's "No registered
+    'Timestamp' OpKernel for XLA_CPU_JIT", naming an op of ours. It now says that XLA
+    compiles no summary write and what to use; the records logged before stay readable."""
+    w = tf.Variable(tf.ones([3]))
+
+    @tf.function(jit_compile=True)
+    def step(x):
+        with tf.GradientTape() as tape:
+            y = w * x
+            loss = tf.reduce_sum(y)
+        if call == "log_numerics":
+            tbn.log_numerics("y", y)
+        else:
+            tbn.log_gradients(tape.gradient(loss, [w]), [w])
+        return loss
+
+    writer = tf.summary.create_file_writer(str(tmp_path))
+    with writer.as_default(step=0):
+        tbn.log_numerics("before", tf.constant([1.0, 2.0]))
+        with pytest.raises(RuntimeError, match=r"tb_numerics\.%s.*jit_compile=True.*xla\.CompiledStats" % call):
+            step(tf.ones([3]))
+    writer.close()
+    assert _series(tmp_path)["before"].steps.tolist() == [0]
+    assert float(step(tf.ones([3]))) == 3.0  # compiled without a default writer: nothing to write, no error
