@@ -37,7 +37,10 @@ made), they are written as records of role ``input`` at that step, as
 ``NumericsCallback`` records each batch, with where the bad values are
 (``metadata.BATCH_TAG``): the batch is the step's first anomaly. A step
 given an iterator it takes its batch from is not replayed (it would take
-another batch from training); its verdict says why.
+another batch from training); its verdict says why. A step that the
+program's own ``tf.debugging.check_numerics`` (or ``assert_all_finite``)
+stops at the run's first NaN is replayed too before its error goes on, so
+the report names the op that made the value, not only the check.
 
 What the guard finds is filed at the step the step's own records were
 written at, read where the update is: in a function that runs several
@@ -211,7 +214,11 @@ class StepGuard:
                 stack.enter_context(_apply_as(opt, functools.partial(self._gated, i)))
             stack.enter_context(summary.gradients_squared_by(self._squared_by))
             self._losses = stack.enter_context(summary.watching_losses())
-            out = self._fn(*args, **kwargs)
+            try:
+                out = self._fn(*args, **kwargs)
+            except tf.errors.InvalidArgumentError as e:
+                self._checked(step, e, args, kwargs)
+                raise
         counts = self._counts.numpy()
         new, self._seen = counts - self._seen, counts
         bad, applied = step, None
@@ -236,6 +243,17 @@ class StepGuard:
             self._survive(bad, new, args, kwargs, before, batch)
         self._prev_step = step
         return out
+
+    def _checked(self, step: int | None, error: BaseException, args: tuple, kwargs: dict) -> None:
+        """Where the step's own numerics check (``tf.debugging.check_numerics``)
+        stopped it at the run's first NaN or Inf: the batch's records where it
+        arrived so, and the step's replay, so that the report names the op that
+        made the value before the error goes on to the caller."""
+        if self.verdict is not None or step is None or not oplevel.numerics_check_failed(error):
+            return
+        self._note_bad_batch(step, args, kwargs)
+        if self._replay:
+            self.verdict = self._replayed(step, args, kwargs)
 
     def _gated(self, i: int, apply: Callable[..., Any]) -> Callable[..., Any]:
         opt = self._opts[i]

@@ -430,3 +430,32 @@ def test_relu_neg_abs_are_skipped_and_the_op_that_made_the_value_is_named(tmp_pa
     a = analysis.first_anomaly(ra)
     assert a["step"] == 1 and a["op_type"] == "Mul" and a["posinf"] > 0
     assert "test_oplevel.py:%d" % line_of(__file__, "# BIG") in a["tensor_description"]
+
+
+def test_a_replay_stopped_by_the_programs_own_check_returns_the_op_it_found(tmp_path):
+    """``replay_step`` of a step whose ``tf.debugging.check_numerics`` fires
+    on the NaN returns the op that made it (as TensorFlow's
+    enable_check_numerics names it on the unchecked step), not the check's
+    error; an error of another kind still reaches the caller."""
+    w = tf.Variable([1.0, -2.0])
+
+    def step(checked=True):
+        y = tf.math.log(w)  # THE_LOG
+        return tf.debugging.check_numerics(y, "checked") if checked else y
+
+    tf.debugging.enable_check_numerics()
+    try:
+        with pytest.raises(tf.errors.InvalidArgumentError, match=r'op "(\w+)"') as oracle:
+            step(checked=False)
+    finally:
+        tf.debugging.disable_check_numerics()
+    found = oplevel.replay_step(step, step=0, writer=tf.summary.create_file_writer(str(tmp_path)))
+    assert found is not None and 'op "%s"' % found.op_type in str(oracle.value)
+    assert found.source.endswith("test_oplevel.py:%d (step)" % line_of(__file__, "# THE_LOG"))
+
+    def broken():
+        tf.math.log(w)
+        raise tf.errors.InvalidArgumentError(None, None, "a shape mismatch")
+
+    with pytest.raises(tf.errors.InvalidArgumentError, match="a shape mismatch"):
+        oplevel.replay_step(broken, step=0)

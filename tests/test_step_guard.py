@@ -797,6 +797,45 @@ def test_a_hand_written_log_of_a_negative_value_is_not_called_log_of_zero(tmp_pa
     assert "its input 1 held negative values (min -4" in a["hint"], a["hint"]
 
 
+@pytest.mark.parametrize("check", ["check_numerics", "assert_all_finite"])
+def test_a_step_that_its_own_numerics_check_stops_still_names_the_op(tmp_path, check):
+    """The reports' users sprinkle tf.debugging.check_numerics: at the NaN it
+    raises inside the guarded step, before any update. The guard still
+    replays that step, so the report names the op that made the NaN (as
+    TensorFlow's enable_check_numerics names it, without the program's
+    check) and its line, and the error goes on to the caller, who asked to stop."""
+    predict, trained = _logged_relu_head()
+    optimizer = keras.optimizers.SGD(1e-3)
+
+    def step_fn(x, y, checked=True):
+        with tf.GradientTape() as tape:
+            loss = tf.reduce_mean(tf.math.log(predict(x) - y + 4.0))  # CHECKED_LOG
+            tbn.log_numerics("loss", loss)
+            if checked:
+                loss = getattr(tf.debugging, check)(loss, "the loss is not finite")
+        variables = trained()
+        optimizer.apply_gradients(zip(tape.gradient(loss, variables), variables))
+
+    train_step = tbn.guard(optimizer)(tf.function(step_fn))
+    rng = np.random.default_rng(0)
+    raised, batch = None, None
+    for i in _steps(tmp_path):
+        x = rng.normal(size=(8, 4)).astype(np.float32)
+        p = predict(tf.constant(x)).numpy()
+        y = (p + 8.0 if i == BAD else p - rng.uniform(0.5, 1.0, size=p.shape)).astype(np.float32)
+        try:
+            train_step(tf.constant(x), tf.constant(y))
+        except tf.errors.InvalidArgumentError as e:
+            raised, batch = i, (tf.constant(x), tf.constant(y))
+            break
+    assert raised == BAD
+    op_type, lines = _check_numerics_names(lambda x, y: step_fn(x, y, checked=False), batch)
+    a = _report(tmp_path)["first_anomaly"]
+    assert (a["step"], a["op"]["type"]) == (BAD, op_type), a
+    assert a["op"]["source"].endswith("test_step_guard.py:%d (step_fn)" % line_of(__file__, "# CHECKED_LOG"))
+    assert line_of(__file__, "# CHECKED_LOG") in lines
+
+
 def _batch_oracle_step(x, y):
     """``tf.summary``'s own record of whether the step's batch holds a NaN or an Inf (the oracle of its step)."""
     finite = tf.reduce_all(tf.math.is_finite(x)) & tf.reduce_all(tf.math.is_finite(y))

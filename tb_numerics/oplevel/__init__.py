@@ -92,13 +92,14 @@ from tb_numerics.oplevel.tags import TAG_PREFIX
 # The recorder's names import TensorFlow: imported on first use, so that
 # ``oplevel.record`` (``OpRecord``, which the JAX and PyTorch replays use)
 # imports none.
-_RECORDER = ("DEFAULT_SKIP_OP_TYPES", "OpNumerics", "op_numerics", "replay_step")
+_RECORDER = ("DEFAULT_SKIP_OP_TYPES", "OpNumerics", "numerics_check_failed", "op_numerics", "replay_step")
 
 __all__ = [
     "DEFAULT_SKIP_OP_TYPES",
     "OpNumerics",
     "OpRecord",
     "TAG_PREFIX",
+    "numerics_check_failed",
     "op_numerics",
     "parse_mark",
     "replay_step",

@@ -31,7 +31,7 @@ from tb_numerics.oplevel.tags import OpTags, eager_site, graph_site  # noqa: E40
 from tb_numerics.oplevel.write import StepWriter  # noqa: E402
 from tb_numerics.records import nonfinite_count  # noqa: E402
 
-__all__ = ["DEFAULT_SKIP_OP_TYPES", "OpNumerics", "op_numerics", "replay_step"]
+__all__ = ["DEFAULT_SKIP_OP_TYPES", "OpNumerics", "numerics_check_failed", "op_numerics", "replay_step"]
 
 # Op types skipped by default: they move, copy or reshape values, create
 # constants or call functions (whose own ops are recorded), so they cannot be
@@ -413,6 +413,19 @@ def _as_tensor(x: Any) -> Any:
     return tf.convert_to_tensor(x) if isinstance(x, (np.ndarray, np.generic)) else x
 
 
+# What TensorFlow's numerics checks say when they fire: check_numerics (and
+# assert_all_finite, built on it) and enable_check_numerics.
+_CHECK_FIRED = ("Tensor had NaN values", "Tensor had Inf values", "Tensor had Inf and NaN values",
+                "Detected Infinity or NaN")
+
+
+def numerics_check_failed(error: BaseException) -> bool:
+    """Whether ``error`` is a TensorFlow numerics check that found a NaN or
+    an Inf (``tf.debugging.check_numerics``, ``assert_all_finite``,
+    ``enable_check_numerics``): a program's own stop at a non-finite value."""
+    return isinstance(error, tf.errors.InvalidArgumentError) and any(m in str(error) for m in _CHECK_FIRED)
+
+
 def replay_step(
     fn: Callable[..., Any],
     *args: Any,
@@ -449,7 +462,10 @@ def replay_step(
 
     Raises:
       ValueError: ``recorder`` has a flight recorder.
-      Whatever ``fn`` raises (the records made before it are still written).
+      Whatever ``fn`` raises (the records made before it are still written),
+      but a numerics check of the program's own (``tf.debugging.check_numerics``,
+      ``assert_all_finite``) that fired after the first non-finite op was
+      recorded: that op is returned, the check having found what it made.
     """
     recorder = recorder or OpNumerics(step=step)
     if recorder.flight_recorder:
@@ -467,6 +483,9 @@ def replay_step(
     try:
         with writer.as_default() if writer is not None else contextlib.nullcontext(), recorder:
             fn(*args, **kwargs)
+    except tf.errors.InvalidArgumentError as e:
+        if recorder.first_bad is None or not numerics_check_failed(e):
+            raise
     finally:
         recorder._inspect_inputs = False  # noqa: SLF001
         recorder._step_arg = step_before  # noqa: SLF001
