@@ -713,6 +713,14 @@ class HostRecords:
         if found:
             self._write_note(metadata.BATCH_TAG, step, "Batch", {"step": step, "tensors": found})
 
+    def write_checked(self, step: int, message: str, record: np.ndarray) -> None:
+        """The record of the tensor a numerics check of the program's own
+        (``tf.debugging.check_numerics(t, message)``) found non-finite at
+        ``step``, which it then ended: tag ``checked/<message>``."""
+        info = metadata.TensorInfo(role="other", op_type="CheckNumerics", description=(
+            "the tensor tf.debugging.check_numerics(..., %r) checked when it stopped the step" % message))
+        self.writer.write("checked/" + message, step, record, info)
+
     def replay_verdict(self, step: int, replay: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """The verdict of ``replay()`` on ``step`` (``first_anomaly.replay``),
         written into the run; it never raises (a replay must never stop training)."""

@@ -19,6 +19,10 @@ which remembers how to put each one back):
   (a GAN's second one), whose gradients are recorded with the model
   optimizer's where it runs before it, and whose update is held back with
   the step's (``UpdateGate.gated_other_apply``);
+* ``tf.debugging.check_numerics`` and ``assert_all_finite`` (the module's
+  attributes, which a program's own numerics checks call): in the step, what
+  such a check finds non-finite is kept before it raises and ends the step
+  (``StepProgram.keep_checked``), so that the callback still has that step;
 * ``model.train_function``, rebuilt so that the wrappers are traced into it
   (or, at a later ``fit`` of the same model, the one built before).
 
@@ -30,12 +34,13 @@ made (``StepHooks.replay_trace``) for the callback's consistency check.
 from __future__ import annotations
 
 import functools
+import inspect
 from typing import Any, Callable
 
 import keras
 import tensorflow as tf
 
-from tb_numerics import _keras_replay
+from tb_numerics import _keras_replay, stats
 from tb_numerics._keras_host import Patches
 from tb_numerics._keras_plan import float_tensors
 from tb_numerics._keras_program import StepProgram, Trace
@@ -69,6 +74,8 @@ class StepHooks:
         patches.set(opt, "scale_loss", self._wrap_scale_loss(opt.scale_loss))
         patches.set(tf.GradientTape, "gradient", self._wrap_gradient(tf.GradientTape.gradient))
         patches.set(opt, "apply", self._wrap_apply(opt.apply))
+        patches.set(tf.debugging, "check_numerics", self._wrap_check(tf.debugging.check_numerics))
+        patches.set(tf.debugging, "assert_all_finite", self._wrap_check(tf.debugging.assert_all_finite))
         for other in other_optimizers(model):
             patches.set(other, "apply", self._wrap_other_apply(other.apply))
         if activations:
@@ -117,6 +124,29 @@ class StepHooks:
             if self._trace is not None:
                 self._trace.outputs.setdefault(index, []).extend(float_tensors(out))
             return out
+
+        return wrapped
+
+    def _wrap_check(self, check: Callable[..., Any]) -> Callable[..., Any]:
+        """A numerics check of the program's own (``tf.debugging.check_numerics``,
+        ``assert_all_finite``): in the traced step, what it finds non-finite
+        is kept before it can raise (``StepProgram.keep_checked``)."""
+
+        signature = inspect.signature(check)
+        tensor_arg, message_arg = list(signature.parameters)[:2]  # (tensor, message), (x, message)
+
+        @functools.wraps(check)
+        def wrapped(*args, **kwargs):
+            trace = self._step_trace
+            bound = signature.bind(*args, **kwargs)
+            t = bound.arguments[tensor_arg]
+            if (trace is None or self._replaying() or stats.replica_context() is not None
+                    or not (tf.is_tensor(t) and t.dtype.is_floating)):
+                return check(*args, **kwargs)
+            kept = self._program.keep_checked(t, str(bound.arguments.get(message_arg, "")), trace)
+            with tf.control_dependencies([kept]):
+                bound.arguments[tensor_arg] = tf.identity(t)
+                return check(*bound.args, **bound.kwargs)
 
         return wrapped
 

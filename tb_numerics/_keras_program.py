@@ -183,6 +183,11 @@ class StepProgram:
         self._aux_var = _state_variable(tf.constant(aux0, tf.float64))
         self._calls = _state_variable(tf.constant(0, tf.int64))
         self._skipped = _state_variable(tf.constant(0, tf.int64))
+        # What a numerics check of the program's own (tf.debugging.check_numerics) found
+        # non-finite, kept before it raises: its record, its step and which check (or -1).
+        self._checked = _state_variable(tf.zeros([NUM_FIELDS], tf.float64))
+        self._checked_at = _state_variable(tf.constant([-1, -1], tf.int64))
+        self.checks: list[str] = []  # the messages of the checks traced, by index
         self._snapshot = _Snapshot(plan.variables) if update_ratios else None
         strategy = strategy_of(model)
         replicas = strategy.num_replicas_in_sync
@@ -214,7 +219,37 @@ class StepProgram:
         values = [(stats_np[slot], StepValues.of(aux_np[slot])) for slot in order]
         return [(s, v) for s, v in values if v.call > last_call]
 
+    def checked(self) -> tuple[int, str, np.ndarray] | None:
+        """(step, message, record) of the tensor a numerics check of the
+        program's own found non-finite in the step it stopped, or None."""
+        step, which = (int(v) for v in self._checked_at.numpy())
+        if step < 0:
+            return None
+        self._checked_at.assign([-1, -1])
+        return step, self.checks[which], self._checked.numpy()
+
     # ------------------------------------------------------------ in the step
+
+    def keep_checked(self, tensor: tf.Tensor, message: str, trace: Trace) -> tf.Tensor:
+        """Inside the step, before a numerics check of the program's own
+        reads ``tensor``: where it holds a NaN or an Inf, its record, the
+        step and the batch (for the replay) are kept, so that the host still
+        has them after the check raised and ended the step. Returns a tensor
+        to make the check wait for."""
+        self.checks.append(message)
+        which = len(self.checks) - 1
+        opt = self._model.optimizer
+        step = tf.cast(tf.convert_to_tensor(step_counter(opt)), tf.int64) + self._skipped.read_value()
+
+        def keep() -> tf.Tensor:
+            self._checked.assign(stats.tensor_stats(tensor, message))
+            self._checked_at.assign(tf.stack([step, tf.constant(which, tf.int64)]))
+            if self._replay is not None and not self._replay.why_not:
+                self._replay.keep_if(tf.constant(True), trace.data, step)
+            return tf.constant(True)
+
+        return tf.cond(stats.all_finite([tensor]), lambda: tf.constant(False), keep)
+
 
     def recorded_apply(self, apply: Callable[..., Any], trace: Trace, grads: list, variables: list) -> Any:
         """The optimizer's update, with the step's statistics stored around it."""

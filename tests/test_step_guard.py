@@ -33,7 +33,7 @@ import tensorflow as tf
 import tb_numerics as tbn
 import two_replicas
 from op_records import line_of
-from tb_numerics import cli
+from tb_numerics import cli, event_reader
 from tb_numerics.keras import NumericsCallback
 
 pytestmark = pytest.mark.e2e
@@ -834,6 +834,45 @@ def test_a_step_that_its_own_numerics_check_stops_still_names_the_op(tmp_path, c
     assert (a["step"], a["op"]["type"]) == (BAD, op_type), a
     assert a["op"]["source"].endswith("test_step_guard.py:%d (step_fn)" % line_of(__file__, "# CHECKED_LOG"))
     assert line_of(__file__, "# CHECKED_LOG") in lines
+
+
+@pytest.mark.parametrize("check", ["check_numerics", "assert_all_finite"])
+def test_a_fit_its_own_numerics_check_stops_is_no_healthy_run_and_names_the_op(tmp_path, check):
+    """A layer of the user's with tf.debugging.check_numerics: at the batch
+    whose log goes NaN the check raises inside fit's step, which ends before
+    any record of it is stored. Before, the report then said "no numerics
+    records" (and "first anomaly: none" once the process had ended). Now the
+    callback keeps what the check found before it raises: the first anomaly
+    is that step (as a callback beside it counts fit's steps), its op the one
+    TensorFlow's enable_check_numerics names, at its line."""
+    bad = 4
+
+    class Checked(keras.layers.Layer):
+        def call(self, x):
+            y = tf.math.log(x + 3.0)  # FIT_CHECKED_LOG
+            return getattr(tf.debugging, check)(y, message="log output")
+
+    keras.utils.set_random_seed(0)
+    model = keras.Sequential([keras.Input((4,)), Checked(name="checked"), keras.layers.Dense(1)])
+    model.compile(keras.optimizers.SGD(0.01), "mse")
+    rng = np.random.default_rng(0)
+    x, y = rng.normal(size=(80, 4)).astype(np.float32), rng.normal(size=(80, 1)).astype(np.float32)
+    x[8 * bad + 2, 1] = -5.0
+    probe = _NanProbe(tmp_path, bad)
+    with pytest.raises(tf.errors.InvalidArgumentError):
+        model.fit(x, y, batch_size=8, shuffle=False, verbose=0, callbacks=[probe, NumericsCallback(str(tmp_path))])
+    probe.on_train_end()  # fit ends no callback when a step raises
+    (truth,) = _oracle_steps(tmp_path, "oracle/nan_batch", 0.5)
+    op_type, lines = _check_numerics_names(model, (tf.constant(x[8 * bad:8 * bad + 8]),))
+    run = _report(tmp_path)  # while the process goes on: on disk already
+    a = run["first_anomaly"]
+    assert a is not None and a["step"] == truth == bad, a
+    assert a["op"]["type"] == op_type and a["op"]["phase"] == "forward", a["op"]
+    assert a["op"]["source"].endswith("test_step_guard.py:%d (call)" % line_of(__file__, "# FIT_CHECKED_LOG"))
+    assert line_of(__file__, "# FIT_CHECKED_LOG") in lines
+    # The steps before it, written though fit ended no callback.
+    (read,) = event_reader.read_logdir(str(tmp_path))
+    assert {se.tag: se.steps.tolist() for se in read.series}["checked/output"] == list(range(bad))
 
 
 def _batch_oracle_step(x, y):

@@ -34,9 +34,9 @@ import numpy as np
 
 from tb_numerics import _requires
 
-_requires.tensorflow(__name__)  # says what to install where TensorFlow is missing
+tf = _requires.tensorflow(__name__)  # says what to install where TensorFlow is missing
 
-from tb_numerics import _keras_replay, survive  # noqa: E402 - after that check
+from tb_numerics import _keras_replay, oplevel, survive  # noqa: E402 - after that check
 from tb_numerics._keras_diagnosis import Diagnosis, why_no_replay  # noqa: E402
 from tb_numerics._keras_host import NumericsCallbackBase, Step, StepValues  # noqa: E402
 from tb_numerics._keras_patch import StepHooks  # noqa: E402
@@ -131,10 +131,42 @@ class TensorFlowNumericsCallback(NumericsCallbackBase):
         # None: the first fit, which builds the train function. Otherwise
         # everything the kept step uses (its variables, the replay's kept
         # batch, the policy's state) is as the last fit left it.
+        # The function the last fit kept is the one ``_checked_by_the_program`` made around its own.
+        train_function = getattr(train_function, "unchecked", train_function)
         train_function = self._hooks.install(self._patches, self.activations, train_function=train_function)
         if self._survival is not None:
             self._survival.begin()
-        return train_function
+        model.train_function = self._checked_by_the_program(train_function)
+        return model.train_function
+
+    def _checked_by_the_program(self, train_function: Any) -> Any:
+        """``train_function``, and where a numerics check of the program's
+        own (``tf.debugging.check_numerics``) raised in it at a NaN or an
+        Inf, the steps before it and that step's checked tensor written, and
+        the step replayed, before the error goes on: a fit that the check
+        ended is never a run with no anomaly."""
+
+        def run(*args: Any, **kwargs: Any) -> Any:
+            try:
+                return train_function(*args, **kwargs)
+            except tf.errors.InvalidArgumentError as e:
+                if oplevel.numerics_check_failed(e):
+                    self._stopped_by_check()
+                raise
+
+        run.unchecked = train_function
+        return run
+
+    def _stopped_by_check(self) -> None:
+        checked = self._program.checked() if self._host is not None else None
+        if checked is None:
+            return
+        step, message, record = checked
+        self._write_left()
+        self._host.write_checked(step, message, record)
+        if self.replay and self.replay_verdict is None and self._replay is not None:
+            self.replay_verdict = self._replay.replay(step, self.model.train_step)
+        self._host.writer.flush()
 
     def _check_policy(self, model: Any) -> None:
         """Refuses a policy the step cannot carry out (before anything is wrapped)."""
