@@ -100,8 +100,8 @@ import numpy as np
 import tensorflow as tf
 
 from tb_numerics import (
-    _keras_batch, _keras_gate, _keras_host, _survive_tf, _tf_internal, metadata, oplevel, records, rules, stats, summary, survive,
-    update_check,
+    _keras_batch, _keras_gate, _keras_host, _survive_tf, _tf_internal, metadata, oplevel, records, rules, stats,
+    summary, survive, update_check,
 )
 
 __all__ = ["StepGuard", "guard"]
@@ -368,7 +368,7 @@ class StepGuard:
         Returns the first such argument's tag and its non-finite values in words, else None."""
         # A -Inf argument may be a mask the program made (an additive attention mask): intended.
         leaves = [(tag, a, records.numpy_stats(a)) for tag, a in _batch_leaves(self._fn, args, kwargs)]
-        bad = [(tag, a) for tag, a, v in leaves if records.nonfinite_count(v, neginf_ok=True) > 0]
+        bad = [(tag, a, v) for tag, a, v in leaves if records.nonfinite_count(v, neginf_ok=True) > 0]
         if not bad:
             return None
         _write([(tag, v, metadata.TensorInfo(
@@ -377,12 +377,12 @@ class StepGuard:
             for tag, a, v in leaves], step)
         if not self._batch_noted:
             self._batch_noted = True
-            found = [f for f in (_keras_batch.bad_features(tag, [a], str(a.dtype)) for tag, a in bad) if f]
+            found = [f for f in (_keras_batch.bad_features(tag, [a], str(a.dtype)) for tag, a, _ in bad) if f]
             if found:
                 info = metadata.TensorInfo(role="other", op_type="Batch",
                                            description=json.dumps({"step": step, "tensors": found}))
                 _write([(metadata.BATCH_TAG, records.numpy_stats(np.zeros(0, np.float32)), info)], step)
-        tag, v = next((tag, v) for tag, _, v in leaves if records.nonfinite_count(v, neginf_ok=True) > 0)
+        tag, _, v = bad[0]
         return {"tensor": tag, "detail": "%s: %s" % (tag, rules.describe_nonfinite(v))}
 
     def _escalate(self, step: int, held: bool, args: tuple, kwargs: dict, applied: int | None = None) -> None:
