@@ -337,10 +337,10 @@ def update_made(series: Sequence[TensorSeries], anomaly: TensorSeries, step: int
         if not before:
             return None
         at = max(before)
+    if any(_nonfinite_at(s, at) for s in grads):
+        return None  # the gradients carried it in
     rows = [s.values[s.steps == at].astype(np.float64) for s in grads]
     rows = [r for r in rows if len(r)]
-    if any(np.any(nonfinite_count(r) > 0) for r in rows):
-        return None  # the gradients carried it in
     own = anomaly.values[anomaly.steps == step].astype(np.float64)
     own = own[np.flatnonzero(nonfinite_count(own) > 0)[:1]] if len(own) else own
     if not len(own):

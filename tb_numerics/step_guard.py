@@ -279,9 +279,9 @@ class StepGuard:
             code = tf.cond(stats.sums_finite([total]), lambda: tf.constant(0, tf.int64), closer)
             # A loss logged before the update that is not finite holds the update back though
             # its gradients are (a square or a sum that overflowed: its gradient stays finite).
-            losses = [t for t in self._losses if _reachable(t)]
-            if losses:
-                code = tf.where(stats.all_finite(losses), code, tf.constant(1 + _HELD, tf.int64))
+            losses_finite = self._losses_finite()
+            if losses_finite is not None:
+                code = tf.where(losses_finite, code, tf.constant(1 + _HELD, tf.int64))
             if self._windows:
                 code = self._spiked(self._windows[i], code, total)
             run = tf.not_equal(code, 1 + _HELD) & tf.not_equal(code, 1 + _SPIKED)
@@ -328,10 +328,8 @@ class StepGuard:
                               lambda: tf.logical_not(stats.all_finite(present)))
             # Not the scale's to handle (as the callback's rule): a loss logged before the update that
             # is not finite (no scale made it), or a scale below the one scaling down can still help.
-            theirs = tf.constant(False)
-            losses = [t for t in self._losses if _reachable(t)]
-            if losses:
-                theirs = tf.logical_not(stats.all_finite(losses))
+            losses_finite = self._losses_finite()
+            theirs = tf.constant(False) if losses_finite is None else tf.logical_not(losses_finite)
             if scale is not None:
                 theirs |= tf.convert_to_tensor(scale) < rules.LOSS_SCALE_HANDLED_MIN
             slot = tf.where(theirs, tf.constant(_HELD, tf.int64), tf.constant(_SCALE_SKIPPED, tf.int64))
@@ -339,6 +337,12 @@ class StepGuard:
             return apply(grads, trainable_variables)
 
         return counted
+
+    def _losses_finite(self) -> tf.Tensor | None:
+        """Whether every loss logged so far in the step that the update can
+        read is finite (a bool tensor); None where there is none."""
+        losses = [t for t in self._losses if _reachable(t)]
+        return stats.all_finite(losses) if losses else None
 
     def _spiked(self, window: _survive_tf.SpikeWindow, code: tf.Tensor, total: tf.Tensor) -> tf.Tensor:
         """``code``, or the spike's where the gradient norm is a spike."""

@@ -716,6 +716,23 @@ def _steps(logdir, n: int = STEPS):
             yield i
 
 
+def _guarded_step(optimizer, variables, loss_of, log_gradients: bool = True):
+    """A ``tf.function`` step under ``tbn.guard(optimizer)``: the gradient of
+    ``loss_of(*batch)`` (logged, with ``log_gradients``) applied to ``variables``."""
+
+    @tbn.guard(optimizer)
+    @tf.function
+    def train_step(*batch):
+        with tf.GradientTape() as tape:
+            loss = loss_of(*batch)
+        grads = tape.gradient(loss, variables)
+        if log_gradients:
+            tbn.log_gradients(grads, variables)
+        optimizer.apply_gradients(zip(grads, variables))
+
+    return train_step
+
+
 def _logged_relu_head():
     """(predict, variables) of a ReLU layer whose output is logged
     (``hidden/output``) and a linear head on it; ``variables()`` once built."""
@@ -1004,14 +1021,7 @@ def test_a_hand_written_cosine_of_a_zero_tower_output_is_called_a_division_not_a
             tbn.log_numerics("loss", loss)
         return loss
 
-    @tbn.guard(optimizer)
-    @tf.function
-    def train_step(x1, x2):
-        with tf.GradientTape() as tape:
-            loss = forward(x1, x2)
-        grads = tape.gradient(loss, variables)
-        tbn.log_gradients(grads, variables)
-        optimizer.apply_gradients(zip(grads, variables))
+    train_step = _guarded_step(optimizer, variables, forward)
 
     rng = np.random.default_rng(0)
     for i in _steps(tmp_path):
@@ -1046,14 +1056,7 @@ def test_a_hand_written_cross_entropy_of_a_softmax_that_rounded_to_zero_gets_the
         tbn.log_numerics("loss", loss)
         return loss
 
-    @tbn.guard(optimizer)
-    @tf.function
-    def train_step(x, y):
-        with tf.GradientTape() as tape:
-            loss = loss_of(x, y)
-        grads = tape.gradient(loss, model.trainable_variables)
-        tbn.log_gradients(grads, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    train_step = _guarded_step(optimizer, model.trainable_variables, loss_of)
 
     rng = np.random.default_rng(0)
     for i in _steps(tmp_path):
@@ -1090,13 +1093,7 @@ def test_a_keras_cross_entropy_in_a_hand_written_loop_is_named_from_the_replayed
         tbn.log_numerics("loss", loss)
         return loss
 
-    @tbn.guard(optimizer)
-    @tf.function
-    def train_step(x, y):
-        with tf.GradientTape() as tape:
-            loss = loss_of(x, y)
-        grads = tape.gradient(loss, model.trainable_variables)
-        optimizer.apply_gradients(zip(grads, model.trainable_variables))
+    train_step = _guarded_step(optimizer, model.trainable_variables, loss_of, log_gradients=False)
 
     rng = np.random.default_rng(0)
     for i in _steps(tmp_path):
