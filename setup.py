@@ -17,7 +17,9 @@ setup(
     # the package, where the plugin serves them from.
     package_dir={"tb_numerics": "tb_numerics", "tb_numerics.frontend": "frontend", "tb_numerics.rules": "tb_numerics/rules"},
     package_data={
-        "tb_numerics": ["http_api.md"],
+        # record_kernel.cc: the record kernel's source, built on the machine
+        # that uses it, against its TensorFlow (tb_numerics/record_kernel.py).
+        "tb_numerics": ["http_api.md", "record_kernel.cc"],
         "tb_numerics.frontend": ["*.js", "*.css", "*.html"],
     },
     # No TensorFlow: "tensorflow-cpu" here would install a second

@@ -23,7 +23,10 @@ repetition, so that the machine's other load hits them alike:
   step;
 * ablations of the callback: ``cb_no_acts`` (``activations=False``),
   ``cb_no_grads`` (``gradients=False``), ``cb_no_replay``
-  (``replay=False``), ``cb_bare`` (no records at all: the patched step alone).
+  (``replay=False``), ``cb_bare`` (no records at all: the patched step alone);
+* ``cb_ops`` and ``loop_numerics_ops``: ``callback`` and ``loop_numerics``
+  with each record made of TensorFlow's ops, not the record kernel (what
+  a machine where the kernel cannot be built runs; ``tb_numerics/record_kernel.py``).
 
 Printed: each mode's median step time (wall and this process's CPU time),
 each mode against its baseline (``callback`` and its ablations against
@@ -64,6 +67,7 @@ import numpy as np  # noqa: E402
 import tensorflow as tf  # noqa: E402
 
 import tb_numerics as tbn  # noqa: E402
+from tb_numerics import record_kernel  # noqa: E402
 from tb_numerics.keras import NumericsCallback  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -119,6 +123,24 @@ def _loop(model_name: str, x, y, logdir: str | None) -> Callable[[], Any]:
     return run
 
 
+def _without_kernel(make: Callable[..., Callable[[], Any]]) -> Callable[..., Callable[[], Any]]:
+    """Mode ``make`` with its records traced from TensorFlow's ops, not the record kernel."""
+
+    def mode(m, x, y, d):
+        fn = make(m, x, y, d)
+
+        def run():
+            with record_kernel.use(False):
+                return fn()
+
+        for attr in ("settle", "end"):
+            if hasattr(fn, attr):
+                setattr(run, attr, getattr(fn, attr))
+        return run
+
+    return mode
+
+
 MODES: dict[str, Callable[..., Callable[[], Any]]] = {
     "fit": lambda m, x, y, d: _fit_loop(m, x, y, []),
     "callback": lambda m, x, y, d: _fit_loop(m, x, y, [NumericsCallback(d)]),
@@ -130,7 +152,9 @@ MODES: dict[str, Callable[..., Callable[[], Any]]] = {
     "loop": lambda m, x, y, d: _loop(m, x, y, None),
     "loop_numerics": lambda m, x, y, d: _loop(m, x, y, d),
 }
-BASELINE = {"loop_numerics": "loop", "loop": None, "fit": None}  # every other mode: against "fit"
+MODES["cb_ops"] = _without_kernel(MODES["callback"])
+MODES["loop_numerics_ops"] = _without_kernel(MODES["loop_numerics"])
+BASELINE = {"loop_numerics": "loop", "loop_numerics_ops": "loop", "loop": None, "fit": None}  # every other mode: against "fit"
 
 
 def _sync(out) -> None:
@@ -204,10 +228,10 @@ def _first_epoch_child(model: str, mode: str, epoch_steps: int) -> list[tuple[fl
     x, y = _data(model)
     logdir = tempfile.mkdtemp(prefix="tbn_arch_first_")
     try:
-        if mode in ("fit", "callback"):
+        if mode in ("fit", "callback", "cb_ops"):
             m = build(model)
             data = tf.data.Dataset.from_tensors((x, y)).repeat(epoch_steps)
-            cbs = [NumericsCallback(logdir)] if mode == "callback" else []
+            cbs = [NumericsCallback(logdir)] if mode != "fit" else []
             fits = []
             for _ in range(2):
                 t0, c0 = time.perf_counter(), time.process_time()
@@ -220,18 +244,22 @@ def _first_epoch_child(model: str, mode: str, epoch_steps: int) -> list[tuple[fl
 
 
 def first_epochs(model: str, epoch_steps: int) -> None:
-    """Prints the first epoch of each of fit, callback, loop and loop_numerics, each in a fresh process."""
+    """Prints the first epoch of each of fit, callback (with the record kernel and without),
+    loop and loop_numerics, each in a fresh process."""
     seconds = {}
-    for mode in ("fit", "callback", "loop", "loop_numerics"):
+    for mode in ("fit", "callback", "cb_ops", "loop", "loop_numerics"):
+        # cb_ops: the callback with TensorFlow's ops for its records (no record kernel).
+        env = {**os.environ, "TB_NUMERICS_RECORD_KERNEL": "0"} if mode == "cb_ops" else None
         out = subprocess.run(
             [sys.executable, os.path.abspath(__file__), "--model", model, "--epoch-steps", str(epoch_steps),
-             "--child", mode], check=True, capture_output=True, text=True).stdout
+             "--child", mode], check=True, capture_output=True, text=True, env=env).stdout
         seconds[mode] = json.loads(out.strip().splitlines()[-1])
     print("%s: first epoch of %d batches, tracing included, each in a fresh process; %s"
           % (model, epoch_steps, _load()))
     for base, name, what, i in (
             ("fit", "callback", "fit %s, with NumericsCallback %s: %s (target <= +3 s)", 0),
             ("fit", "callback", "then a second fit call %s, with the same NumericsCallback %s: %s", 1),
+            ("fit", "cb_ops", "fit %s, with NumericsCallback, its records of TensorFlow's ops %s: %s", 0),
             ("loop", "loop_numerics", "custom loop %s, with log_numerics + log_gradients %s: %s", 0)):
         (w0, c0), (w1, c1) = seconds[base][i], seconds[name][i]
         print("  " + what % ("%.1f s (cpu %.1f s)" % (w0, c0), "%.1f s (cpu %.1f s)" % (w1, c1),

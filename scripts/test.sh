@@ -15,6 +15,12 @@ python3 -m venv .venv
 # for jax and jaxlib, about 65 s for torch, beside tensorflow-cpu (no conflict).
 .venv/bin/pip install --quiet -e ".[jax,torch]" "jax==0.10.2" "jaxlib==0.10.2" "torch==2.13.0"
 
+# The record kernel (tb_numerics/record_kernel.py), built once for this
+# machine before the workers start, so that no test waits for its build;
+# where it cannot be built, TensorFlow's ops serve and
+# tests/test_record_kernel.py says why.
+.venv/bin/python -m tb_numerics.record_kernel || true
+
 # The dashboard's browser tests drive Debian's Chromium (never a browser
 # downloaded by playwright).
 if ! command -v chromium >/dev/null 2>&1; then

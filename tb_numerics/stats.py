@@ -9,7 +9,11 @@ Where a GPU is visible, each record is compiled with XLA (see ``_traced``).
 extrema exactly, sums to the accumulation precision.
 
 Cost is the design constraint: every layer output and gradient may be logged
-every step. The healthy path is a handful of plain reductions whose results
+every step. On a CPU the record is one op, the record kernel
+(``record_kernel``: C++ built once per machine, one vectorised pass over the
+tensor, two for one holding zeros), where it is built; elsewhere, and inside
+an XLA-compiled step, it is TensorFlow's ops, with the same record.
+The healthy path is a handful of plain reductions whose results
 double as the finite check (a sum of squares is finite only if no element is
 NaN or Inf and no square overflows); only a tensor that fails it pays for the
 exact NaN/+Inf/-Inf counts and the masked statistics, inside a ``tf.cond``.
@@ -36,7 +40,7 @@ from tb_numerics import _requires
 
 tf = _requires.tensorflow(__name__)
 
-from tb_numerics import metadata  # noqa: E402
+from tb_numerics import _tf_internal, metadata, record_kernel  # noqa: E402
 from tb_numerics._stats_core import (  # noqa: E402
     ACC_DTYPE,
     VIEWS,
@@ -135,9 +139,11 @@ def tensor_stats_and_sum(x: tf.Tensor, name: str) -> tuple[tf.Tensor, tf.Tensor]
     exactly when no element is NaN or Inf (unless the sum itself overflows),
     so a caller can decide on it without waiting for the record.
 
-    The statistics are one function call in the caller's graph (see
-    ``_traced``); where the size is not known when tracing (a batch
-    dimension of None), a branch picks the 32- or 64-bit counting variant.
+    The statistics are the record kernel's op where it is built (not where
+    XLA compiles the graph, or where a GPU is visible), else one function
+    call in the caller's graph (see ``_traced``); where the size is not
+    known when tracing (a batch dimension of None), a branch picks the 32-
+    or 64-bit counting variant.
     """
     x = tf.convert_to_tensor(x)
     dtype = check_dtype(x, name)
@@ -149,9 +155,13 @@ def tensor_stats_and_sum(x: tf.Tensor, name: str) -> tuple[tf.Tensor, tf.Tensor]
         # Outside the function call, whose outputs all come when it ends: a
         # caller deciding on the sum (the replay's gate on the update) waits
         # for this one reduction, not for the whole record.
+        compiled = _xla_gpu_visible()
+        kernel = None if compiled or _in_xla() else record_kernel.load()
+        if kernel is not None:
+            record, total = kernel.tbn_record(flat, _limits(dtype, acc))
+            return record, total
         total = tf.reduce_sum(flat, axis=shared_constant(0))
         size = flat.shape.num_elements()
-        compiled = _xla_gpu_visible()
         if acc == tf.float64 or (size is not None and size >= 2**31):
             return _traced(dtype, tf.int64, compiled)(flat, total), total
         if size is not None:
@@ -162,6 +172,16 @@ def tensor_stats_and_sum(x: tf.Tensor, name: str) -> tuple[tf.Tensor, tf.Tensor]
             lambda: _traced(dtype, tf.int64, compiled)(flat, total),
         )
         return record, total
+
+
+def _in_xla() -> bool:
+    """Whether the graph being traced is compiled by XLA, which has no kernel of ours."""
+    return tf.inside_function() and _tf_internal.in_xla_context()
+
+
+def _limits(dtype: str, acc: tf.DType) -> tf.Tensor:
+    """[smallest normal, overflow margin] of ``dtype``, in ``acc``: the record kernel's second input."""
+    return tf.constant([metadata.smallest_normal(dtype), metadata.overflow_margin(dtype)], acc)
 
 
 @functools.cache

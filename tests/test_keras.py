@@ -256,7 +256,9 @@ def test_records_compiled_for_a_gpu_are_the_uncompiled_ones(tmp_path, monkeypatc
     for h in plain.health:
         got = compiled.find(h.series.tag).series
         np.testing.assert_array_equal(got.steps, h.series.steps)
-        np.testing.assert_allclose(got.values, h.series.values, rtol=1e-6, equal_nan=True, err_msg=h.series.tag)
+        # Sums to float32's accumulation precision (tests/test_stats.py's):
+        # XLA's float32 reductions and the record kernel's sum in other orders.
+        np.testing.assert_allclose(got.values, h.series.values, rtol=1e-5, equal_nan=True, err_msg=h.series.tag)
     want, got = _assert_the_nan_batch_is_first(plain), _assert_the_nan_batch_is_first(compiled)
     assert (got["step"], got["tensor"], got["nan"]) == (want["step"], want["tensor"], want["nan"])
 

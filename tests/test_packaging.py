@@ -2,6 +2,7 @@
 
 import glob
 import os
+import shutil
 import subprocess
 import sys
 import sysconfig
@@ -116,3 +117,34 @@ print("ok")
     p = subprocess.run([py, "-c", check], capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
     assert p.returncode == 0, p.stderr
     assert p.stdout.strip() == "ok"
+
+
+def test_the_installed_wheel_builds_its_record_kernel_at_first_use(venv_python, tmp_path):
+    """The README's first command installs the wheel, not the checkout: its
+    first record builds the kernel from the source the wheel ships, into the
+    cache, and the record is numpy's."""
+    if not (shutil.which("g++") or os.environ.get("CXX")):
+        pytest.skip("no C++ compiler: TensorFlow's ops serve (tests/test_record_kernel.py)")
+    check = r"""
+import os, sys, numpy as np, tensorflow as tf
+from tb_numerics import record_kernel, stats
+from tb_numerics.records import numpy_stats
+assert record_kernel.__file__.startswith(sys.prefix), record_kernel.__file__
+x = np.maximum(np.random.default_rng(0).standard_normal(100000).astype(np.float32), 0)
+fn = tf.function(lambda v: stats.tensor_stats(v, "x"))
+ops = [op.type for op in fn.get_concrete_function(tf.constant(x)).graph.get_operations()]
+assert "TbnRecord" in ops, ops
+got, want = fn(tf.constant(x)).numpy(), numpy_stats(x)
+assert (got[[0, 1, 2, 3, 4, 5, 8, 9, 10]] == want[[0, 1, 2, 3, 4, 5, 8, 9, 10]]).all(), (got, want)
+assert np.allclose(got, want, rtol=1e-6)
+print("ok", len(os.listdir(sys.argv[1])))
+"""
+    cache = tmp_path / "cache"
+    env = dict(os.environ, PYTHONPATH=sysconfig.get_paths()["purelib"], TF_CPP_MIN_LOG_LEVEL="2",
+               TB_NUMERICS_CACHE_DIR=str(cache))
+    env.pop("TB_NUMERICS_RECORD_KERNEL", None)
+    p = subprocess.run([venv_python, "-c", check, str(cache)], capture_output=True, text=True,
+                       timeout=600, env=env, cwd=str(tmp_path))
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert p.stdout.strip() == "ok 1"  # the library, and nothing half-written beside it
+    assert "building its record kernel" in p.stderr

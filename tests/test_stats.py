@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from tb_numerics import metadata, stats
+from tb_numerics import metadata, record_kernel, stats
 from tb_numerics.records import numpy_stats
 
 pytestmark = pytest.mark.e2e
@@ -14,7 +14,25 @@ COUNTS = ["count", "nan", "posinf", "neginf", "zeros", "overflow", "underflow"]
 # Relative tolerance of the sums by accumulation precision.
 SUM_RTOL = {"float16": 1e-5, "bfloat16": 1e-5, "float32": 1e-5, "float64": 1e-12}
 
-_stats_fn = tf.function(stats.tensor_stats, reduce_retracing=True)
+# Every test runs both ways: with the record kernel (one C++ op) and with
+# TensorFlow's ops (where the kernel cannot be built). A traced function
+# keeps the way it was traced with, so each way has its own.
+_TRACED = {way: tf.function(stats.tensor_stats, reduce_retracing=True) for way in ("kernel", "ops")}
+_way = "kernel"
+
+
+@pytest.fixture(autouse=True, params=["kernel", "ops"])
+def record_way(request):
+    global _way
+    if request.param == "kernel" and record_kernel.load() is None:
+        pytest.skip("the record kernel is not built on this machine (test_record_kernel.py says why)")
+    _way = request.param
+    with record_kernel.use(request.param == "kernel"):
+        yield request.param
+
+
+def _stats_fn(x, name):
+    return _TRACED[_way](x, name)
 
 
 def _as_tf(values: np.ndarray, dtype: str) -> tf.Tensor:
@@ -360,11 +378,16 @@ def _cuda_or_rocm_gpu_listed() -> bool:
     return built and bool(tf.config.list_physical_devices("GPU"))
 
 
-def test_record_is_not_compiled_on_a_cpu(monkeypatch):
+def test_record_is_not_compiled_on_a_cpu(monkeypatch, record_way):
     # XLA's reductions cost a CPU about twice TensorFlow's. The device check
     # follows TensorFlow's device list (on this CPU machine: none), so the
     # test holds on a CUDA host too; there the CPU case is the stubbed one.
     assert stats._xla_gpu_visible() == _cuda_or_rocm_gpu_listed()
     monkeypatch.setattr(stats, "_xla_gpu_visible", lambda: False)
     fn = tf.function(lambda v: stats.tensor_stats(v, "x"))
-    assert _record_calls(fn.get_concrete_function(tf.zeros([3])).graph) == [False]
+    graph = fn.get_concrete_function(tf.zeros([3])).graph
+    if record_way == "kernel":
+        # One op, no function call to compile or to instantiate.
+        assert _record_calls(graph) == [] and [op.type for op in graph.get_operations()].count("TbnRecord") == 1
+    else:
+        assert _record_calls(graph) == [False]
