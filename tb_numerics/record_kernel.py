@@ -101,12 +101,15 @@ def build() -> Path:
     if platform.machine() not in ("x86_64", "AMD64"):
         raise BuildError("the record kernel is built for x86-64 only, not %s" % platform.machine())
     compile_flags, link_flags = _flags()
-    target.parent.mkdir(parents=True, exist_ok=True)
     # Built beside the target under a name of its own, then renamed: a
     # process loading the library never sees a half-written file, and two
     # processes building at once each finish with a whole one.
-    fd, partial = tempfile.mkstemp(prefix=target.stem + ".", suffix=".partial", dir=target.parent)
-    os.close(fd)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, partial = tempfile.mkstemp(prefix=target.stem + ".", suffix=".partial", dir=target.parent)
+        os.close(fd)
+    except OSError as e:
+        raise BuildError("no cache directory to build the record kernel in (set TB_NUMERICS_CACHE_DIR): %s" % e) from e
     cmd = [compiler, "-shared", "-fPIC", "-O3", "-march=native", "-fopenmp-simd", "-w",
            str(_SOURCE), "-o", partial, *compile_flags, *link_flags]
     try:
@@ -117,9 +120,10 @@ def build() -> Path:
     except (OSError, subprocess.TimeoutExpired) as e:
         raise BuildError("building the record kernel failed: %s" % e) from e
     finally:
-        if os.path.exists(partial):
+        with contextlib.suppress(OSError):
             os.remove(partial)
-    target.with_suffix(".failed").unlink(missing_ok=True)
+    with contextlib.suppress(OSError):
+        target.with_suffix(".failed").unlink(missing_ok=True)
     return target
 
 
@@ -143,7 +147,7 @@ def _loaded() -> Any | None:
             return None
     try:
         module = tf.load_op_library(str(target))
-    except (tf.errors.NotFoundError, OSError) as e:
+    except (tf.errors.OpError, OSError) as e:
         _log.warning("tb_numerics: the record kernel did not load, TensorFlow's ops serve (slower): %s", e)
         return None
     tf.no_gradient("TbnRecord")

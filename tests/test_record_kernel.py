@@ -123,3 +123,12 @@ def test_switched_off_by_the_environment(tmp_path):
     got, _ = _probe({"TB_NUMERICS_RECORD_KERNEL": "0", "TB_NUMERICS_CACHE_DIR": str(tmp_path)})
     assert got["loaded"] is False and got["record"][0] == 4
     assert not list(tmp_path.iterdir())  # nothing built
+
+
+def test_a_cache_directory_that_cannot_be_made_leaves_the_ops_serving(tmp_path):
+    # A read-only home, a cache path under a file: training goes on.
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    got, err = _probe({"TB_NUMERICS_CACHE_DIR": str(blocker / "cache")})
+    assert got == {"loaded": False, "record": [4, 1, 0, 0, -3, 1, -2, 10, 1, 0, 0]}
+    assert "no cache directory" in err
