@@ -100,19 +100,19 @@ def check_dtype(x: tf.Tensor, name: str) -> str:
 _SHARED: "weakref.WeakKeyDictionary[Any, dict]" = weakref.WeakKeyDictionary()
 
 
-def shared_constant(value: Any) -> tf.Tensor:
-    """An int32 constant ``value``, made once per graph being traced (eagerly, a fresh one).
+def shared_constant(value: Any, dtype: tf.DType = tf.int32) -> tf.Tensor:
+    """A constant ``value`` of ``dtype``, made once per graph being traced (eagerly, a fresh one).
 
     Made outside any control dependency of the caller's context, so that it
     can serve every later use in the graph."""
     if tf.executing_eagerly():
-        return tf.constant(value, tf.int32)
+        return tf.constant(value, dtype)
     graph = tf.compat.v1.get_default_graph()
     cache = _SHARED.setdefault(graph, {})
-    key = repr(np.asarray(value).tolist())
+    key = (dtype.name, repr(np.asarray(value).tolist()))
     if key not in cache:
         with graph.control_dependencies(None), graph.name_scope(None):
-            cache[key] = tf.constant(value, tf.int32, name="tb_numerics_shared")
+            cache[key] = tf.constant(value, dtype, name="tb_numerics_shared")
     return cache[key]
 
 

@@ -13,7 +13,8 @@
 // put them back), so that a subnormal compares, sums and bounds the
 // extrema as itself.
 //
-// Inputs: flat (float or double, the accumulation dtype's values) and
+// Inputs: values (float or double, the accumulation dtype's; any shape,
+// read as flat) and
 // limits ([smallest normal, overflow margin] of the tensor's own dtype, in
 // the accumulation dtype). Outputs: the float64 record in
 // metadata.FIELDS' order, and the plain sum in the accumulation dtype (finite
@@ -162,10 +163,10 @@ class RecordOp : public OpKernel {
 
   void Compute(OpKernelContext* c) override {
     ExactSubnormals exact;  // here too: combining the parts compares subnormal extrema
-    const Tensor& flat = c->input(0);
+    const Tensor& flat = c->input(0);  // of any shape, read as flat
     const Tensor& limits = c->input(1);
-    OP_REQUIRES(c, flat.dims() == 1 && limits.NumElements() == 2,
-                tensorflow::errors::InvalidArgument("TbnRecord: a flat tensor and [tiny, margin] expected"));
+    OP_REQUIRES(c, limits.NumElements() == 2,
+                tensorflow::errors::InvalidArgument("TbnRecord: limits must be [tiny, margin]"));
     const F* x = flat.flat<F>().data();
     const F tiny = limits.flat<F>()(0), margin = limits.flat<F>()(1);
     const int64_t n = flat.NumElements();
@@ -251,7 +252,7 @@ class RecordOp : public OpKernel {
 }  // namespace
 
 REGISTER_OP("TbnRecord")
-    .Input("flat: T")
+    .Input("values: T")
     .Input("limits: T")
     .Output("record: float64")
     .Output("total: T")

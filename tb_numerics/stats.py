@@ -149,17 +149,20 @@ def tensor_stats_and_sum(x: tf.Tensor, name: str) -> tuple[tf.Tensor, tf.Tensor]
     dtype = check_dtype(x, name)
     acc = ACC_DTYPE[dtype]
     with tf.name_scope("tensor_stats"):
+        compiled = _xla_gpu_visible()
+        kernel = None if compiled or _in_xla() else record_kernel.load()
+        if kernel is not None:
+            # The kernel reads a tensor of any shape as flat and has no
+            # gradient: no reshape, no stop_gradient (each a node a site).
+            values = x if x.dtype == acc else tf.cast(x, acc)
+            record, total = kernel.tbn_record(values, _limits(dtype, acc))
+            return record, total
         flat = flatten(tf.stop_gradient(x))
         if flat.dtype != acc:
             flat = tf.cast(flat, acc)
         # Outside the function call, whose outputs all come when it ends: a
         # caller deciding on the sum (the replay's gate on the update) waits
         # for this one reduction, not for the whole record.
-        compiled = _xla_gpu_visible()
-        kernel = None if compiled or _in_xla() else record_kernel.load()
-        if kernel is not None:
-            record, total = kernel.tbn_record(flat, _limits(dtype, acc))
-            return record, total
         total = tf.reduce_sum(flat, axis=shared_constant(0))
         size = flat.shape.num_elements()
         if acc == tf.float64 or (size is not None and size >= 2**31):
@@ -181,7 +184,7 @@ def _in_xla() -> bool:
 
 def _limits(dtype: str, acc: tf.DType) -> tf.Tensor:
     """[smallest normal, overflow margin] of ``dtype``, in ``acc``: the record kernel's second input."""
-    return tf.constant([metadata.smallest_normal(dtype), metadata.overflow_margin(dtype)], acc)
+    return shared_constant([metadata.smallest_normal(dtype), metadata.overflow_margin(dtype)], acc)
 
 
 @functools.cache
