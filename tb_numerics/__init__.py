@@ -28,7 +28,7 @@ _LAZY = {
 # plain ``import tb_numerics``.
 _SUBMODULES = (
     "keras", "xla", "oplevel", "summary", "analysis", "records", "record_writer", "event_reader", "cli", "metadata",
-    "frontend", "rules", "safe_range", "survive",
+    "frontend", "rules", "safe_range", "survive", "record_kernel",
 )
 
 __all__ = sorted(_LAZY) + sorted(_SUBMODULES)
