@@ -15,8 +15,9 @@
 //
 // Inputs: values (float or double, the accumulation dtype's; any shape,
 // read as flat) and
-// limits ([smallest normal, overflow margin] of the tensor's own dtype, in
-// the accumulation dtype). Outputs: the float64 record in
+// limits ([smallest normal, overflow margin] of the tensor's own dtype, and
+// the share of the mean square below which the variance is summed again
+// about the mean: stats._CANCELLATION_SHARE; in the accumulation dtype). Outputs: the float64 record in
 // metadata.FIELDS' order, and the plain sum in the accumulation dtype (finite
 // exactly when no value is NaN or Inf, unless the sum itself overflows).
 #if !defined(__x86_64__)
@@ -31,7 +32,6 @@
 #include <limits>
 #include <vector>
 
-#include "tensorflow/core/framework/common_shape_fns.h"
 #include "tensorflow/core/framework/op.h"
 #include "tensorflow/core/framework/op_kernel.h"
 #include "tensorflow/core/framework/shape_inference.h"
@@ -46,7 +46,6 @@ using tensorflow::TensorShape;
 
 constexpr int64_t kBlock = 8192;        // values summed in the accumulation dtype before a double sum
 constexpr int64_t kShardMin = 1 << 16;  // fewer values than this per thread are not worth a thread
-constexpr double kCancellationShare = 1e-3;  // as stats._CANCELLATION_SHARE
 
 // Clears denormals-are-zero and flush-to-zero for this scope.
 class ExactSubnormals {
@@ -165,10 +164,11 @@ class RecordOp : public OpKernel {
     ExactSubnormals exact;  // here too: combining the parts compares subnormal extrema
     const Tensor& flat = c->input(0);  // of any shape, read as flat
     const Tensor& limits = c->input(1);
-    OP_REQUIRES(c, limits.NumElements() == 2,
-                tensorflow::errors::InvalidArgument("TbnRecord: limits must be [tiny, margin]"));
+    OP_REQUIRES(c, limits.NumElements() == 3,
+                tensorflow::errors::InvalidArgument("TbnRecord: limits must be [tiny, margin, share]"));
     const F* x = flat.flat<F>().data();
     const F tiny = limits.flat<F>()(0), margin = limits.flat<F>()(1);
+    const double share = limits.flat<F>()(2);
     const int64_t n = flat.NumElements();
     const int64_t shards = std::max<int64_t>(1, std::min<int64_t>(64, n / kShardMin));
     auto* pool = c->device()->tensorflow_cpu_worker_threads()->workers;
@@ -220,7 +220,7 @@ class RecordOp : public OpKernel {
       }
       const double count = n, safe_n = std::max<double>(count, 1.0);
       const double mean_sq = r.sum_sq / safe_n, mean = r.sum / safe_n;
-      if (n > 1 && mean_sq - mean * mean < kCancellationShare * mean_sq) {
+      if (n > 1 && mean_sq - mean * mean < share * mean_sq) {
         const F shift = static_cast<F>(mean);
         const Part d = over_shards([&](const F* v, int64_t m, Part* p) { Centred(v, m, shift, p); });
         const double d1 = d.sum / safe_n, d2 = d.sum_sq / safe_n;

@@ -155,7 +155,7 @@ def _loaded() -> Any | None:
 
 
 def load() -> Any | None:
-    """The op module whose ``tbn_record(flat, limits)`` gives ``(record, sum)``,
+    """The op module whose ``tbn_record(values, limits)`` gives ``(record, sum)``,
     or None where the TensorFlow ops serve (see the module's docstring and ``use``)."""
     if getattr(_override, "enabled", True) is False:
         return None

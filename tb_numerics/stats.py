@@ -183,8 +183,9 @@ def _in_xla() -> bool:
 
 
 def _limits(dtype: str, acc: tf.DType) -> tf.Tensor:
-    """[smallest normal, overflow margin] of ``dtype``, in ``acc``: the record kernel's second input."""
-    return shared_constant([metadata.smallest_normal(dtype), metadata.overflow_margin(dtype)], acc)
+    """[smallest normal, overflow margin] of ``dtype`` and the cancellation
+    share (``_accurate_sums``), in ``acc``: the record kernel's second input."""
+    return shared_constant([metadata.smallest_normal(dtype), metadata.overflow_margin(dtype), _CANCELLATION_SHARE], acc)
 
 
 @functools.cache

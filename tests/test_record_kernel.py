@@ -2,6 +2,7 @@
 at every size its shards and blocks split, and TensorFlow's ops where it
 cannot be built. (tests/test_stats.py runs its cases both ways.)"""
 
+import json
 import os
 import platform
 import shutil
@@ -98,8 +99,6 @@ def _probe(env: dict) -> tuple[dict, str]:
     done = subprocess.run([sys.executable, "-c", _PROBE], env={**os.environ, **env}, capture_output=True,
                           text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    import json
-
     return json.loads(done.stdout.strip().splitlines()[-1]), done.stderr
 
 
