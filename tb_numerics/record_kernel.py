@@ -9,7 +9,8 @@ ReLU output) as a single op.
 
 It is C++ built against the installed TensorFlow, so it is compiled on the
 machine that uses it: the first time a record is traced (about 10 s, once),
-or ahead with ``python -m tb_numerics.record_kernel``. The library is kept
+or ahead with ``python -m tb_numerics.record_kernel`` (processes starting
+together take a lock, so one builds). The library is kept
 in a cache directory (``$TB_NUMERICS_CACHE_DIR``, else
 ``$XDG_CACHE_HOME/tb_numerics``, else ``~/.cache/tb_numerics``) under a
 name that changes with the source, the TensorFlow build and the CPU, so an
@@ -21,6 +22,7 @@ ops serve, with the same record: only the cost differs.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
@@ -127,6 +129,23 @@ def build() -> Path:
     return target
 
 
+@contextlib.contextmanager
+def _build_lock(target: Path) -> Iterator[None]:
+    """An exclusive lock on ``target``'s build across processes, where the
+    cache directory can hold one (else none: each process builds alone)."""
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(target.with_suffix(".lock"), os.O_CREAT | os.O_RDWR, 0o600)
+    except OSError:
+        yield
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
+
+
 @functools.cache
 def _loaded() -> Any | None:
     """The loaded op module, building it first if needed; None where it cannot be."""
@@ -135,16 +154,20 @@ def _loaded() -> Any | None:
     target = library_path()
     failed = target.with_suffix(".failed")
     if not target.exists():
-        if failed.exists():
-            return None  # tried on this machine for this build; python -m tb_numerics.record_kernel retries
-        _log.warning("tb_numerics: building its record kernel for this machine (once, about 10 s)")
-        try:
-            build()
-        except BuildError as e:
-            _log.warning("tb_numerics: the record kernel was not built, TensorFlow's ops serve (slower): %s", e)
-            with contextlib.suppress(OSError):
-                failed.write_text(str(e), encoding="utf-8")
-            return None
+        with _build_lock(target):
+            # Processes starting together (a sweep, a test farm): one builds,
+            # the others wait for it here and find the library built.
+            if failed.exists():
+                return None  # tried on this machine for this build; python -m tb_numerics.record_kernel retries
+            if not target.exists():
+                _log.warning("tb_numerics: building its record kernel for this machine (once, about 10 s)")
+                try:
+                    build()
+                except BuildError as e:
+                    _log.warning("tb_numerics: the record kernel was not built, TensorFlow's ops serve (slower): %s", e)
+                    with contextlib.suppress(OSError):
+                        failed.write_text(str(e), encoding="utf-8")
+                    return None
     try:
         module = tf.load_op_library(str(target))
     except (tf.errors.OpError, OSError) as e:

@@ -131,3 +131,20 @@ def test_a_cache_directory_that_cannot_be_made_leaves_the_ops_serving(tmp_path):
     got, err = _probe({"TB_NUMERICS_CACHE_DIR": str(blocker / "cache")})
     assert got == {"loaded": False, "record": [4, 1, 0, 0, -3, 1, -2, 10, 1, 0, 0]}
     assert "no cache directory" in err
+
+
+def test_processes_starting_together_build_it_once(tmp_path):
+    # A sweep or a test farm starts many trainings on a fresh machine: one
+    # builds, the others wait for its library.
+    if not (shutil.which("g++") or os.environ.get("CXX")) or platform.machine() != "x86_64":
+        pytest.skip("no C++ compiler or not x86-64: TensorFlow's ops serve here")
+    env = {**os.environ, "TB_NUMERICS_CACHE_DIR": str(tmp_path)}
+    env.pop("TB_NUMERICS_RECORD_KERNEL", None)
+    procs = [subprocess.Popen([sys.executable, "-c", _PROBE], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for _ in range(3)]
+    outs = [p.communicate(timeout=600) for p in procs]
+    assert [p.returncode for p in procs] == [0, 0, 0], [err[-2000:] for _, err in outs]
+    for out, _ in outs:
+        assert json.loads(out.strip().splitlines()[-1]) == {"loaded": True, "record": [4, 1, 0, 0, -3, 1, -2, 10, 1, 0, 0]}
+    assert sum("building its record kernel" in err for _, err in outs) == 1
+    assert len(list(tmp_path.glob("*.so"))) == 1 and not list(tmp_path.glob("*.partial"))
