@@ -200,10 +200,13 @@ def eager_scope_name() -> str:
 
 
 def in_xla_context() -> bool:
-    """Whether the graph being built will be compiled by XLA (jit_compile=True)."""
+    """Whether the graph being built will be compiled by XLA (jit_compile=True);
+    never when executing eagerly (no graph is being built)."""
     from tensorflow.python.framework import ops
     from tensorflow.python.ops import control_flow_util
 
+    if not ops.inside_function():
+        return False
     return bool(control_flow_util.GraphOrParentsInXlaContext(ops.get_default_graph()))
 
 

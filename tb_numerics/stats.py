@@ -150,7 +150,8 @@ def tensor_stats_and_sum(x: tf.Tensor, name: str) -> tuple[tf.Tensor, tf.Tensor]
     acc = ACC_DTYPE[dtype]
     with tf.name_scope("tensor_stats"):
         compiled = _xla_gpu_visible()
-        kernel = None if compiled or _in_xla() else record_kernel.load()
+        # XLA has no kernel of ours.
+        kernel = None if compiled or _tf_internal.in_xla_context() else record_kernel.load()
         if kernel is not None:
             # The kernel reads a tensor of any shape as flat and has no
             # gradient: no reshape, no stop_gradient (each a node a site).
@@ -175,11 +176,6 @@ def tensor_stats_and_sum(x: tf.Tensor, name: str) -> tuple[tf.Tensor, tf.Tensor]
             lambda: _traced(dtype, tf.int64, compiled)(flat, total),
         )
         return record, total
-
-
-def _in_xla() -> bool:
-    """Whether the graph being traced is compiled by XLA, which has no kernel of ours."""
-    return tf.inside_function() and _tf_internal.in_xla_context()
 
 
 def _limits(dtype: str, acc: tf.DType) -> tf.Tensor:

@@ -462,7 +462,7 @@ def log_numerics(
 def _refuse_compiled(call: str) -> None:
     """Raises where the graph being traced is compiled by XLA (``jit_compile=True``):
     no summary op runs there, and TensorFlow's own error names an op of ours."""
-    if tf.inside_function() and _tf_internal.in_xla_context():
+    if _tf_internal.in_xla_context():
         raise RuntimeError(
             "tb_numerics.%s was called inside a tf.function with jit_compile=True, where XLA compiles no "
             "summary write. Compute the records inside and write them outside: tb_numerics.xla.CompiledStats "
