@@ -92,11 +92,11 @@ class UpdateGate:
         policy where the forward pass's state went non-finite (``trigger``),
         or where an update before it in the step was held back.
 
-        The decision rests on each gradient's plain sum, which its statistics
-        compute first anyway, so a healthy update waits for no other
-        statistic; only where a sum is not finite (a NaN or an Inf, or finite
-        values whose sum overflowed) are the gradients' elements counted
-        (``stats.all_finite``). A LossScaleOptimizer skips such steps itself.
+        The decision rests on the exact counts of the loss's and the
+        gradients' records, which the step makes anyway (one record kernel
+        op each on a CPU): no pass over a gradient of its own, and no branch
+        that would count their elements. A LossScaleOptimizer skips such
+        steps itself.
         Under several replicas the update merges across them, which cannot
         sit in a branch taken in a replica: the branch is taken in the
         cross-replica context (``apply_if_all_finite``), under the
@@ -168,20 +168,26 @@ class UpdateGate:
         self.held_vars += [v for g, v in zip(grads, variables) if g is not None and id(v) not in known]
 
     def _finite(self, grads: list, variables: list, trace: Any) -> tf.Tensor:
-        """Whether the step's loss and gradients are all finite."""
+        """Whether the step's loss and gradients are all finite, read off
+        their records' exact counts (no -Inf allowed) where the step made
+        them; the others (a gradient whose row is off) are counted."""
         index = {id(v): j for j, v in enumerate(self._plan.variables)}
-        tensors, sums = [], []
+        records, counted = [], []
         for g, v in zip(grads, variables):
             if g is None:
                 continue
-            values = g.values if isinstance(g, tf.IndexedSlices) else g
-            total = trace.grad_sums.get(index.get(id(v), -1))
-            tensors.append(values)
-            sums.append(tf.reduce_sum(values) if total is None else total)
-        if trace.loss is not None:
-            tensors.append(trace.loss)
-            sums.append(tf.reduce_sum(tf.cast(trace.loss, tf.float32)))
-        return stats.all_finite(tensors, sums)
+            record = trace.grad_records.get(index.get(id(v), -1))
+            if record is None:
+                counted.append(g)
+            else:
+                records.append(record)
+        if trace.loss is not None and trace.loss_record is not None:
+            records.append(trace.loss_record)
+        elif trace.loss is not None:
+            counted.append(trace.loss)
+        ok = (tf.equal(tf.reduce_sum(stats.nonfinite_count(tf.stack(records))), 0.0) if records
+              else tf.constant(True))
+        return tf.logical_and(ok, stats.all_finite(counted)) if counted else ok
 
     def _apply_if(self, ok: tf.Tensor, apply: Callable[..., Any], grads: list, variables: list, trace: Any,
                   ctx: Any) -> tf.Tensor:

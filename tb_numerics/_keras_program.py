@@ -50,8 +50,10 @@ class Trace:
 
     outputs: dict[int, list[tf.Tensor]] = dataclasses.field(default_factory=dict)  # by layer index
     loss: tf.Tensor | None = None
-    # Each gradient's plain sum, as its statistics computed it (by variable index).
-    grad_sums: dict[int, tf.Tensor] = dataclasses.field(default_factory=dict)
+    # The records of the loss and of each gradient (by variable index), which
+    # the gated update decides on (``UpdateGate``).
+    loss_record: tf.Tensor | None = None
+    grad_records: dict[int, tf.Tensor] = dataclasses.field(default_factory=dict)
     data: Any = None  # the step's batch, kept for a replay if the step goes bad
     # (gradient, variable) pairs of the other optimizers the step applied
     # before the model's (a GAN's), recorded as its gradients; in a replay,
@@ -74,34 +76,26 @@ def _merged_stats(tensors: list[tf.Tensor], name: str) -> tf.Tensor:
     return out
 
 
-def _batched_records(items: list[tuple[list[tf.Tensor], str]]) -> tuple[list[tf.Tensor], list[tf.Tensor]]:
-    """The record of each item (a row's tensors, merged; its tag), and a
-    plain sum standing for each item's values (for the gated update).
+def _batched_records(items: list[tuple[list[tf.Tensor], str]]) -> list[tf.Tensor]:
+    """The record of each item (a row's tensors, merged; its tag).
 
-    Rows of one small tensor (``stats.is_small``: biases, norms' scales, a
-    pooled output, the loss) are reduced together by ``stats.many_stats``,
-    in a fixed number of kernels, and share the one plain sum of all their
-    values; the others take ``stats.tensor_stats`` each, whose sum is their
-    own. On ResNet-50's 161 small gradients (of 214), a record each cost a
-    function call and its branches every step, and 161 call sites to trace.
+    Rows of one tensor are made together (``stats.records_of``: one record
+    kernel op for all, else the small ones by segment): on ResNet-50's 214
+    gradients, a record each cost a node or a function call to trace and
+    instantiate at the first step. A layer called several times merges its
+    calls' records.
     """
-    small = [k for k, (tensors, _) in enumerate(items) if len(tensors) == 1 and stats.is_small(tensors[0])]
+    single = [k for k, (tensors, _) in enumerate(items) if len(tensors) == 1]
     records: list[tf.Tensor | None] = [None] * len(items)
-    sums: list[tf.Tensor | None] = [None] * len(items)
-    if len(small) > 1:
-        xs = [tf.convert_to_tensor(items[k][0][0]) for k in small]
-        many, total = stats.many_stats_and_sum(xs, [stats.check_dtype(x, items[k][1]) for k, x in zip(small, xs)])
+    if single:
+        made = stats.records_of([items[k][0][0] for k in single], [items[k][1] for k in single])
         # One op for all the rows (indexing each took a slice and its three constants).
-        for k, row in zip(small, tf.unstack(many, num=len(small))):
-            records[k], sums[k] = row, total
+        for k, row in zip(single, tf.unstack(made, num=len(single))):
+            records[k] = row
     for k, (tensors, tag) in enumerate(items):
-        if records[k] is not None:
-            continue
-        if len(tensors) == 1:
-            records[k], sums[k] = stats.tensor_stats_and_sum(tensors[0], tag)
-        else:
+        if records[k] is None:
             records[k] = _merged_stats(tensors, tag)
-    return records, sums
+    return records
 
 
 def _state_variable(initial_value: Any) -> tf.Variable:
@@ -137,6 +131,16 @@ class _Snapshot:
         for dtype, (where, _) in self._groups.items():
             part = [stats.flatten(values[i]) for i in where]
             self._buffers[dtype].assign(tf.concat(part, 0) if len(part) > 1 else part[0])
+
+    def moved(self, values: list[tf.Tensor]) -> tf.Tensor:
+        """||w - kept||^2 of each weight (``values``: the weights now, in
+        order), float64 (``stats.moved_sq_norms``, one op per dtype)."""
+        parts, order = [], []
+        for dtype, (where, _) in self._groups.items():
+            parts.append(stats.moved_sq_norms([values[i] for i in where], self._buffers[dtype].read_value()))
+            order += where
+        out = tf.concat(parts, 0) if len(parts) > 1 else parts[0]
+        return out if order == sorted(order) else tf.gather(out, np.argsort(order))
 
     def flat_values(self) -> list[tf.Tensor]:
         """The kept weights, flat, in order."""
@@ -337,13 +341,15 @@ class StepProgram:
         # Read after the forward pass's own assignments (the automatic control
         # dependencies order reads and writes of one variable).
         forward += [(r, [tf.convert_to_tensor(v)]) for r, v in zip(plan.state_rows, plan.states)]
-        records, _ = _batched_records([(tensors, plan.rows[r].tag) for r, tensors in forward])
+        records = _batched_records([(tensors, plan.rows[r].tag) for r, tensors in forward])
         for (r, _), record in zip(forward, records):
             rows[r] = record
+        if trace.loss is not None:
+            trace.loss_record = rows[plan.loss_row]
         backward = self._gradients(trace.grads + list(zip(grads, variables)), scale)
-        records, sums = _batched_records([([g], plan.rows[plan.grad_rows[j]].tag) for j, g in backward])
-        for (j, _), record, total in zip(backward, records, sums):
-            rows[plan.grad_rows[j]], trace.grad_sums[j] = record, total
+        records = _batched_records([([g], plan.rows[plan.grad_rows[j]].tag) for j, g in backward])
+        for (j, _), record in zip(backward, records):
+            rows[plan.grad_rows[j]] = trace.grad_records[j] = record
         return rows
 
     def _gradients(self, pairs: list, scale: tf.Tensor) -> list[tuple[int, tf.Tensor]]:
@@ -409,8 +415,7 @@ class StepProgram:
             self._snapshot.keep(values)
         if not self._plan.num_weight_rows:
             return tf.zeros([0, NUM_FIELDS], tf.float64)
-        records, _ = _batched_records([([x], v.path) for x, v in zip(values, variables)])
-        return tf.stack(records)
+        return stats.records_of(values, [v.path for v in variables])
 
     def _update_norms(self, due: tf.Tensor, weight_rows: tf.Tensor) -> tf.Tensor:
         """||w_new - w_old||^2 and ||w_old||^2 of each variable, on due steps."""
@@ -419,10 +424,10 @@ class StepProgram:
             return tf.zeros([0], tf.float64)
 
         def norms() -> tf.Tensor:
-            olds = self._snapshot.flat_values()
-            moved = stats.sq_norms([stats.flatten(v) - old for v, old in zip(variables, olds)])
+            moved = self._snapshot.moved([tf.convert_to_tensor(v) for v in variables])
             # ||w_old||^2 is the weights records' sum of squares when there are any.
-            w2 = weight_rows[:, F["sum_sq"]] if self._plan.num_weight_rows else stats.sq_norms(olds)
+            w2 = (weight_rows[:, F["sum_sq"]] if self._plan.num_weight_rows
+                  else stats.sq_norms(self._snapshot.flat_values()))
             return tf.reshape(tf.stack([moved, w2], axis=1), [-1])
 
         return tf.cond(due, norms, lambda: tf.zeros([2 * len(variables)], tf.float64))

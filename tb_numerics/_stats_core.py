@@ -292,23 +292,14 @@ def sums_finite(sums: Sequence[tf.Tensor]) -> tf.Tensor:
     return tf.reduce_all(tf.stack([tf.reduce_all(tf.math.is_finite(tf.stack(group))) for group in by_dtype.values()]))
 
 
-def all_finite(tensors: Sequence[Any], sums: Sequence[tf.Tensor] | None = None) -> tf.Tensor:
-    """Whether no element of ``tensors`` is NaN or Inf (-Inf too: no
-    allowlist), as a bool tensor.
-
-    Args:
-      tensors: float tensors (or ``tf.IndexedSlices``).
-      sums: their plain sums where already computed (one sum may stand for
-        several tensors): then finite sums decide at no cost
-        (``sums_finite``), and only where one is not (a non-finite element,
-        or finite elements whose sum overflowed) do the elements decide.
-    """
+def all_finite(tensors: Sequence[Any]) -> tf.Tensor:
+    """Whether no element of ``tensors`` (float tensors or
+    ``tf.IndexedSlices``) is NaN or Inf (-Inf too: no allowlist), as a bool
+    tensor."""
     values = [t.values if isinstance(t, tf.IndexedSlices) else t for t in tensors]
     if not values:
         return tf.constant(True)
-    if sums is None:
-        return _all_counted_finite(values)
-    return tf.cond(sums_finite(sums), lambda: tf.constant(True), lambda: _all_counted_finite(values))
+    return _all_counted_finite(values)
 
 
 def batch_finite(structure: Any) -> bool:

@@ -16,7 +16,7 @@ tf = _requires.tensorflow(__name__)
 from tb_numerics import metadata  # noqa: E402
 from tb_numerics._stats_core import ACC_DTYPE, VIEWS, bits_to_float64, flatten, float_bits, sq_norm  # noqa: E402
 
-__all__ = ["SMALL_TENSOR", "is_small", "many_stats", "many_stats_and_sum", "sq_norms"]
+__all__ = ["SMALL_TENSOR", "is_small", "many_stats", "sq_norms"]
 
 
 # Tensors of at most this many elements (statically known) are reduced
@@ -45,34 +45,17 @@ def many_stats(tensors: list[tf.Tensor], dtypes: list[str]) -> tf.Tensor:
     branches, not the values. ``dtypes`` are the tensors' dtype names
     (``check_dtype``), for their margins.
     """
-    return many_stats_and_sum(tensors, dtypes)[0]
-
-
-def many_stats_and_sum(tensors: list[tf.Tensor], dtypes: list[str]) -> tuple[tf.Tensor, tf.Tensor]:
-    """``many_stats`` of ``tensors``, and the float64 plain sum of all their
-    values together: finite exactly when no element is NaN or Inf (unless
-    the sum overflows), so that a caller can decide on it, as on
-    ``tensor_stats_and_sum``'s sum, without waiting for the records. One
-    more reduction over the values ``many_stats`` concatenates anyway.
-
-    Args:
-      tensors: small float tensors (``is_small``).
-      dtypes: their dtype names (``check_dtype``).
-    """
     rows: list[tf.Tensor] = []
-    totals: list[tf.Tensor] = []
     where: list[int] = []
     for acc in (tf.float32, tf.float64):
         part = [i for i, d in enumerate(dtypes) if ACC_DTYPE[d] == acc]
         if part:
-            records, values = _segment_stats([tensors[i] for i in part], [dtypes[i] for i in part], acc)
-            rows.append(records)
-            totals.append(tf.cast(tf.reduce_sum(values), tf.float64))
+            rows.append(_segment_stats([tensors[i] for i in part], [dtypes[i] for i in part], acc))
             where += part
     out = tf.concat(rows, 0) if len(rows) > 1 else rows[0]
     if where != sorted(where):
         out = tf.gather(out, np.argsort(where))
-    return out, tf.add_n(totals) if len(totals) > 1 else totals[0]
+    return out
 
 
 def sq_norms(tensors: list[tf.Tensor]) -> tf.Tensor:
@@ -104,8 +87,8 @@ def sq_norms(tensors: list[tf.Tensor]) -> tf.Tensor:
     return out if order == sorted(order) else tf.gather(out, np.argsort(order))
 
 
-def _segment_stats(tensors: list[tf.Tensor], dtypes: list[str], acc: tf.DType) -> tuple[tf.Tensor, tf.Tensor]:
-    """``many_stats`` of tensors of one accumulation dtype, and their values concatenated."""
+def _segment_stats(tensors: list[tf.Tensor], dtypes: list[str], acc: tf.DType) -> tf.Tensor:
+    """``many_stats`` of tensors of one accumulation dtype."""
     int_t, _, sign_bit = VIEWS[acc]
     mask = sign_bit - 1
     lowest, highest = _INT_LIMITS[int_t]
@@ -149,9 +132,8 @@ def _segment_stats(tensors: list[tf.Tensor], dtypes: list[str], acc: tf.DType) -
     count = tf.constant(np.asarray(sizes, np.float64))
     any_finite = (count - sums[:, 0] - sums[:, 1] - sums[:, 2]) > 0
     lo_hi = tf.where(any_finite[:, None], lo_hi, tf.constant(np.nan, tf.float64))
-    records = tf.stack(
+    return tf.stack(
         [count, sums[:, 0], sums[:, 1], sums[:, 2], lo_hi[:, 0], lo_hi[:, 1],
          sums[:, 6], sums[:, 7], sums[:, 3], sums[:, 4], sums[:, 5]],
         axis=1,
     )
-    return records, values

@@ -17,9 +17,8 @@
 // read as flat) and
 // limits ([smallest normal, overflow margin] of the tensor's own dtype, and
 // the share of the mean square below which the variance is summed again
-// about the mean: stats._CANCELLATION_SHARE; in the accumulation dtype). Outputs: the float64 record in
-// metadata.FIELDS' order, and the plain sum in the accumulation dtype (finite
-// exactly when no value is NaN or Inf, unless the sum itself overflows).
+// about the mean: stats._CANCELLATION_SHARE; in the accumulation dtype). Output: the float64 record in
+// metadata.FIELDS' order.
 #if !defined(__x86_64__)
 #error "the record kernel is built for x86-64 only; elsewhere stats.py's TensorFlow ops serve"
 #endif
@@ -155,97 +154,173 @@ void Centred(const F* x, int64_t n, F shift, Part* p) {
   }
 }
 
+// The record of the ``n`` values at ``x`` into ``out`` (metadata.FIELDS'
+// order), sharded over ``pool`` with a split fixed by ``n``, so that the
+// sums do not depend on timing.
+template <typename F>
+void RecordOf(const F* x, int64_t n, F tiny, F margin, double share, tensorflow::thread::ThreadPool* pool,
+              double* out) {
+  ExactSubnormals exact;  // here too: combining the parts compares subnormal extrema
+  const int64_t shards = std::max<int64_t>(1, std::min<int64_t>(64, n / kShardMin));
+
+  // Runs ``pass`` over each shard's slice into its own part; the parts
+  // are combined in shard order, so the sums do not depend on timing.
+  auto over_shards = [&](auto pass) {
+    std::vector<Part> parts(shards);
+    auto work = [&](int64_t a, int64_t b) {
+      ExactSubnormals exact;
+      for (int64_t s = a; s < b; ++s) {
+        const int64_t lo = n * s / shards, hi = n * (s + 1) / shards;
+        pass(x + lo, hi - lo, &parts[s]);
+      }
+    };
+    if (shards > 1) {
+      pool->ParallelFor(shards, kShardMin * 8, work);
+    } else {
+      work(0, 1);
+    }
+    Part all;
+    for (const Part& p : parts) {
+      all.sum += p.sum;
+      all.sum_sq += p.sum_sq;
+      all.lo = std::min(all.lo, p.lo);
+      all.hi = std::max(all.hi, p.hi);
+      all.small = std::min(all.small, p.small);
+      all.nan += p.nan;
+      all.posinf += p.posinf;
+      all.neginf += p.neginf;
+      all.zeros += p.zeros;
+      all.underflow += p.underflow;
+      all.overflow += p.overflow;
+    }
+    return all;
+  };
+
+  Part r = over_shards([](const F* v, int64_t m, Part* p) { Sums(v, m, p); });
+  if (std::isfinite(r.sum_sq) && std::isfinite(r.sum)) {
+    if (r.small < tiny || std::max(-r.lo, r.hi) > margin) {
+      const bool beyond = std::max(-r.lo, r.hi) > margin;
+      const Part k = over_shards([&](const F* v, int64_t m, Part* p) {
+        beyond ? Counts<F, true>(v, m, tiny, margin, p) : Counts<F, false>(v, m, tiny, margin, p);
+      });
+      r.zeros = k.zeros;
+      r.underflow = k.underflow;
+      r.overflow = k.overflow;
+    }
+    const double count = n, safe_n = std::max<double>(count, 1.0);
+    const double mean_sq = r.sum_sq / safe_n, mean = r.sum / safe_n;
+    if (n > 1 && mean_sq - mean * mean < share * mean_sq) {
+      const F shift = static_cast<F>(mean);
+      const Part d = over_shards([&](const F* v, int64_t m, Part* p) { Centred(v, m, shift, p); });
+      const double d1 = d.sum / safe_n, d2 = d.sum_sq / safe_n;
+      const double exact_mean = double(shift) + d1;
+      const double var = std::max(d2 - d1 * d1, 0.0);
+      r.sum = exact_mean * count;
+      r.sum_sq = (var + exact_mean * exact_mean) * count;
+    }
+  } else {
+    r = over_shards([&](const F* v, int64_t m, Part* p) { Unhealthy(v, m, tiny, margin, p); });
+  }
+
+  const bool any_finite = n > r.nan + r.posinf + r.neginf;
+  const double nan = std::numeric_limits<double>::quiet_NaN();
+  const double fields[11] = {
+      double(n), double(r.nan), double(r.posinf), double(r.neginf),
+      any_finite ? r.lo : nan, any_finite ? r.hi : nan, r.sum, r.sum_sq,
+      double(r.zeros), double(r.overflow), double(r.underflow),
+  };
+  std::copy(fields, fields + 11, out);
+}
+
 template <typename F>
 class RecordOp : public OpKernel {
  public:
   explicit RecordOp(OpKernelConstruction* c) : OpKernel(c) {}
 
   void Compute(OpKernelContext* c) override {
-    ExactSubnormals exact;  // here too: combining the parts compares subnormal extrema
     const Tensor& flat = c->input(0);  // of any shape, read as flat
     const Tensor& limits = c->input(1);
     OP_REQUIRES(c, limits.NumElements() == 3,
                 tensorflow::errors::InvalidArgument("TbnRecord: limits must be [tiny, margin, share]"));
-    const F* x = flat.flat<F>().data();
-    const F tiny = limits.flat<F>()(0), margin = limits.flat<F>()(1);
-    const double share = limits.flat<F>()(2);
-    const int64_t n = flat.NumElements();
-    const int64_t shards = std::max<int64_t>(1, std::min<int64_t>(64, n / kShardMin));
-    auto* pool = c->device()->tensorflow_cpu_worker_threads()->workers;
-
-    // Runs ``pass`` over each shard's slice into its own part; the parts
-    // are combined in shard order, so the sums do not depend on timing.
-    auto over_shards = [&](auto pass) {
-      std::vector<Part> parts(shards);
-      auto work = [&](int64_t a, int64_t b) {
-        ExactSubnormals exact;
-        for (int64_t s = a; s < b; ++s) {
-          const int64_t lo = n * s / shards, hi = n * (s + 1) / shards;
-          pass(x + lo, hi - lo, &parts[s]);
-        }
-      };
-      if (shards > 1) {
-        pool->ParallelFor(shards, kShardMin * 8, work);
-      } else {
-        work(0, 1);
-      }
-      Part all;
-      for (const Part& p : parts) {
-        all.sum += p.sum;
-        all.sum_sq += p.sum_sq;
-        all.lo = std::min(all.lo, p.lo);
-        all.hi = std::max(all.hi, p.hi);
-        all.small = std::min(all.small, p.small);
-        all.nan += p.nan;
-        all.posinf += p.posinf;
-        all.neginf += p.neginf;
-        all.zeros += p.zeros;
-        all.underflow += p.underflow;
-        all.overflow += p.overflow;
-      }
-      return all;
-    };
-
-    Part r = over_shards([](const F* v, int64_t m, Part* p) { Sums(v, m, p); });
-    const double plain_sum = r.sum;
-    if (std::isfinite(r.sum_sq) && std::isfinite(r.sum)) {
-      if (r.small < tiny || std::max(-r.lo, r.hi) > margin) {
-        const bool beyond = std::max(-r.lo, r.hi) > margin;
-        const Part k = over_shards([&](const F* v, int64_t m, Part* p) {
-          beyond ? Counts<F, true>(v, m, tiny, margin, p) : Counts<F, false>(v, m, tiny, margin, p);
-        });
-        r.zeros = k.zeros;
-        r.underflow = k.underflow;
-        r.overflow = k.overflow;
-      }
-      const double count = n, safe_n = std::max<double>(count, 1.0);
-      const double mean_sq = r.sum_sq / safe_n, mean = r.sum / safe_n;
-      if (n > 1 && mean_sq - mean * mean < share * mean_sq) {
-        const F shift = static_cast<F>(mean);
-        const Part d = over_shards([&](const F* v, int64_t m, Part* p) { Centred(v, m, shift, p); });
-        const double d1 = d.sum / safe_n, d2 = d.sum_sq / safe_n;
-        const double exact_mean = double(shift) + d1;
-        const double var = std::max(d2 - d1 * d1, 0.0);
-        r.sum = exact_mean * count;
-        r.sum_sq = (var + exact_mean * exact_mean) * count;
-      }
-    } else {
-      r = over_shards([&](const F* v, int64_t m, Part* p) { Unhealthy(v, m, tiny, margin, p); });
-    }
-
-    const bool any_finite = n > r.nan + r.posinf + r.neginf;
-    const double nan = std::numeric_limits<double>::quiet_NaN();
-    const double fields[11] = {
-        double(n), double(r.nan), double(r.posinf), double(r.neginf),
-        any_finite ? r.lo : nan, any_finite ? r.hi : nan, r.sum, r.sum_sq,
-        double(r.zeros), double(r.overflow), double(r.underflow),
-    };
+    const auto l = limits.flat<F>();
     Tensor* record = nullptr;
     OP_REQUIRES_OK(c, c->allocate_output(0, TensorShape({11}), &record));
-    std::copy(fields, fields + 11, record->flat<double>().data());
-    Tensor* total = nullptr;
-    OP_REQUIRES_OK(c, c->allocate_output(1, TensorShape({}), &total));
-    total->scalar<F>()() = static_cast<F>(plain_sum);
+    RecordOf<F>(flat.flat<F>().data(), flat.NumElements(), l(0), l(1), l(2),
+                c->device()->tensorflow_cpu_worker_threads()->workers, record->flat<double>().data());
+  }
+};
+
+// The records of a list of tensors, one row each: one node for many.
+template <typename F>
+class RecordsOp : public OpKernel {
+ public:
+  explicit RecordsOp(OpKernelConstruction* c) : OpKernel(c) {}
+
+  void Compute(OpKernelContext* c) override {
+    tensorflow::OpInputList values;
+    OP_REQUIRES_OK(c, c->input_list("values", &values));
+    const Tensor& limits = c->input(values.size());
+    const int64_t k = values.size();
+    OP_REQUIRES(c, limits.dims() == 2 && limits.dim_size(0) == k && limits.dim_size(1) == 3,
+                tensorflow::errors::InvalidArgument("TbnRecords: limits must be [tensors, 3]"));
+    const auto l = limits.matrix<F>();
+    Tensor* records = nullptr;
+    OP_REQUIRES_OK(c, c->allocate_output(0, TensorShape({k, 11}), &records));
+    auto* pool = c->device()->tensorflow_cpu_worker_threads()->workers;
+    double* out = records->flat<double>().data();
+    for (int64_t i = 0; i < k; ++i) {
+      RecordOf<F>(values[i].flat<F>().data(), values[i].NumElements(), l(i, 0), l(i, 1), l(i, 2), pool,
+                  out + 11 * i);
+    }
+  }
+};
+
+// ||new_i - old_i||^2 of each tensor new_i, old_i its values' slice of the
+// flat ``old`` (the tensors' values before, in order), summed in double:
+// the update ratios' numerators, one node for every weight.
+template <typename F>
+class MovedOp : public OpKernel {
+ public:
+  explicit MovedOp(OpKernelConstruction* c) : OpKernel(c) {}
+
+  void Compute(OpKernelContext* c) override {
+    tensorflow::OpInputList values;
+    OP_REQUIRES_OK(c, c->input_list("values", &values));
+    const Tensor& old = c->input(values.size());
+    const int64_t k = values.size();
+    std::vector<int64_t> offset(k + 1, 0);
+    for (int64_t i = 0; i < k; ++i) offset[i + 1] = offset[i] + values[i].NumElements();
+    OP_REQUIRES(c, old.NumElements() == offset[k],
+                tensorflow::errors::InvalidArgument("TbnMoved: old holds ", old.NumElements(),
+                                                    " values, the tensors ", offset[k]));
+    Tensor* moved = nullptr;
+    OP_REQUIRES_OK(c, c->allocate_output(0, TensorShape({k}), &moved));
+    const F* before = old.flat<F>().data();
+    // Blocks of kBlock values, each summed on its own, then in order per tensor.
+    std::vector<std::pair<int64_t, int64_t>> blocks;  // (tensor, first value)
+    for (int64_t i = 0; i < k; ++i) {
+      for (int64_t j = 0; j < values[i].NumElements(); j += kBlock) blocks.emplace_back(i, j);
+    }
+    std::vector<double> sums(blocks.size(), 0.0);
+    auto work = [&](int64_t a, int64_t b) {
+      for (int64_t s = a; s < b; ++s) {
+        const auto [i, j] = blocks[s];
+        const F* x = values[i].flat<F>().data() + j;
+        const F* y = before + offset[i] + j;
+        const int64_t m = std::min<int64_t>(kBlock, values[i].NumElements() - j);
+        double q = 0;
+#pragma omp simd reduction(+ : q)
+        for (int64_t t = 0; t < m; ++t) {
+          const double d = double(x[t]) - double(y[t]);
+          q += d * d;
+        }
+        sums[s] = q;
+      }
+    };
+    c->device()->tensorflow_cpu_worker_threads()->workers->ParallelFor(blocks.size(), kBlock * 4, work);
+    auto out = moved->flat<double>();
+    for (int64_t i = 0; i < k; ++i) out(i) = 0;
+    for (size_t s = 0; s < blocks.size(); ++s) out(blocks[s].first) += sums[s];
   }
 };
 
@@ -255,13 +330,43 @@ REGISTER_OP("TbnRecord")
     .Input("values: T")
     .Input("limits: T")
     .Output("record: float64")
-    .Output("total: T")
     .Attr("T: {float, double}")
     .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
       c->set_output(0, c->Vector(11));
-      c->set_output(1, c->Scalar());
       return tensorflow::OkStatus();
     });
 
 REGISTER_KERNEL_BUILDER(Name("TbnRecord").Device(tensorflow::DEVICE_CPU).TypeConstraint<float>("T"), RecordOp<float>);
 REGISTER_KERNEL_BUILDER(Name("TbnRecord").Device(tensorflow::DEVICE_CPU).TypeConstraint<double>("T"), RecordOp<double>);
+
+REGISTER_OP("TbnRecords")
+    .Input("values: N * T")
+    .Input("limits: T")
+    .Output("records: float64")
+    .Attr("N: int >= 1")
+    .Attr("T: {float, double}")
+    .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
+      int64_t n;
+      TF_RETURN_IF_ERROR(c->GetAttr("N", &n));
+      c->set_output(0, c->Matrix(n, 11));
+      return tensorflow::OkStatus();
+    });
+
+REGISTER_KERNEL_BUILDER(Name("TbnRecords").Device(tensorflow::DEVICE_CPU).TypeConstraint<float>("T"), RecordsOp<float>);
+REGISTER_KERNEL_BUILDER(Name("TbnRecords").Device(tensorflow::DEVICE_CPU).TypeConstraint<double>("T"), RecordsOp<double>);
+
+REGISTER_OP("TbnMoved")
+    .Input("values: N * T")
+    .Input("old: T")
+    .Output("moved: float64")
+    .Attr("N: int >= 1")
+    .Attr("T: {float, double}")
+    .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
+      int64_t n;
+      TF_RETURN_IF_ERROR(c->GetAttr("N", &n));
+      c->set_output(0, c->Vector(n));
+      return tensorflow::OkStatus();
+    });
+
+REGISTER_KERNEL_BUILDER(Name("TbnMoved").Device(tensorflow::DEVICE_CPU).TypeConstraint<float>("T"), MovedOp<float>);
+REGISTER_KERNEL_BUILDER(Name("TbnMoved").Device(tensorflow::DEVICE_CPU).TypeConstraint<double>("T"), MovedOp<double>);

@@ -36,6 +36,8 @@ import dataclasses
 import functools
 from typing import Callable
 
+import numpy as np
+
 from tb_numerics import _requires
 
 tf = _requires.tensorflow(__name__)
@@ -75,7 +77,7 @@ from tb_numerics._stats_replicas import (  # noqa: E402
     merge_stats,
     replica_context,
 )
-from tb_numerics._stats_segments import SMALL_TENSOR, is_small, many_stats, many_stats_and_sum, sq_norms  # noqa: E402
+from tb_numerics._stats_segments import SMALL_TENSOR, is_small, many_stats, sq_norms  # noqa: E402
 
 __all__ = [
     "SMALL_TENSOR",
@@ -92,10 +94,11 @@ __all__ = [
     "global_norm_record",
     "is_small",
     "many_stats",
-    "many_stats_and_sum",
     "merge_stats",
+    "moved_sq_norms",
     "nonfinite_count",
     "op_stats",
+    "records_of",
     "replica_context",
     "scalar_record",
     "shared_constant",
@@ -103,7 +106,6 @@ __all__ = [
     "sq_norms",
     "sums_finite",
     "tensor_stats",
-    "tensor_stats_and_sum",
 ]
 
 
@@ -114,7 +116,11 @@ def tensor_stats(x: tf.Tensor, name: str) -> tf.Tensor:
     sum, sum of squares) are over the finite elements; min and max are NaN
     where there are none (an empty or all-NaN tensor).
 
-    How: at most six reductions and no elementwise pass over the tensor in
+    The record is the record kernel's op where it is built (not where XLA
+    compiles the graph, or where a GPU is visible), else one function call
+    in the caller's graph (see ``_traced``); where the size is not known
+    when tracing (a batch dimension of None), a branch picks the 32- or
+    64-bit counting variant. How TensorFlow's ops make it: at most six reductions and no elementwise pass over the tensor in
     the healthy case (elementwise ops, which write a tensor-sized result, cost
     far more here than reductions): the sum; the sum of squares as a dot
     product (which is finite exactly when no element is NaN or Inf and no
@@ -131,51 +137,92 @@ def tensor_stats(x: tf.Tensor, name: str) -> tf.Tensor:
     Raises:
       TypeError: ``x`` is not a float16, bfloat16, float32 or float64 tensor.
     """
-    return tensor_stats_and_sum(x, name)[0]
-
-
-def tensor_stats_and_sum(x: tf.Tensor, name: str) -> tuple[tf.Tensor, tf.Tensor]:
-    """``tensor_stats(x)`` and the plain sum of ``x`` it computes first: finite
-    exactly when no element is NaN or Inf (unless the sum itself overflows),
-    so a caller can decide on it without waiting for the record.
-
-    The statistics are the record kernel's op where it is built (not where
-    XLA compiles the graph, or where a GPU is visible), else one function
-    call in the caller's graph (see ``_traced``); where the size is not
-    known when tracing (a batch dimension of None), a branch picks the 32-
-    or 64-bit counting variant.
-    """
     x = tf.convert_to_tensor(x)
     dtype = check_dtype(x, name)
     acc = ACC_DTYPE[dtype]
     with tf.name_scope("tensor_stats"):
         compiled = _xla_gpu_visible()
-        # XLA has no kernel of ours.
-        kernel = None if compiled or _tf_internal.in_xla_context() else record_kernel.load()
+        kernel = _kernel()
         if kernel is not None:
             # The kernel reads a tensor of any shape as flat and has no
             # gradient: no reshape, no stop_gradient (each a node a site).
             values = x if x.dtype == acc else tf.cast(x, acc)
-            record, total = kernel.tbn_record(values, _limits(dtype, acc))
-            return record, total
+            return kernel.tbn_record(values, _limits(dtype, acc))
         flat = flatten(tf.stop_gradient(x))
         if flat.dtype != acc:
             flat = tf.cast(flat, acc)
-        # Outside the function call, whose outputs all come when it ends: a
-        # caller deciding on the sum (the replay's gate on the update) waits
-        # for this one reduction, not for the whole record.
-        total = tf.reduce_sum(flat, axis=shared_constant(0))
         size = flat.shape.num_elements()
         if acc == tf.float64 or (size is not None and size >= 2**31):
-            return _traced(dtype, tf.int64, compiled)(flat, total), total
+            return _traced(dtype, tf.int64, compiled)(flat)
         if size is not None:
-            return _traced(dtype, tf.int32, compiled)(flat, total), total
-        record = tf.cond(
+            return _traced(dtype, tf.int32, compiled)(flat)
+        return tf.cond(
             tf.size(flat, out_type=tf.int64) < 2**31,
-            lambda: _traced(dtype, tf.int32, compiled)(flat, total),
-            lambda: _traced(dtype, tf.int64, compiled)(flat, total),
+            lambda: _traced(dtype, tf.int32, compiled)(flat),
+            lambda: _traced(dtype, tf.int64, compiled)(flat),
         )
-        return record, total
+
+
+def records_of(tensors: list[tf.Tensor], names: list[str]) -> tf.Tensor:
+    """The records ``[k, NUM_FIELDS]`` of float ``tensors`` (any shapes;
+    ``names`` name them in errors), in order: ``tensor_stats`` of each.
+
+    With the record kernel, one op for all the tensors of one accumulation
+    dtype (``TbnRecords``), whatever ``k``: a step's 214 weights are one
+    node, not 214 sites. Else the small ones (``is_small``) are reduced
+    together (``many_stats``) and the others take ``tensor_stats`` each.
+    """
+    xs = [tf.convert_to_tensor(x) for x in tensors]
+    dtypes = [check_dtype(x, name) for x, name in zip(xs, names)]
+    kernel = _kernel()
+    parts: list[tf.Tensor] = []
+    order: list[int] = []
+    if kernel is not None:
+        for acc in (tf.float32, tf.float64):
+            group = [i for i, d in enumerate(dtypes) if ACC_DTYPE[d] == acc]
+            if group:
+                limits = shared_constant([[metadata.smallest_normal(dtypes[i]), metadata.overflow_margin(dtypes[i]),
+                                           _CANCELLATION_SHARE] for i in group], acc)
+                values = [xs[i] if xs[i].dtype == acc else tf.cast(xs[i], acc) for i in group]
+                parts.append(kernel.tbn_records(values, limits))
+                order += group
+    else:
+        small = [i for i, x in enumerate(xs) if is_small(x)] if sum(is_small(x) for x in xs) > 1 else []
+        if small:
+            parts.append(many_stats([xs[i] for i in small], [dtypes[i] for i in small]))
+            order += small
+        large = [i for i in range(len(xs)) if i not in set(small)]
+        if large:
+            parts.append(tf.stack([tensor_stats(xs[i], names[i]) for i in large]))
+            order += large
+    if not parts:
+        return tf.zeros([0, metadata.NUM_FIELDS], tf.float64)
+    out = tf.concat(parts, 0) if len(parts) > 1 else parts[0]
+    return out if order == sorted(order) else tf.gather(out, np.argsort(order))
+
+
+def moved_sq_norms(now: list[tf.Tensor], before: tf.Tensor) -> tf.Tensor:
+    """||now_i - before_i||^2 of each tensor, a float64 vector: how far each
+    weight moved (the update ratios' numerators). ``before``: their values
+    before, flat and in order, in their one dtype.
+
+    With the record kernel one op (``TbnMoved``) for all of them, summed in
+    float64; else a difference and a squared norm each (``sq_norms``).
+    """
+    kernel = _kernel()
+    if kernel is not None and before.dtype in (tf.float32, tf.float64):
+        return kernel.tbn_moved(now, before)
+    sizes = [x.shape.num_elements() for x in now]
+    olds = tf.split(before, sizes) if len(sizes) > 1 else [before]
+    return sq_norms([flatten(x) - old for x, old in zip(now, olds)])
+
+
+def _kernel():
+    """The record kernel's ops where they serve this graph (``record_kernel.load``):
+    not where a GPU is visible or XLA compiles the graph (XLA has no kernel of ours)."""
+    if _xla_gpu_visible() or _tf_internal.in_xla_context():
+        return None
+    return record_kernel.load()
 
 
 def _limits(dtype: str, acc: tf.DType) -> tf.Tensor:
@@ -194,9 +241,9 @@ def _xla_gpu_visible() -> bool:
 
 
 @functools.cache
-def _traced(dtype: str, count_t: tf.DType, compiled: bool = False) -> Callable[[tf.Tensor, tf.Tensor], tf.Tensor]:
+def _traced(dtype: str, count_t: tf.DType, compiled: bool = False) -> Callable[[tf.Tensor], tf.Tensor]:
     """The record of a tensor of ``dtype`` from its flat values in the
-    accumulation dtype and their sum, counting in ``count_t`` (int32 only
+    accumulation dtype, counting in ``count_t`` (int32 only
     where the size is below 2**31).
 
     ``compiled``: as one XLA computation, where a GPU is visible. The record
@@ -209,7 +256,8 @@ def _traced(dtype: str, count_t: tf.DType, compiled: bool = False) -> Callable[[
     computation either way.
     """
 
-    def record(flat: tf.Tensor, total: tf.Tensor) -> tf.Tensor:
+    def record(flat: tf.Tensor) -> tf.Tensor:
+        total = tf.reduce_sum(flat)
         bits = _Bits.of(flat, dtype, count_t)
         n = tf.cast(tf.size(flat, out_type=tf.int64), tf.float64)
         row = tf.expand_dims(flat, 0)
@@ -221,7 +269,7 @@ def _traced(dtype: str, count_t: tf.DType, compiled: bool = False) -> Callable[[
         )
 
     acc = ACC_DTYPE[dtype]
-    return noinline_function(record, tf.TensorSpec([None], acc), tf.TensorSpec([], acc), jit_compile=compiled)
+    return noinline_function(record, tf.TensorSpec([None], acc), jit_compile=compiled)
 
 
 @dataclasses.dataclass(frozen=True)

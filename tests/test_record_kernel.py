@@ -65,16 +65,19 @@ def test_the_kernels_record_is_numpys_at_every_split(size, dtype, kind):
         np.testing.assert_allclose(got[F["sum_sq"]], want[F["sum_sq"]], rtol=1e-6, atol=1e-30)
 
 
-def test_the_plain_sum_beside_the_record_is_the_sum():
-    # A caller decides on the sum (the replay's gate on the update) without
-    # reading the record: finite exactly when no value is NaN or Inf.
+def test_many_records_and_moved_norms_are_one_node_per_dtype():
+    # A step's hundreds of weights cost one node each to trace and
+    # instantiate when recorded one by one (ResNet-50's first epoch); the
+    # values are test_stats.py's (numpy's records, each way).
     _kernel_or_skip()
-    x = np.arange(100000, dtype=np.float32) / 7
-    record, total = stats.tensor_stats_and_sum(tf.constant(x), "x")
-    np.testing.assert_allclose(total.numpy(), x.astype(np.float64).sum(), rtol=1e-6)
-    assert total.dtype == tf.float32 and record.dtype == tf.float64
-    x[5] = np.inf
-    assert not np.isfinite(stats.tensor_stats_and_sum(tf.constant(x), "x")[1].numpy())
+    xs = [tf.zeros([i + 1]) for i in range(300)] + [tf.zeros([3], tf.float64), tf.zeros([2], tf.float16)]
+    names = ["w%d" % i for i in range(len(xs))]
+    graph = tf.function(lambda: stats.records_of(xs, names)).get_concrete_function().graph
+    types = [op.type for op in graph.get_operations()]
+    assert types.count("TbnRecords") == 2 and "TbnRecord" not in types  # float32 (float16 widened) and float64
+    flat = tf.zeros([sum(range(1, 301))])
+    graph = tf.function(lambda: stats.moved_sq_norms(xs[:300], flat)).get_concrete_function().graph
+    assert [op.type for op in graph.get_operations()].count("TbnMoved") == 1
 
 
 def test_not_used_inside_a_compiled_step():

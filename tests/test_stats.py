@@ -188,6 +188,49 @@ def test_non_float_tensors_raise_type_error_naming_them(value):
         stats.tensor_stats(value, "my/tensor")
 
 
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "function"])
+def test_records_of_many_tensors_are_each_ones_record(graph):
+    # What the callback records a step's weights, gradients and layer
+    # outputs with: one row per tensor, in order, whatever their dtypes,
+    # shapes and sizes (small ones, one over a shard, one of a single value),
+    # each numpy's record of its own values.
+    rng = np.random.default_rng(11)
+    cases = [
+        ("float32", _random(rng, (3, 5), "float32", [(np.nan, 1)])),
+        ("float64", _random(rng, (70,), "float64", [(0.0, 4)])),
+        ("float16", _random(rng, (40, 3), "float16", [(np.inf, 2)])),
+        ("float32", _random(rng, (300, 301), "float32", [(0.0, 9), (-np.inf, 1)])),
+        ("bfloat16", _random(rng, (17,), "bfloat16", [])),
+        ("float32", np.array(2.5)),
+        ("float32", _random(rng, (0, 4), "float32", [])),
+        ("float32", _random(rng, (5000,), "float32", [])),
+    ]
+    tensors = [_as_tf(values, dtype) for dtype, values in cases]
+    names = ["t%d" % i for i in range(len(cases))]
+    fn = tf.function(lambda xs: stats.records_of(xs, names)) if graph else (lambda xs: stats.records_of(xs, names))
+    got = fn(tensors).numpy()
+    assert got.shape == (len(cases), metadata.NUM_FIELDS)
+    for row, t, (dtype, _) in zip(got, tensors, cases):
+        assert_matches(row, _reference(t, dtype), dtype)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_moved_sq_norms_are_how_far_each_tensor_moved(dtype):
+    # The update ratios' numerators: ||now - before||^2 of each weight, its
+    # values before kept flat and in order (the callback's snapshot).
+    rng = np.random.default_rng(5)
+    shapes = [(3, 4), (70000,), (1,), (0,), (64, 65)]
+    before = [rng.standard_normal(s).astype(dtype) for s in shapes]
+    now = [b + rng.standard_normal(b.shape).astype(dtype) * 1e-3 for b in before]
+    now[2][0] = np.nan
+    want = [np.square(n.astype(np.float64) - b.astype(np.float64)).sum() for n, b in zip(now, before)]
+    flat = tf.constant(np.concatenate([b.reshape(-1) for b in before]))
+    for fn in (stats.moved_sq_norms, tf.function(stats.moved_sq_norms)):
+        got = fn([tf.constant(n) for n in now], flat).numpy()
+        assert np.isnan(got[2]) and got[3] == 0
+        np.testing.assert_allclose(np.delete(got, 2), np.delete(want, 2), rtol=1e-4 if dtype == "float32" else 1e-12)
+
+
 def test_merge_stats_is_the_record_of_the_concatenation():
     rng = np.random.default_rng(3)
     a = rng.standard_normal(100)
@@ -318,7 +361,7 @@ def test_int64_counting_variant(dtype):
     # Used where a float32 tensor may hold 2**31 elements or more: called
     # directly here on small ones, since no test can allocate that.
     record = stats._traced(dtype, tf.int64)
-    _assert_each_case(lambda t, case: record(t, tf.reduce_sum(t)), dtype, _side_cases(dtype))
+    _assert_each_case(lambda t, case: record(t), dtype, _side_cases(dtype))
 
 
 @pytest.mark.parametrize("signs", ["positive_zeros", "negative_zeros", "both"])
