@@ -65,16 +65,19 @@ def test_the_kernels_record_is_numpys_at_every_split(size, dtype, kind):
         np.testing.assert_allclose(got[F["sum_sq"]], want[F["sum_sq"]], rtol=1e-6, atol=1e-30)
 
 
-def test_many_records_and_moved_norms_are_one_node_per_dtype():
-    # A step's hundreds of weights cost one node each to trace and
-    # instantiate when recorded one by one (ResNet-50's first epoch); the
-    # values are test_stats.py's (numpy's records, each way).
+def test_many_small_records_and_moved_norms_are_one_node_per_dtype():
+    # A step's hundreds of small weights and gradients cost one node each to
+    # trace and instantiate when recorded one by one (ResNet-50's first
+    # epoch); a large one keeps its own op, which starts as soon as its
+    # tensor is made. The values are test_stats.py's (numpy's records).
     _kernel_or_skip()
     xs = [tf.zeros([i + 1]) for i in range(300)] + [tf.zeros([3], tf.float64), tf.zeros([2], tf.float16)]
+    xs += [tf.zeros([stats.SMALL_TENSOR + 1])] * 2
     names = ["w%d" % i for i in range(len(xs))]
     graph = tf.function(lambda: stats.records_of(xs, names)).get_concrete_function().graph
     types = [op.type for op in graph.get_operations()]
-    assert types.count("TbnRecords") == 2 and "TbnRecord" not in types  # float32 (float16 widened) and float64
+    assert types.count("TbnRecords") == 2  # float32 (float16 widened) and float64
+    assert types.count("TbnRecord") == 2
     flat = tf.zeros([sum(range(1, 301))])
     graph = tf.function(lambda: stats.moved_sq_norms(xs[:300], flat)).get_concrete_function().graph
     assert [op.type for op in graph.get_operations()].count("TbnMoved") == 1
