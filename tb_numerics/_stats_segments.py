@@ -16,7 +16,7 @@ tf = _requires.tensorflow(__name__)
 from tb_numerics import metadata  # noqa: E402
 from tb_numerics._stats_core import ACC_DTYPE, VIEWS, bits_to_float64, flatten, float_bits, sq_norm  # noqa: E402
 
-__all__ = ["SMALL_TENSOR", "is_small", "many_stats", "sq_norms"]
+__all__ = ["SMALL_TENSOR", "held_to_float32", "is_small", "many_stats", "sq_norms"]
 
 
 # Tensors of at most this many elements (statically known) are reduced
@@ -119,21 +119,26 @@ def _segment_stats(tensors: list[tf.Tensor], dtypes: list[str], acc: tf.DType) -
     lo_hi_bits = tf.where(lo_hi < 0, tf.bitwise.bitwise_xor(lo_hi, tf.constant(mask, int_t)), lo_hi)
     _, uint_t, _ = VIEWS[acc]
     lo_hi = tf.reshape(bits_to_float64(tf.bitcast(tf.reshape(lo_hi_bits, [-1]), uint_t), acc), [k, 2])
-    if acc == tf.float32:
-        # Sums of a finite tensor held to float32, as tensor_stats' healthy
-        # path accumulates them (so packed events stay float32); float64
-        # where float32 cannot hold them or a value is not finite, as its
-        # other path.
-        as32 = tf.cast(tf.cast(sums, tf.float32), tf.float64)
-        healthy = tf.reduce_all(tf.math.is_finite(as32), axis=1, keepdims=True) & (
-            tf.reduce_sum(sums[:, :3], axis=1, keepdims=True) == 0
-        )
-        sums = tf.where(healthy, as32, sums)
     count = tf.constant(np.asarray(sizes, np.float64))
     any_finite = (count - sums[:, 0] - sums[:, 1] - sums[:, 2]) > 0
     lo_hi = tf.where(any_finite[:, None], lo_hi, tf.constant(np.nan, tf.float64))
-    return tf.stack(
+    records = tf.stack(
         [count, sums[:, 0], sums[:, 1], sums[:, 2], lo_hi[:, 0], lo_hi[:, 1],
          sums[:, 6], sums[:, 7], sums[:, 3], sums[:, 4], sums[:, 5]],
         axis=1,
     )
+    return held_to_float32(records) if acc == tf.float32 else records
+
+
+def held_to_float32(records: tf.Tensor) -> tf.Tensor:
+    """Small float32 tensors' records ``[k, NUM_FIELDS]`` with the sums of
+    each finite one held to float32, as ``tensor_stats``' healthy path
+    accumulates them, so that the packed events that hold them stay float32
+    (half the bytes); float64 where float32 cannot hold them or a value is
+    not finite. Counts (at most ``SMALL_TENSOR``) and extrema are float32
+    values already."""
+    as32 = tf.cast(tf.cast(records, tf.float32), tf.float64)
+    f = metadata.FIELD_INDEX
+    nonfinite = records[:, f["nan"]] + records[:, f["posinf"]] + records[:, f["neginf"]]
+    healthy = tf.reduce_all(tf.math.is_finite(as32), axis=1, keepdims=True) & (nonfinite[:, None] == 0)
+    return tf.where(healthy, as32, records)

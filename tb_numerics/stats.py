@@ -77,7 +77,7 @@ from tb_numerics._stats_replicas import (  # noqa: E402
     merge_stats,
     replica_context,
 )
-from tb_numerics._stats_segments import SMALL_TENSOR, is_small, many_stats, sq_norms  # noqa: E402
+from tb_numerics._stats_segments import SMALL_TENSOR, held_to_float32, is_small, many_stats, sq_norms  # noqa: E402
 
 __all__ = [
     "SMALL_TENSOR",
@@ -190,7 +190,8 @@ def records_of(tensors: list[tf.Tensor], names: list[str]) -> tf.Tensor:
                 limits = shared_constant([[metadata.smallest_normal(dtypes[i]), metadata.overflow_margin(dtypes[i]),
                                            _CANCELLATION_SHARE] for i in group], acc)
                 values = [xs[i] if xs[i].dtype == acc else tf.cast(xs[i], acc) for i in group]
-                parts.append(kernel.tbn_records(values, limits))
+                made = kernel.tbn_records(values, limits)
+                parts.append(held_to_float32(made) if acc == tf.float32 else made)
                 order += group
     elif small:
         parts.append(many_stats([xs[i] for i in small], [dtypes[i] for i in small]))

@@ -5,8 +5,8 @@ made at the function's top level only notes its tensor. When the trace
 ends, the noted tensors get one computation and one write path, run with
 every call of the function:
 
-* the small tensors' records in one segment reduction
-  (``stats.many_stats``), the large ones' by ``stats.tensor_stats`` each;
+* the records of the noted tensors (``stats.records_of``: the small ones
+  together, the large ones' by ``stats.tensor_stats`` each);
 * the step's rows (table index, step, record: ``packed``'s format 3)
   appended to a buffer in a variable;
 * one conditional write of the buffer as one event under the writer's
@@ -277,18 +277,15 @@ def _rows_of(entries: list[Entry], neginf_ok: np.ndarray) -> tuple[tf.Tensor, tf
 
 
 def _records(entries: list[Entry]) -> tf.Tensor:
-    """The records ``[k, NUM_FIELDS]`` of a trace's entries."""
+    """The records ``[k, NUM_FIELDS]`` of a trace's entries: of their
+    tensors together (``stats.records_of``: the small ones in a fixed number
+    of nodes), then the combined ones."""
     vecs: list[tf.Tensor | None] = [None] * len(entries)
-    # A lone tensor (a call in a loop body) is one cached tensor_stats call:
-    # many_stats' segment reduction costs more to trace at every such call.
-    small = [i for i, e in enumerate(entries) if e.x is not None and stats.is_small(e.x)] if len(entries) > 1 else []
-    if small:
-        many = stats.many_stats([entries[i].x for i in small], [entries[i].dtype for i in small])
-        for i, row in zip(small, tf.unstack(many, num=len(small))):
+    given = [i for i, e in enumerate(entries) if e.x is not None]
+    if given:
+        made = stats.records_of([entries[i].x for i in given], [""] * len(given))  # dtypes checked when noted
+        for i, row in zip(given, tf.unstack(made, num=len(given))):
             vecs[i] = row
-    for i, e in enumerate(entries):
-        if vecs[i] is None and e.x is not None:
-            vecs[i] = stats.tensor_stats(e.x, "")
     for i, e in enumerate(entries):
         if e.combine is not None:
             vecs[i] = e.combine(tf.stack([vecs[j] for j in e.parts]))
