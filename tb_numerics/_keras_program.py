@@ -79,11 +79,10 @@ def _merged_stats(tensors: list[tf.Tensor], name: str) -> tf.Tensor:
 def _batched_records(items: list[tuple[list[tf.Tensor], str]]) -> list[tf.Tensor]:
     """The record of each item (a row's tensors, merged; its tag).
 
-    Rows of one tensor are made together (``stats.records_of``: one record
-    kernel op for all, else the small ones by segment): on ResNet-50's 214
-    gradients, a record each cost a node or a function call to trace and
-    instantiate at the first step. A layer called several times merges its
-    calls' records.
+    Rows of one tensor are made by ``stats.records_of`` (the small ones
+    together, in a fixed number of nodes: ResNet-50's 161 small gradients
+    were 161 sites to trace and instantiate at the first step). A layer
+    called several times merges its calls' records.
     """
     single = [k for k, (tensors, _) in enumerate(items) if len(tensors) == 1]
     records: list[tf.Tensor | None] = [None] * len(items)
@@ -139,8 +138,7 @@ class _Snapshot:
         for dtype, (where, _) in self._groups.items():
             parts.append(stats.moved_sq_norms([values[i] for i in where], self._buffers[dtype].read_value()))
             order += where
-        out = tf.concat(parts, 0) if len(parts) > 1 else parts[0]
-        return out if order == sorted(order) else tf.gather(out, np.argsort(order))
+        return stats.in_order(parts, order)
 
     def flat_values(self) -> list[tf.Tensor]:
         """The kept weights, flat, in order."""

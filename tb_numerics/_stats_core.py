@@ -45,6 +45,7 @@ __all__ = [
     "flatten",
     "float_bits",
     "global_norm_record",
+    "in_order",
     "make_record",
     "noinline_function",
     "nonfinite_count",
@@ -119,6 +120,14 @@ def shared_constant(value: Any, dtype: tf.DType = tf.int32) -> tf.Tensor:
 def flatten(x: tf.Tensor) -> tf.Tensor:
     """``x`` as a flat vector (its shape constant shared: ``shared_constant``)."""
     return tf.reshape(x, shared_constant([-1]))
+
+
+def in_order(parts: list[tf.Tensor], order: list[int]) -> tf.Tensor:
+    """Per-tensor results made in groups (``parts``, rows along axis 0),
+    concatenated and put back in the tensors' own order: ``order`` holds
+    each row's tensor position, as the groups made them."""
+    out = tf.concat(parts, 0) if len(parts) > 1 else parts[0]
+    return out if order == sorted(order) else tf.gather(out, np.argsort(order))
 
 
 # The statistics functions, each traced once per process (functools.cache):

@@ -14,7 +14,7 @@ from tb_numerics import _requires
 tf = _requires.tensorflow(__name__)
 
 from tb_numerics import metadata  # noqa: E402
-from tb_numerics._stats_core import ACC_DTYPE, VIEWS, bits_to_float64, flatten, float_bits, sq_norm  # noqa: E402
+from tb_numerics._stats_core import ACC_DTYPE, VIEWS, bits_to_float64, flatten, float_bits, in_order, sq_norm  # noqa: E402
 
 __all__ = ["SMALL_TENSOR", "held_to_float32", "is_small", "many_stats", "sq_norms"]
 
@@ -52,10 +52,7 @@ def many_stats(tensors: list[tf.Tensor], dtypes: list[str]) -> tf.Tensor:
         if part:
             rows.append(_segment_stats([tensors[i] for i in part], [dtypes[i] for i in part], acc))
             where += part
-    out = tf.concat(rows, 0) if len(rows) > 1 else rows[0]
-    if where != sorted(where):
-        out = tf.gather(out, np.argsort(where))
-    return out
+    return in_order(rows, where)
 
 
 def sq_norms(tensors: list[tf.Tensor]) -> tf.Tensor:
@@ -82,9 +79,7 @@ def sq_norms(tensors: list[tf.Tensor]) -> tf.Tensor:
         parts.append(tf.stack([sq_norm(tensors[i]) for i in large]))
     if not parts:
         return tf.zeros([0], tf.float64)
-    out = tf.concat(parts, 0) if len(parts) > 1 else parts[0]
-    order = small + large
-    return out if order == sorted(order) else tf.gather(out, np.argsort(order))
+    return in_order(parts, small + large)
 
 
 def _segment_stats(tensors: list[tf.Tensor], dtypes: list[str], acc: tf.DType) -> tf.Tensor:

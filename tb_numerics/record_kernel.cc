@@ -17,8 +17,9 @@
 // read as flat) and
 // limits ([smallest normal, overflow margin] of the tensor's own dtype, and
 // the share of the mean square below which the variance is summed again
-// about the mean: stats._CANCELLATION_SHARE; in the accumulation dtype). Output: the float64 record in
-// metadata.FIELDS' order.
+// about the mean: stats._CANCELLATION_SHARE; in the accumulation dtype).
+// Output: the float64 record in metadata.FIELDS' order. TbnRecords and
+// TbnMoved, below, take a list of tensors.
 #if !defined(__x86_64__)
 #error "the record kernel is built for x86-64 only; elsewhere stats.py's TensorFlow ops serve"
 #endif
@@ -319,10 +320,19 @@ class MovedOp : public OpKernel {
     };
     c->device()->tensorflow_cpu_worker_threads()->workers->ParallelFor(blocks.size(), kBlock * 4, work);
     auto out = moved->flat<double>();
-    for (int64_t i = 0; i < k; ++i) out(i) = 0;
+    out.setZero();
     for (size_t s = 0; s < blocks.size(); ++s) out(blocks[s].first) += sums[s];
   }
 };
+
+// The shape of an op over a list of N tensors: a row of ``columns`` values
+// per tensor, or one value per tensor where ``columns`` is 0.
+tensorflow::Status PerTensorShape(tensorflow::shape_inference::InferenceContext* c, int64_t columns) {
+  int64_t n;
+  TF_RETURN_IF_ERROR(c->GetAttr("N", &n));
+  c->set_output(0, columns ? c->Matrix(n, columns) : c->Vector(n));
+  return tensorflow::OkStatus();
+}
 
 }  // namespace
 
@@ -345,12 +355,7 @@ REGISTER_OP("TbnRecords")
     .Output("records: float64")
     .Attr("N: int >= 1")
     .Attr("T: {float, double}")
-    .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
-      int64_t n;
-      TF_RETURN_IF_ERROR(c->GetAttr("N", &n));
-      c->set_output(0, c->Matrix(n, 11));
-      return tensorflow::OkStatus();
-    });
+    .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) { return PerTensorShape(c, 11); });
 
 REGISTER_KERNEL_BUILDER(Name("TbnRecords").Device(tensorflow::DEVICE_CPU).TypeConstraint<float>("T"), RecordsOp<float>);
 REGISTER_KERNEL_BUILDER(Name("TbnRecords").Device(tensorflow::DEVICE_CPU).TypeConstraint<double>("T"), RecordsOp<double>);
@@ -361,12 +366,7 @@ REGISTER_OP("TbnMoved")
     .Output("moved: float64")
     .Attr("N: int >= 1")
     .Attr("T: {float, double}")
-    .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
-      int64_t n;
-      TF_RETURN_IF_ERROR(c->GetAttr("N", &n));
-      c->set_output(0, c->Vector(n));
-      return tensorflow::OkStatus();
-    });
+    .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) { return PerTensorShape(c, 0); });
 
 REGISTER_KERNEL_BUILDER(Name("TbnMoved").Device(tensorflow::DEVICE_CPU).TypeConstraint<float>("T"), MovedOp<float>);
 REGISTER_KERNEL_BUILDER(Name("TbnMoved").Device(tensorflow::DEVICE_CPU).TypeConstraint<double>("T"), MovedOp<double>);

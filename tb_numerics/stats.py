@@ -36,8 +36,6 @@ import dataclasses
 import functools
 from typing import Callable
 
-import numpy as np
-
 from tb_numerics import _requires
 
 tf = _requires.tensorflow(__name__)
@@ -54,6 +52,7 @@ from tb_numerics._stats_core import (  # noqa: E402
     count_true,
     finite_min_max,
     flatten,
+    in_order,
     float_bits,
     global_norm_record,
     make_record,
@@ -92,6 +91,7 @@ __all__ = [
     "flatten",
     "gather_replicas",
     "global_norm_record",
+    "in_order",
     "is_small",
     "many_stats",
     "merge_stats",
@@ -120,9 +120,11 @@ def tensor_stats(x: tf.Tensor, name: str) -> tf.Tensor:
     compiles the graph, or where a GPU is visible), else one function call
     in the caller's graph (see ``_traced``); where the size is not known
     when tracing (a batch dimension of None), a branch picks the 32- or
-    64-bit counting variant. How TensorFlow's ops make it: at most six reductions and no elementwise pass over the tensor in
-    the healthy case (elementwise ops, which write a tensor-sized result, cost
-    far more here than reductions): the sum; the sum of squares as a dot
+    64-bit counting variant.
+
+    How TensorFlow's ops make it: at most six reductions and no elementwise
+    pass over the tensor in the healthy case (elementwise ops, which write a
+    tensor-sized result, cost far more here than reductions): the sum; the sum of squares as a dot
     product (which is finite exactly when no element is NaN or Inf and no
     square overflows); and min and max of the tensor's bits viewed as signed
     and as unsigned integers (free views; a tensor with no sign bit set, such
@@ -180,6 +182,7 @@ def records_of(tensors: list[tf.Tensor], names: list[str]) -> tf.Tensor:
     small = [i for i, x in enumerate(xs) if is_small(x)]
     if len(small) < 2:
         small = []
+    large = [i for i in range(len(xs)) if i not in set(small)]
     kernel = _kernel()
     parts: list[tf.Tensor] = []
     order: list[int] = []
@@ -187,8 +190,7 @@ def records_of(tensors: list[tf.Tensor], names: list[str]) -> tf.Tensor:
         for acc in (tf.float32, tf.float64):
             group = [i for i in small if ACC_DTYPE[dtypes[i]] == acc]
             if group:
-                limits = shared_constant([[metadata.smallest_normal(dtypes[i]), metadata.overflow_margin(dtypes[i]),
-                                           _CANCELLATION_SHARE] for i in group], acc)
+                limits = shared_constant([_limit_row(dtypes[i]) for i in group], acc)
                 values = [xs[i] if xs[i].dtype == acc else tf.cast(xs[i], acc) for i in group]
                 made = kernel.tbn_records(values, limits)
                 parts.append(held_to_float32(made) if acc == tf.float32 else made)
@@ -196,14 +198,12 @@ def records_of(tensors: list[tf.Tensor], names: list[str]) -> tf.Tensor:
     elif small:
         parts.append(many_stats([xs[i] for i in small], [dtypes[i] for i in small]))
         order += small
-    large = [i for i in range(len(xs)) if i not in set(small)]
     if large:
         parts.append(tf.stack([tensor_stats(xs[i], names[i]) for i in large]))
         order += large
     if not parts:
         return tf.zeros([0, metadata.NUM_FIELDS], tf.float64)
-    out = tf.concat(parts, 0) if len(parts) > 1 else parts[0]
-    return out if order == sorted(order) else tf.gather(out, np.argsort(order))
+    return in_order(parts, order)
 
 
 def moved_sq_norms(now: list[tf.Tensor], before: tf.Tensor) -> tf.Tensor:
@@ -231,9 +231,15 @@ def _kernel():
 
 
 def _limits(dtype: str, acc: tf.DType) -> tf.Tensor:
+    """``_limit_row(dtype)`` in ``acc``: the record kernel's second input."""
+    return shared_constant(_limit_row(dtype), acc)
+
+
+def _limit_row(dtype: str) -> list[float]:
     """[smallest normal, overflow margin] of ``dtype`` and the cancellation
-    share (``_accurate_sums``), in ``acc``: the record kernel's second input."""
-    return shared_constant([metadata.smallest_normal(dtype), metadata.overflow_margin(dtype), _CANCELLATION_SHARE], acc)
+    share (``_accurate_sums``): the limits the record kernel reads for a
+    tensor of ``dtype``."""
+    return [metadata.smallest_normal(dtype), metadata.overflow_margin(dtype), _CANCELLATION_SHARE]
 
 
 @functools.cache
