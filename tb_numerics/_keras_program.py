@@ -18,6 +18,7 @@ record across them and keeps each replica's own non-finite counts.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import keras
@@ -109,10 +110,13 @@ def strategy_of(model: Any) -> tf.distribute.Strategy:
 
 
 class _Snapshot:
-    """A copy of the weights before the update (for the update ratios), in
-    one flat variable per dtype: one resource for a cond branch to capture,
-    not one per weight (ResNet-50's 214 made 214 inputs of each branch of
-    each cond that reads them, each a node to trace and optimise)."""
+    """A copy of the weights before the update (for the update ratios) where
+    the record kernel does not serve (``stats.keep_if``), in one flat
+    variable per dtype: one resource for a cond branch to capture, not one
+    per weight (ResNet-50's 214 made 214 inputs of each branch of each cond
+    that reads them, each a node to trace and optimise). Made at the first
+    trace that needs it: with the kernel, a due step's copy lives in the
+    step alone."""
 
     def __init__(self, variables: list):
         self._count = len(variables)
@@ -122,29 +126,32 @@ class _Snapshot:
             where, sizes = self._groups.setdefault(tf.as_dtype(v.dtype), ([], []))
             where.append(i)
             sizes.append(int(np.prod(v.shape)))
-        self._buffers = {dtype: _state_variable(tf.zeros([sum(sizes)], dtype))
-                         for dtype, (_, sizes) in self._groups.items()}
+        self._made: dict[tf.DType, tf.Variable] = {}
+
+    def _buffers(self) -> dict[tf.DType, tf.Variable]:
+        if not self._made:
+            # Made inside the trace: the initial value too, under tf.init_scope.
+            self._made = {dtype: _state_variable(functools.partial(tf.zeros, [sum(sizes)], dtype))
+                          for dtype, (_, sizes) in self._groups.items()}
+        return self._made
 
     def keep(self, values: list[tf.Tensor]) -> None:
         """Copies ``values`` (the weights, in order) into the buffers."""
+        buffers = self._buffers()
         for dtype, (where, _) in self._groups.items():
             part = [stats.flatten(values[i]) for i in where]
-            self._buffers[dtype].assign(tf.concat(part, 0) if len(part) > 1 else part[0])
+            buffers[dtype].assign(tf.concat(part, 0) if len(part) > 1 else part[0])
 
     def moved(self, values: list[tf.Tensor]) -> tf.Tensor:
-        """||w - kept||^2 of each weight (``values``: the weights now, in
-        order), float64 (``stats.moved_sq_norms``, one op per dtype)."""
-        parts, order = [], []
-        for dtype, (where, _) in self._groups.items():
-            parts.append(stats.moved_sq_norms([values[i] for i in where], self._buffers[dtype].read_value()))
-            order += where
-        return stats.in_order(parts, order)
+        """||w - kept||^2 of each weight (``values``: the weights now, in order), float64."""
+        olds = self.flat_values()
+        return stats.sq_norms([stats.flatten(v) - old for v, old in zip(values, olds)])
 
     def flat_values(self) -> list[tf.Tensor]:
         """The kept weights, flat, in order."""
         out: list[tf.Tensor | None] = [None] * self._count
         for dtype, (where, sizes) in self._groups.items():
-            value = self._buffers[dtype].read_value()
+            value = self._buffers()[dtype].read_value()
             for i, part in zip(where, tf.split(value, sizes) if len(sizes) > 1 else [value]):
                 out[i] = part
         return out
@@ -269,21 +276,30 @@ class StepProgram:
             self._replay.keep_if(tf.reduce_any(stats.nonfinite_count(head, neginf_ok) > 0), trace.data, step)
         head, per_replica = self._combined(head, ctx, neginf_ok)
         due = self._weights_due(step, rows[self._plan.loss_row], ctx)
-        weight_rows = tf.cond(due, self._weights_before,
-                              lambda: tf.zeros([self._plan.num_weight_rows, NUM_FIELDS], tf.float64))
-        # No explicit control dependency: tf.function's automatic ones already
-        # run the weights' reads (and the copy) before the update writes them,
-        # and an explicit one made the update wait for the whole tf.cond
-        # (measured: 1.11-1.12x plain fit with it, 1.08x without).
+        kept = self._kept_before(due, ctx)
+        if kept is None:
+            weight_rows = tf.cond(due, self._weights_before,
+                                  lambda: tf.zeros([self._plan.num_weight_rows, NUM_FIELDS], tf.float64))
+            # No explicit control dependency: tf.function's automatic ones already
+            # run the weights' reads (and the copy) before the update writes them,
+            # and an explicit one made the update wait for the whole tf.cond
+            # (measured: 1.11-1.12x plain fit with it, 1.08x without).
+            waits: list = []
+        else:
+            weight_rows, copies = kept
+            # The update writes the weights once the kernel has read them: a
+            # read still held when the update writes would be copied first.
+            waits = [weight_rows, *copies]
         trigger = self.gate.trigger(head)
-        result = self.gate.gated_apply(apply, grads, variables, trace, ctx, trigger["trigger"])
+        with tf.control_dependencies(waits):
+            result = self.gate.gated_apply(apply, grads, variables, trace, ctx, trigger["trigger"])
         applied = result if isinstance(result, tf.Tensor) and result.dtype == tf.bool else tf.constant(True)
         if self.lso:  # a LossScaleOptimizer's own skip leaves the iterations where they were
             its_after = tf.cast(tf.convert_to_tensor(step_counter(opt)), tf.int64)
             applied = tf.logical_and(applied, tf.not_equal(its_after, its_before))
         self.gate.put_back(trace, tf.logical_not(applied), trigger["trigger"])
         skipped = tf.cast(tf.logical_not(applied), tf.int64)
-        aux = _aux_row(self._update_norms(due, weight_rows), call=self._calls.read_value(), step=step,
+        aux = _aux_row(self._update_norms(due, weight_rows, kept), call=self._calls.read_value(), step=step,
                        loss_scale=scale, weights_due=due, held=skipped, **trigger)
         stacked = tf.concat([head, weight_rows], 0)
         if ctx is None:
@@ -399,6 +415,17 @@ class StepProgram:
             loss_bad = ctx.all_reduce(tf.distribute.ReduceOp.SUM, tf.cast(loss_bad, tf.float32)) > 0
         return tf.logical_or(tf.equal(tf.math.floormod(step, self._weights_every_n_steps), 0), loss_bad)
 
+    def _kept_before(self, due: tf.Tensor, ctx: Any) -> tuple[tf.Tensor, list[tf.Tensor]] | None:
+        """On one device where the record kernel serves (``stats.keep_if``):
+        the weights' records before the update and their copies for the
+        update ratios, made where ``due`` with no cond; else None (a cond,
+        ``_weights_before``)."""
+        plan = self._plan
+        if ctx is not None or not (plan.num_weight_rows or self._update_ratios):
+            return None
+        return stats.keep_if([tf.convert_to_tensor(v) for v in plan.variables], [v.path for v in plan.variables],
+                             due, record=bool(plan.num_weight_rows), copy=self._update_ratios)
+
     def _weights_before(self) -> tf.Tensor:
         """The weights' records before the update, after copying them for the update ratios."""
         # The copies need no control dependency on what follows: a branch's
@@ -415,11 +442,15 @@ class StepProgram:
             return tf.zeros([0, NUM_FIELDS], tf.float64)
         return stats.records_of(values, [v.path for v in variables])
 
-    def _update_norms(self, due: tf.Tensor, weight_rows: tf.Tensor) -> tf.Tensor:
-        """||w_new - w_old||^2 and ||w_old||^2 of each variable, on due steps."""
+    def _update_norms(self, due: tf.Tensor, weight_rows: tf.Tensor,
+                      kept: tuple[tf.Tensor, list[tf.Tensor]] | None) -> tf.Tensor:
+        """||w_new - w_old||^2 and ||w_old||^2 of each variable, on due steps
+        (``kept``: ``_kept_before``'s, or None where a cond made the copy)."""
         variables = self._plan.variables
         if not self._update_ratios:
             return tf.zeros([0], tf.float64)
+        if kept is not None:
+            return tf.reshape(stats.moved_since([tf.convert_to_tensor(v) for v in variables], kept[1], due), [-1])
 
         def norms() -> tf.Tensor:
             moved = self._snapshot.moved([tf.convert_to_tensor(v) for v in variables])

@@ -18,8 +18,10 @@
 // limits ([smallest normal, overflow margin] of the tensor's own dtype, and
 // the share of the mean square below which the variance is summed again
 // about the mean: stats._CANCELLATION_SHARE; in the accumulation dtype).
-// Output: the float64 record in metadata.FIELDS' order. TbnRecords and
-// TbnMoved, below, take a list of tensors.
+// Output: the float64 record in metadata.FIELDS' order. TbnRecords, below,
+// takes a list of tensors; TbnKeep and TbnMoved make a due step's weights'
+// records, their copy before the update and how far each moved, where a
+// bool input says the step is due (at no cost elsewhere, so with no cond).
 #if !defined(__x86_64__)
 #error "the record kernel is built for x86-64 only; elsewhere stats.py's TensorFlow ops serve"
 #endif
@@ -276,9 +278,68 @@ class RecordsOp : public OpKernel {
   }
 };
 
-// ||new_i - old_i||^2 of each tensor new_i, old_i its values' slice of the
-// flat ``old`` (the tensors' values before, in order), summed in double:
-// the update ratios' numerators, one node for every weight.
+// A due step's weights, with no cond around them: where ``due``, the
+// records of the tensors (attr ``record``) and a copy of their values, flat
+// and in order (attr ``copy``: what they were before the update writes
+// them); elsewhere zero records and an empty copy, at no cost.
+template <typename F>
+class KeepOp : public OpKernel {
+ public:
+  explicit KeepOp(OpKernelConstruction* c) : OpKernel(c) {
+    OP_REQUIRES_OK(c, c->GetAttr("record", &record_));
+    OP_REQUIRES_OK(c, c->GetAttr("copy", &copy_));
+  }
+
+  void Compute(OpKernelContext* c) override {
+    tensorflow::OpInputList values;
+    OP_REQUIRES_OK(c, c->input_list("values", &values));
+    const int64_t k = values.size();
+    const Tensor& limits = c->input(k);
+    const bool due = c->input(k + 1).scalar<bool>()();
+    OP_REQUIRES(c, limits.dims() == 2 && limits.dim_size(0) == k && limits.dim_size(1) == 3,
+                tensorflow::errors::InvalidArgument("TbnKeep: limits must be [tensors, 3]"));
+    std::vector<int64_t> offset(k + 1, 0);
+    for (int64_t i = 0; i < k; ++i) offset[i + 1] = offset[i] + values[i].NumElements();
+    Tensor* records = nullptr;
+    OP_REQUIRES_OK(c, c->allocate_output(0, TensorShape({record_ ? k : 0, 11}), &records));
+    Tensor* kept = nullptr;
+    OP_REQUIRES_OK(c, c->allocate_output(1, TensorShape({due && copy_ ? offset[k] : 0}), &kept));
+    records->flat<double>().setZero();
+    if (!due) return;
+    auto* pool = c->device()->tensorflow_cpu_worker_threads()->workers;
+    if (record_) {
+      const auto l = limits.matrix<F>();
+      double* out = records->flat<double>().data();
+      for (int64_t i = 0; i < k; ++i) {
+        RecordOf<F>(values[i].flat<F>().data(), values[i].NumElements(), l(i, 0), l(i, 1), l(i, 2), pool,
+                    out + 11 * i);
+      }
+    }
+    if (copy_) {
+      F* to = kept->flat<F>().data();
+      std::vector<std::pair<int64_t, int64_t>> blocks;  // (tensor, first value)
+      for (int64_t i = 0; i < k; ++i) {
+        for (int64_t j = 0; j < values[i].NumElements(); j += kShardMin) blocks.emplace_back(i, j);
+      }
+      pool->ParallelFor(blocks.size(), kShardMin, [&](int64_t a, int64_t b) {
+        for (int64_t s = a; s < b; ++s) {
+          const auto [i, j] = blocks[s];
+          const int64_t m = std::min<int64_t>(kShardMin, values[i].NumElements() - j);
+          std::copy_n(values[i].flat<F>().data() + j, m, to + offset[i] + j);
+        }
+      });
+    }
+  }
+
+ private:
+  bool record_ = true;
+  bool copy_ = true;
+};
+
+// Where ``due``, [||new_i - old_i||^2, ||old_i||^2] of each tensor new_i,
+// old_i its values' slice of the flat ``old`` (TbnKeep's copy), summed in
+// double: the update ratios' numerators and denominators, one node for
+// every weight; elsewhere zeros.
 template <typename F>
 class MovedOp : public OpKernel {
  public:
@@ -288,49 +349,54 @@ class MovedOp : public OpKernel {
     tensorflow::OpInputList values;
     OP_REQUIRES_OK(c, c->input_list("values", &values));
     const Tensor& old = c->input(values.size());
+    const bool due = c->input(values.size() + 1).scalar<bool>()();
     const int64_t k = values.size();
+    Tensor* moved = nullptr;
+    OP_REQUIRES_OK(c, c->allocate_output(0, TensorShape({k, 2}), &moved));
+    auto out = moved->matrix<double>();
+    out.setZero();
+    if (!due) return;
     std::vector<int64_t> offset(k + 1, 0);
     for (int64_t i = 0; i < k; ++i) offset[i + 1] = offset[i] + values[i].NumElements();
     OP_REQUIRES(c, old.NumElements() == offset[k],
                 tensorflow::errors::InvalidArgument("TbnMoved: old holds ", old.NumElements(),
                                                     " values, the tensors ", offset[k]));
-    Tensor* moved = nullptr;
-    OP_REQUIRES_OK(c, c->allocate_output(0, TensorShape({k}), &moved));
     const F* before = old.flat<F>().data();
     // Blocks of kBlock values, each summed on its own, then in order per tensor.
     std::vector<std::pair<int64_t, int64_t>> blocks;  // (tensor, first value)
     for (int64_t i = 0; i < k; ++i) {
       for (int64_t j = 0; j < values[i].NumElements(); j += kBlock) blocks.emplace_back(i, j);
     }
-    std::vector<double> sums(blocks.size(), 0.0);
+    std::vector<std::pair<double, double>> sums(blocks.size());
     auto work = [&](int64_t a, int64_t b) {
       for (int64_t s = a; s < b; ++s) {
         const auto [i, j] = blocks[s];
         const F* x = values[i].flat<F>().data() + j;
         const F* y = before + offset[i] + j;
         const int64_t m = std::min<int64_t>(kBlock, values[i].NumElements() - j);
-        double q = 0;
-#pragma omp simd reduction(+ : q)
+        double q = 0, o = 0;
+#pragma omp simd reduction(+ : q, o)
         for (int64_t t = 0; t < m; ++t) {
           const double d = double(x[t]) - double(y[t]);
           q += d * d;
+          o += double(y[t]) * double(y[t]);
         }
-        sums[s] = q;
+        sums[s] = {q, o};
       }
     };
     c->device()->tensorflow_cpu_worker_threads()->workers->ParallelFor(blocks.size(), kBlock * 4, work);
-    auto out = moved->flat<double>();
-    out.setZero();
-    for (size_t s = 0; s < blocks.size(); ++s) out(blocks[s].first) += sums[s];
+    for (size_t s = 0; s < blocks.size(); ++s) {
+      out(blocks[s].first, 0) += sums[s].first;
+      out(blocks[s].first, 1) += sums[s].second;
+    }
   }
 };
 
-// The shape of an op over a list of N tensors: a row of ``columns`` values
-// per tensor, or one value per tensor where ``columns`` is 0.
+// The shape of an op over a list of N tensors: a row of ``columns`` values per tensor.
 tensorflow::Status PerTensorShape(tensorflow::shape_inference::InferenceContext* c, int64_t columns) {
   int64_t n;
   TF_RETURN_IF_ERROR(c->GetAttr("N", &n));
-  c->set_output(0, columns ? c->Matrix(n, columns) : c->Vector(n));
+  c->set_output(0, c->Matrix(n, columns));
   return tensorflow::OkStatus();
 }
 
@@ -360,13 +426,37 @@ REGISTER_OP("TbnRecords")
 REGISTER_KERNEL_BUILDER(Name("TbnRecords").Device(tensorflow::DEVICE_CPU).TypeConstraint<float>("T"), RecordsOp<float>);
 REGISTER_KERNEL_BUILDER(Name("TbnRecords").Device(tensorflow::DEVICE_CPU).TypeConstraint<double>("T"), RecordsOp<double>);
 
+REGISTER_OP("TbnKeep")
+    .Input("values: N * T")
+    .Input("limits: T")
+    .Input("due: bool")
+    .Output("records: float64")
+    .Output("kept: T")
+    .Attr("N: int >= 1")
+    .Attr("T: {float, double}")
+    .Attr("record: bool = true")
+    .Attr("copy: bool = true")
+    .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) {
+      int64_t n;
+      bool record;
+      TF_RETURN_IF_ERROR(c->GetAttr("N", &n));
+      TF_RETURN_IF_ERROR(c->GetAttr("record", &record));
+      c->set_output(0, c->Matrix(record ? n : 0, 11));
+      c->set_output(1, c->Vector(c->UnknownDim()));
+      return tensorflow::OkStatus();
+    });
+
+REGISTER_KERNEL_BUILDER(Name("TbnKeep").Device(tensorflow::DEVICE_CPU).TypeConstraint<float>("T"), KeepOp<float>);
+REGISTER_KERNEL_BUILDER(Name("TbnKeep").Device(tensorflow::DEVICE_CPU).TypeConstraint<double>("T"), KeepOp<double>);
+
 REGISTER_OP("TbnMoved")
     .Input("values: N * T")
     .Input("old: T")
+    .Input("due: bool")
     .Output("moved: float64")
     .Attr("N: int >= 1")
     .Attr("T: {float, double}")
-    .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) { return PerTensorShape(c, 0); });
+    .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) { return PerTensorShape(c, 2); });
 
 REGISTER_KERNEL_BUILDER(Name("TbnMoved").Device(tensorflow::DEVICE_CPU).TypeConstraint<float>("T"), MovedOp<float>);
 REGISTER_KERNEL_BUILDER(Name("TbnMoved").Device(tensorflow::DEVICE_CPU).TypeConstraint<double>("T"), MovedOp<double>);

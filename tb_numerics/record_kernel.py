@@ -6,8 +6,10 @@ fuses none of them) and each call site costs the instantiation of that
 body when the step first runs. ``record_kernel.cc`` computes the same
 record in one vectorised pass (two for a tensor holding zeros, such as a
 ReLU output) as a single op; ``TbnRecords`` the records of a list of
-tensors (a step's weights) as one op, and ``TbnMoved`` the update ratios'
-squared norms of how far each weight moved.
+tensors (a step's small gradients) as one op; ``TbnKeep`` a due step's
+weights' records and their copy before the update, and ``TbnMoved`` the
+update ratios' squared norms, each one op for every weight and free at the
+other steps, so that no cond surrounds them.
 
 It is C++ built against the installed TensorFlow, so it is compiled on the
 machine that uses it: the first time a record is traced (about 10 s, once),
@@ -175,13 +177,13 @@ def _loaded() -> Any | None:
     except (tf.errors.OpError, OSError) as e:
         _log.warning("tb_numerics: the record kernel did not load, TensorFlow's ops serve (slower): %s", e)
         return None
-    for op in ("TbnRecord", "TbnRecords", "TbnMoved"):
+    for op in ("TbnRecord", "TbnRecords", "TbnKeep", "TbnMoved"):
         tf.no_gradient(op)
     return module
 
 
 def load() -> Any | None:
-    """The op module (``tbn_record``, ``tbn_records``, ``tbn_moved``: see
+    """The op module (``tbn_record``, ``tbn_records``, ``tbn_keep``, ``tbn_moved``: see
     record_kernel.cc), or None where the TensorFlow ops serve (see the module's docstring and ``use``)."""
     if getattr(_override, "enabled", True) is False:
         return None

@@ -93,9 +93,10 @@ __all__ = [
     "global_norm_record",
     "in_order",
     "is_small",
+    "keep_if",
     "many_stats",
     "merge_stats",
-    "moved_sq_norms",
+    "moved_since",
     "nonfinite_count",
     "op_stats",
     "records_of",
@@ -206,20 +207,60 @@ def records_of(tensors: list[tf.Tensor], names: list[str]) -> tf.Tensor:
     return in_order(parts, order)
 
 
-def moved_sq_norms(now: list[tf.Tensor], before: tf.Tensor) -> tf.Tensor:
-    """||now_i - before_i||^2 of each tensor, a float64 vector: how far each
-    weight moved (the update ratios' numerators). ``before``: their values
-    before, flat and in order, in their one dtype.
+def keep_if(tensors: list[tf.Tensor], names: list[str], due: tf.Tensor, *, record: bool,
+            copy: bool) -> tuple[tf.Tensor, list[tf.Tensor]] | None:
+    """Where ``due`` (a bool tensor): the records ``[k, NUM_FIELDS]`` of
+    ``tensors`` (if ``record``, else ``[0, NUM_FIELDS]``) and a copy of their
+    values (if ``copy``), flat, one tensor per dtype (``moved_since``'s
+    ``kept``); zero records and empty copies at other steps.
 
-    With the record kernel one op (``TbnMoved``) for all of them, summed in
-    float64; else a difference and a squared norm each (``sq_norms``).
+    A due step's weights before the update, with no cond around them: one
+    record kernel op per dtype, which does nothing where the step is not
+    due (a cond's branches each took an input per weight, 0.5 s of tracing
+    for ResNet-50's 214, and read them again). Small float32 tensors'
+    records are held to float32 as ``records_of`` holds them. None where
+    the kernel does not serve or a tensor is neither float32 nor float64.
     """
     kernel = _kernel()
-    if kernel is not None and before.dtype in (tf.float32, tf.float64):
-        return kernel.tbn_moved(now, before)
-    sizes = [x.shape.num_elements() for x in now]
-    olds = tf.split(before, sizes) if len(sizes) > 1 else [before]
-    return sq_norms([flatten(x) - old for x, old in zip(now, olds)])
+    xs = [tf.convert_to_tensor(x) for x in tensors]
+    if kernel is None or any(x.dtype not in _KEPT_DTYPES for x in xs):
+        return None
+    parts, order, kept = [], [], []
+    for dtype, where in _by_dtype(xs):
+        limits = shared_constant([_limit_row(xs[i].dtype.name) for i in where], dtype)
+        rows, flat = kernel.tbn_keep([xs[i] for i in where], limits, due, record=record, copy=copy)
+        small = [dtype == tf.float32 and is_small(xs[i]) for i in where]
+        if record and any(small):
+            rows = tf.where(shared_constant(small, tf.bool)[:, None], held_to_float32(rows), rows)
+        parts.append(rows)
+        order += where
+        kept.append(flat)
+    records = in_order(parts, order) if record else tf.zeros([0, metadata.NUM_FIELDS], tf.float64)
+    return records, kept
+
+
+def moved_since(now: list[tf.Tensor], kept: list[tf.Tensor], due: tf.Tensor) -> tf.Tensor:
+    """Where ``due``, ``[||now_i - before_i||^2, ||before_i||^2]`` of each
+    tensor, float64 ``[k, 2]``: how far each weight moved (the update
+    ratios' numerators and denominators), ``kept`` being ``keep_if``'s
+    copies of the same tensors before; zeros at other steps. One record
+    kernel op per dtype (``keep_if`` served, so the kernel does)."""
+    kernel = _kernel()
+    xs = [tf.convert_to_tensor(x) for x in now]
+    parts, order = [], []
+    for (_, where), before in zip(_by_dtype(xs), kept):
+        parts.append(kernel.tbn_moved([xs[i] for i in where], before, due))
+        order += where
+    return in_order(parts, order)
+
+
+_KEPT_DTYPES = (tf.float32, tf.float64)
+
+
+def _by_dtype(xs: list[tf.Tensor]) -> list[tuple[tf.DType, list[int]]]:
+    """(dtype, the positions of its tensors) of each of ``_KEPT_DTYPES`` present, in that order."""
+    groups = [(d, [i for i, x in enumerate(xs) if x.dtype == d]) for d in _KEPT_DTYPES]
+    return [(d, where) for d, where in groups if where]
 
 
 def _kernel():

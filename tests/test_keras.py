@@ -11,7 +11,7 @@ import pytest
 import tensorflow as tf
 
 import tb_numerics
-from tb_numerics import analysis, cli, event_reader, rules, stats
+from tb_numerics import analysis, cli, event_reader, record_kernel, rules, stats
 from tb_numerics.keras import NumericsCallback
 
 import two_replicas
@@ -263,8 +263,14 @@ def test_records_compiled_for_a_gpu_are_the_uncompiled_ones(tmp_path, monkeypatc
     assert (got["step"], got["tensor"], got["nan"]) == (want["step"], want["tensor"], want["nan"])
 
 
-def test_weights_are_recorded_every_weights_every_n_steps_and_at_a_bad_step(tmp_path):
-    ra = _fit_with_nan_in_batch_5(tmp_path, weights_every_n_steps=3, replay=False)
+@pytest.mark.parametrize("kernel", [True, False], ids=["record_kernel", "tf_ops"])
+def test_weights_are_recorded_every_weights_every_n_steps_and_at_a_bad_step(tmp_path, kernel):
+    # With the record kernel a due step's weights are kept with no cond
+    # (stats.keep_if); with TensorFlow's ops, in a cond and a snapshot variable.
+    if kernel and record_kernel.load() is None:
+        pytest.skip("the record kernel is not built on this machine")
+    with record_kernel.use(kernel):
+        ra = _fit_with_nan_in_batch_5(tmp_path, weights_every_n_steps=3, replay=False)
     assert ra.find("d/output").series.steps.tolist() == list(range(8))
     # Without replay training is unchanged: every 3rd step, and the steps
     # whose loss is NaN: step 5's batch, then every step after it (its

@@ -78,9 +78,11 @@ def test_many_small_records_and_moved_norms_are_one_node_per_dtype():
     types = [op.type for op in graph.get_operations()]
     assert types.count("TbnRecords") == 2  # float32 (float16 widened) and float64
     assert types.count("TbnRecord") == 2
-    flat = tf.zeros([sum(range(1, 301))])
-    graph = tf.function(lambda: stats.moved_sq_norms(xs[:300], flat)).get_concrete_function().graph
-    assert [op.type for op in graph.get_operations()].count("TbnMoved") == 1
+    due = tf.constant(True)
+    graph = tf.function(lambda: stats.moved_since(xs[:300], stats.keep_if(xs[:300], names[:300], due, record=True,
+                                                                          copy=True)[1], due)).get_concrete_function().graph
+    types = [op.type for op in graph.get_operations()]
+    assert types.count("TbnKeep") == types.count("TbnMoved") == 1 and "If" not in types and "StatelessIf" not in types
 
 
 def test_not_used_inside_a_compiled_step():

@@ -214,21 +214,50 @@ def test_records_of_many_tensors_are_each_ones_record(graph):
         assert_matches(row, _reference(t, dtype), dtype)
 
 
-@pytest.mark.parametrize("dtype", ["float32", "float64"])
-def test_moved_sq_norms_are_how_far_each_tensor_moved(dtype):
-    # The update ratios' numerators: ||now - before||^2 of each weight, its
-    # values before kept flat and in order (the callback's snapshot).
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "traced"])
+def test_a_due_steps_weights_are_kept_and_how_far_they_moved_is_measured(graph):
+    # A due step's weights before the update (records and a copy), and the
+    # update ratios' ||now - before||^2 and ||before||^2 after it, with no
+    # cond: at a step that is not due, zeros and empty copies. The truth is
+    # numpy's, on float32 and float64 weights mixed, a NaN and an Inf, a
+    # scalar, an empty weight, one over a shard of the kernel.
     rng = np.random.default_rng(5)
-    shapes = [(3, 4), (70000,), (1,), (0,), (64, 65)]
-    before = [rng.standard_normal(s).astype(dtype) for s in shapes]
-    now = [b + rng.standard_normal(b.shape).astype(dtype) * 1e-3 for b in before]
-    now[2][0] = np.nan
-    want = [np.square(n.astype(np.float64) - b.astype(np.float64)).sum() for n, b in zip(now, before)]
-    flat = tf.constant(np.concatenate([b.reshape(-1) for b in before]))
-    for fn in (stats.moved_sq_norms, tf.function(stats.moved_sq_norms)):
-        got = fn([tf.constant(n) for n in now], flat).numpy()
-        assert np.isnan(got[2]) and got[3] == 0
-        np.testing.assert_allclose(np.delete(got, 2), np.delete(want, 2), rtol=1e-4 if dtype == "float32" else 1e-12)
+    cases = [("float32", (3, 4)), ("float64", (70000,)), ("float32", ()), ("float32", (0,)), ("float32", (64, 65)),
+             ("float64", (5,)), ("float32", (70001,))]
+    before = [rng.standard_normal(s).astype(d) for d, s in cases]
+    before[4][1, 2], before[5][0] = np.inf, np.nan
+    now = [b + rng.standard_normal(b.shape).astype(b.dtype) * 1e-3 for b in before]
+    names = ["w%d" % i for i in range(len(cases))]
+
+    def step(due):
+        kept = stats.keep_if([tf.constant(b) for b in before], names, due, record=True, copy=True)
+        if kept is None:
+            return None
+        rows, copies = kept
+        return rows, copies, stats.moved_since([tf.constant(n) for n in now], copies, due)
+
+    run = tf.function(step) if graph else step
+    if _way == "ops":  # TensorFlow's ops serve this with a cond (the callback's _Snapshot)
+        assert run(tf.constant(True)) is None
+        return
+    rows, copies, moved = run(tf.constant(True))
+    for row, b, (dtype, _) in zip(rows.numpy(), before, cases):
+        assert_matches(row, numpy_stats(b.astype(np.float64), dtype), dtype)
+    for dtype, copy in zip(("float32", "float64"), copies):
+        np.testing.assert_array_equal(copy.numpy(), np.concatenate(
+            [b.reshape(-1) for b, (d, _) in zip(before, cases) if d == dtype]))
+    with np.errstate(invalid="ignore"):  # inf - inf
+        want = [[np.square(n.astype(np.float64) - b.astype(np.float64)).sum(), np.square(b.astype(np.float64)).sum()]
+                for n, b in zip(now, before)]
+    got = moved.numpy()
+    assert got.shape == (len(cases), 2) and got[3].tolist() == [0, 0]
+    assert np.isnan(got[4, 0]) and np.isinf(got[4, 1]) and np.isnan(got[5]).all()
+    for i in (0, 1, 2, 6):
+        np.testing.assert_allclose(got[i], want[i], rtol=1e-5 if cases[i][0] == "float32" else 1e-12)
+    rows, copies, moved = run(tf.constant(False))
+    assert not rows.numpy().any() and [c.shape[0] for c in copies] == [0, 0] and not moved.numpy().any()
+    rows, copies = stats.keep_if([tf.constant(b) for b in before], names, tf.constant(True), record=False, copy=False)
+    assert rows.shape == (0, metadata.NUM_FIELDS) and [c.shape[0] for c in copies] == [0, 0]
 
 
 def test_merge_stats_is_the_record_of_the_concatenation():

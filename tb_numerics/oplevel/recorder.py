@@ -40,8 +40,8 @@ __all__ = ["DEFAULT_SKIP_OP_TYPES", "OpNumerics", "numerics_check_failed", "op_n
 # and no larger in magnitude (ReLU and its gradient, Neg, Abs): a NaN, Inf or
 # overflow-risk value there is already in an input, recorded where it was
 # made; an MLP has one ReLU and one ReLU gradient per layer. TbnRecord,
-# TbnRecords and TbnMoved are our own record kernel's ops: their records of
-# a NaN input hold a NaN.
+# TbnRecords, TbnKeep and TbnMoved are our own record kernel's ops: their
+# records of a NaN input hold a NaN.
 DEFAULT_SKIP_OP_TYPES = frozenset(
     """
     BroadcastTo Concat ConcatV2 Const DebugIdentityV2 DebugNumericSummaryV2 EnsureShape
@@ -50,7 +50,7 @@ DEFAULT_SKIP_OP_TYPES = frozenset(
     PreventGradient ReadVariableOp Reshape Shape ShapeN Size Slice Snapshot Split SplitV
     Squeeze StatefulPartitionedCall StatelessIf StatelessWhile StopGradient StridedSlice
     Switch TensorListFromTensor TensorListGetItem TensorListReserve TensorListSetItem
-    TensorListStack TbnMoved TbnRecord TbnRecords Tile Transpose Unpack VarHandleOp While ZerosLike
+    TensorListStack TbnKeep TbnMoved TbnRecord TbnRecords Tile Transpose Unpack VarHandleOp While ZerosLike
     Abs Neg Relu Relu6 Relu6Grad ReluGrad
     """.split()
 )
