@@ -220,10 +220,10 @@ def test_a_due_steps_weights_are_kept_and_how_far_they_moved_is_measured(graph):
     # update ratios' ||now - before||^2 and ||before||^2 after it, with no
     # cond: at a step that is not due, zeros and empty copies. The truth is
     # numpy's, on float32 and float64 weights mixed, a NaN and an Inf, a
-    # scalar, an empty weight, one over a shard of the kernel.
+    # scalar, an empty weight, weights over the kernel's copy blocks and shards.
     rng = np.random.default_rng(5)
     cases = [("float32", (3, 4)), ("float64", (70000,)), ("float32", ()), ("float32", (0,)), ("float32", (64, 65)),
-             ("float64", (5,)), ("float32", (70001,))]
+             ("float64", (5,)), ("float32", (140001,))]
     before = [rng.standard_normal(s).astype(d) for d, s in cases]
     before[4][1, 2], before[5][0] = np.inf, np.nan
     now = [b + rng.standard_normal(b.shape).astype(b.dtype) * 1e-3 for b in before]
