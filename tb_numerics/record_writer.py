@@ -9,6 +9,7 @@ convert other logs use it; training code uses ``tb_numerics.log_numerics``.
 
 from __future__ import annotations
 
+import itertools
 import os
 import socket
 import struct
@@ -25,6 +26,12 @@ _FILE_VERSION = "brain.Event:2"
 _LATER_METADATA = metadata.create_later_metadata()
 # Where records were lost and it was said (once each).
 _lost_in: set[str] = set()
+# Each writer's number in this process, in its file's name: TensorBoard
+# reads a run's files in name order, and a step written again by a later
+# writer (fit after compile: the optimizer counts from 0 again) stands for
+# the earlier one only if the later file sorts after the earlier one, also
+# when both were made in the same second.
+_writer_numbers = itertools.count()
 
 
 def warn_lost_records(where: str, error: BaseException) -> None:
@@ -155,11 +162,11 @@ class NumericsRecordWriter:
 
     def __init__(self, logdir: str, filename_suffix: str = ""):
         os.makedirs(logdir, exist_ok=True)
-        name = "events.out.tfevents.%010d.%s.%d.%d%s" % (
+        name = "events.out.tfevents.%010d.%s.%d.%06d%s" % (
             time.time(),
             socket.gethostname(),
             os.getpid(),
-            id(self) % 100000,
+            next(_writer_numbers),
             filename_suffix,
         )
         self.path = os.path.join(logdir, name)
