@@ -235,6 +235,40 @@ void RecordOf(const F* x, int64_t n, F tiny, F margin, double share, tensorflow:
   std::copy(fields, fields + 11, out);
 }
 
+// Where each of ``values`` starts in their flat concatenation; the last
+// entry is their total size.
+std::vector<int64_t> Offsets(const tensorflow::OpInputList& values) {
+  std::vector<int64_t> offset(values.size() + 1, 0);
+  for (int i = 0; i < values.size(); ++i) offset[i + 1] = offset[i] + values[i].NumElements();
+  return offset;
+}
+
+// (tensor, first value) of each block of ``size`` values of each of ``values``.
+std::vector<std::pair<int64_t, int64_t>> Blocks(const tensorflow::OpInputList& values, int64_t size) {
+  std::vector<std::pair<int64_t, int64_t>> blocks;
+  for (int i = 0; i < values.size(); ++i) {
+    for (int64_t j = 0; j < values[i].NumElements(); j += size) blocks.emplace_back(i, j);
+  }
+  return blocks;
+}
+
+// The records of ``values`` into ``out``, a row of 11 each, ``limits``
+// holding each one's row of three (checked by the caller).
+template <typename F>
+void RecordsOf(const tensorflow::OpInputList& values, const Tensor& limits, tensorflow::thread::ThreadPool* pool,
+               double* out) {
+  const auto l = limits.matrix<F>();
+  for (int i = 0; i < values.size(); ++i) {
+    RecordOf<F>(values[i].flat<F>().data(), values[i].NumElements(), l(i, 0), l(i, 1), l(i, 2), pool,
+                out + 11 * i);
+  }
+}
+
+// Whether ``limits`` holds a row of three for each of ``k`` tensors.
+bool LimitsPerTensor(const Tensor& limits, int64_t k) {
+  return limits.dims() == 2 && limits.dim_size(0) == k && limits.dim_size(1) == 3;
+}
+
 template <typename F>
 class RecordOp : public OpKernel {
  public:
@@ -264,17 +298,12 @@ class RecordsOp : public OpKernel {
     OP_REQUIRES_OK(c, c->input_list("values", &values));
     const Tensor& limits = c->input(values.size());
     const int64_t k = values.size();
-    OP_REQUIRES(c, limits.dims() == 2 && limits.dim_size(0) == k && limits.dim_size(1) == 3,
+    OP_REQUIRES(c, LimitsPerTensor(limits, k),
                 tensorflow::errors::InvalidArgument("TbnRecords: limits must be [tensors, 3]"));
-    const auto l = limits.matrix<F>();
     Tensor* records = nullptr;
     OP_REQUIRES_OK(c, c->allocate_output(0, TensorShape({k, 11}), &records));
-    auto* pool = c->device()->tensorflow_cpu_worker_threads()->workers;
-    double* out = records->flat<double>().data();
-    for (int64_t i = 0; i < k; ++i) {
-      RecordOf<F>(values[i].flat<F>().data(), values[i].NumElements(), l(i, 0), l(i, 1), l(i, 2), pool,
-                  out + 11 * i);
-    }
+    RecordsOf<F>(values, limits, c->device()->tensorflow_cpu_worker_threads()->workers,
+                 records->flat<double>().data());
   }
 };
 
@@ -296,10 +325,9 @@ class KeepOp : public OpKernel {
     const int64_t k = values.size();
     const Tensor& limits = c->input(k);
     const bool due = c->input(k + 1).scalar<bool>()();
-    OP_REQUIRES(c, limits.dims() == 2 && limits.dim_size(0) == k && limits.dim_size(1) == 3,
+    OP_REQUIRES(c, LimitsPerTensor(limits, k),
                 tensorflow::errors::InvalidArgument("TbnKeep: limits must be [tensors, 3]"));
-    std::vector<int64_t> offset(k + 1, 0);
-    for (int64_t i = 0; i < k; ++i) offset[i + 1] = offset[i] + values[i].NumElements();
+    const std::vector<int64_t> offset = Offsets(values);
     Tensor* records = nullptr;
     OP_REQUIRES_OK(c, c->allocate_output(0, TensorShape({record_ ? k : 0, 11}), &records));
     Tensor* kept = nullptr;
@@ -307,20 +335,10 @@ class KeepOp : public OpKernel {
     records->flat<double>().setZero();
     if (!due) return;
     auto* pool = c->device()->tensorflow_cpu_worker_threads()->workers;
-    if (record_) {
-      const auto l = limits.matrix<F>();
-      double* out = records->flat<double>().data();
-      for (int64_t i = 0; i < k; ++i) {
-        RecordOf<F>(values[i].flat<F>().data(), values[i].NumElements(), l(i, 0), l(i, 1), l(i, 2), pool,
-                    out + 11 * i);
-      }
-    }
+    if (record_) RecordsOf<F>(values, limits, pool, records->flat<double>().data());
     if (copy_) {
       F* to = kept->flat<F>().data();
-      std::vector<std::pair<int64_t, int64_t>> blocks;  // (tensor, first value)
-      for (int64_t i = 0; i < k; ++i) {
-        for (int64_t j = 0; j < values[i].NumElements(); j += kShardMin) blocks.emplace_back(i, j);
-      }
+      const auto blocks = Blocks(values, kShardMin);
       pool->ParallelFor(blocks.size(), kShardMin, [&](int64_t a, int64_t b) {
         for (int64_t s = a; s < b; ++s) {
           const auto [i, j] = blocks[s];
@@ -356,17 +374,13 @@ class MovedOp : public OpKernel {
     auto out = moved->matrix<double>();
     out.setZero();
     if (!due) return;
-    std::vector<int64_t> offset(k + 1, 0);
-    for (int64_t i = 0; i < k; ++i) offset[i + 1] = offset[i] + values[i].NumElements();
+    const std::vector<int64_t> offset = Offsets(values);
     OP_REQUIRES(c, old.NumElements() == offset[k],
                 tensorflow::errors::InvalidArgument("TbnMoved: old holds ", old.NumElements(),
                                                     " values, the tensors ", offset[k]));
     const F* before = old.flat<F>().data();
     // Blocks of kBlock values, each summed on its own, then in order per tensor.
-    std::vector<std::pair<int64_t, int64_t>> blocks;  // (tensor, first value)
-    for (int64_t i = 0; i < k; ++i) {
-      for (int64_t j = 0; j < values[i].NumElements(); j += kBlock) blocks.emplace_back(i, j);
-    }
+    const auto blocks = Blocks(values, kBlock);
     std::vector<std::pair<double, double>> sums(blocks.size());
     auto work = [&](int64_t a, int64_t b) {
       for (int64_t s = a; s < b; ++s) {
@@ -402,6 +416,11 @@ tensorflow::Status PerTensorShape(tensorflow::shape_inference::InferenceContext*
 
 }  // namespace
 
+// An op's CPU kernels for float and double values.
+#define TBN_CPU_KERNELS(name, Op)                                                                   \
+  REGISTER_KERNEL_BUILDER(Name(name).Device(tensorflow::DEVICE_CPU).TypeConstraint<float>("T"), Op<float>); \
+  REGISTER_KERNEL_BUILDER(Name(name).Device(tensorflow::DEVICE_CPU).TypeConstraint<double>("T"), Op<double>)
+
 REGISTER_OP("TbnRecord")
     .Input("values: T")
     .Input("limits: T")
@@ -412,8 +431,7 @@ REGISTER_OP("TbnRecord")
       return tensorflow::OkStatus();
     });
 
-REGISTER_KERNEL_BUILDER(Name("TbnRecord").Device(tensorflow::DEVICE_CPU).TypeConstraint<float>("T"), RecordOp<float>);
-REGISTER_KERNEL_BUILDER(Name("TbnRecord").Device(tensorflow::DEVICE_CPU).TypeConstraint<double>("T"), RecordOp<double>);
+TBN_CPU_KERNELS("TbnRecord", RecordOp);
 
 REGISTER_OP("TbnRecords")
     .Input("values: N * T")
@@ -423,8 +441,7 @@ REGISTER_OP("TbnRecords")
     .Attr("T: {float, double}")
     .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) { return PerTensorShape(c, 11); });
 
-REGISTER_KERNEL_BUILDER(Name("TbnRecords").Device(tensorflow::DEVICE_CPU).TypeConstraint<float>("T"), RecordsOp<float>);
-REGISTER_KERNEL_BUILDER(Name("TbnRecords").Device(tensorflow::DEVICE_CPU).TypeConstraint<double>("T"), RecordsOp<double>);
+TBN_CPU_KERNELS("TbnRecords", RecordsOp);
 
 REGISTER_OP("TbnKeep")
     .Input("values: N * T")
@@ -446,8 +463,7 @@ REGISTER_OP("TbnKeep")
       return tensorflow::OkStatus();
     });
 
-REGISTER_KERNEL_BUILDER(Name("TbnKeep").Device(tensorflow::DEVICE_CPU).TypeConstraint<float>("T"), KeepOp<float>);
-REGISTER_KERNEL_BUILDER(Name("TbnKeep").Device(tensorflow::DEVICE_CPU).TypeConstraint<double>("T"), KeepOp<double>);
+TBN_CPU_KERNELS("TbnKeep", KeepOp);
 
 REGISTER_OP("TbnMoved")
     .Input("values: N * T")
@@ -458,5 +474,4 @@ REGISTER_OP("TbnMoved")
     .Attr("T: {float, double}")
     .SetShapeFn([](tensorflow::shape_inference::InferenceContext* c) { return PerTensorShape(c, 2); });
 
-REGISTER_KERNEL_BUILDER(Name("TbnMoved").Device(tensorflow::DEVICE_CPU).TypeConstraint<float>("T"), MovedOp<float>);
-REGISTER_KERNEL_BUILDER(Name("TbnMoved").Device(tensorflow::DEVICE_CPU).TypeConstraint<double>("T"), MovedOp<double>);
+TBN_CPU_KERNELS("TbnMoved", MovedOp);
