@@ -13,6 +13,13 @@ that answer's time and completeness, and the time until a complete one:
     .venv/bin/python bench/backend.py --logdir /tmp/bench-logs   # full size, written once (5 min), then reused
     .venv/bin/python bench/backend.py --steps 10000 --tensors 50  # quick
     .venv/bin/python bench/backend.py --record-dtype float64      # a float64 model's records
+    .venv/bin/python bench/backend.py --logdir /tmp/bench-live --append 1000   # a training still running
+
+``--append`` times what a user who watches a long training waits for: the
+run is written without its NaN; once the plugin has answered for all of it,
+1,000 more steps (one packed block, the NaN in their middle) appear in a new
+file, and the bench times, from TensorBoard showing their last step, the
+plugin's complete answer naming the NaN.
 
 The records are those of float32 tensors by default (statistics accumulated
 in float32, so packed rows are stored as float32); ``--record-dtype float64``
@@ -49,6 +56,8 @@ import tb_process  # noqa: E402 - the tests' helper that runs a real tensorboard
 RUN = "train"
 MARKER_TAG = "bench/loaded"
 NAN_STEP = 77_777
+# The file ``--append`` writes while TensorBoard runs (after the parts, by name).
+APPENDED_PART = 99
 FIRST_ANOMALY_TARGET_S = 2.0
 TIMELINE_TARGET_S = 0.5
 MEMORY_TARGET_BYTES = 2e9
@@ -78,21 +87,22 @@ def _records(tag_index: int, role: str, steps: np.ndarray, dtype: str) -> np.nda
     return long_run.stats(rng, len(steps), size, scale, dtype)
 
 
-def _write_part(args: tuple[str, int, int, int, int, str]) -> str:
-    """Writes steps [lo, hi) of every tag to one event file; returns its path."""
+def _write_part(args: tuple[str, int, int, int, int, str, int]) -> str:
+    """Writes steps [lo, hi) of every tag to one event file, the NaN where
+    ``nan_step`` falls in them; returns its path."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import tensorflow  # noqa: F401 - makes NumericsRecordWriter use TF's C++ record writer
 
     from tb_numerics.metadata import FIELD_INDEX as F
     from tb_numerics.record_writer import NumericsRecordWriter
 
-    run_dir, part, lo, hi, n_tensors, dtype = args
+    run_dir, part, lo, hi, n_tensors, dtype, nan_step = args
     tensors = _tensors(n_tensors, dtype)
     steps = np.arange(lo, hi)
     values = [_records(i, info.role, steps, dtype) for i, (_, info) in enumerate(tensors)]
-    if lo <= NAN_STEP < hi:
+    if lo <= nan_step < hi:
         # A NaN in the backward pass of one gradient, three entries of 4,096.
-        values[len(tensors) // 2 + 3][NAN_STEP - lo, F["nan"]] = 3
+        values[len(tensors) // 2 + 3][nan_step - lo, F["nan"]] = 3
     with NumericsRecordWriter(run_dir, filename_suffix=".part%d" % part) as w:
         for j, step in enumerate(steps.tolist()):
             # Each step as the Keras callback writes it.
@@ -104,26 +114,40 @@ def _write_part(args: tuple[str, int, int, int, int, str]) -> str:
     return final
 
 
-def write_run(logdir: str, steps: int, n_tensors: int, processes: int, dtype: str = "float32") -> str:
+def write_run(logdir: str, steps: int, n_tensors: int, processes: int, dtype: str = "float32",
+              nan_step: int = NAN_STEP) -> str:
     """Writes the benchmark run (in parallel parts) plus a "loaded" marker."""
+    run_dir = os.path.join(logdir, RUN)
+    os.makedirs(run_dir, exist_ok=True)
+    bounds = np.linspace(0, steps, processes + 1).astype(int)
+    jobs = [(run_dir, p, int(bounds[p]), int(bounds[p + 1]), n_tensors, dtype, nan_step) for p in range(processes)]
+    with multiprocessing.get_context("spawn").Pool(processes) as pool:
+        paths = pool.map(_write_part, jobs)
+    _append_marker(paths[-1], steps - 1)
+    return run_dir
+
+
+def append_steps(run_dir: str, lo: int, hi: int, n_tensors: int, dtype: str, nan_step: int) -> str:
+    """Appends steps [lo, hi) to the run as a training still running writes
+    them (a file of its own, named after the others), the marker after them;
+    returns the file's path."""
+    path = _write_part((run_dir, APPENDED_PART, lo, hi, n_tensors, dtype, nan_step))
+    _append_marker(path, hi - 1)
+    return path
+
+
+def _append_marker(path: str, step: int) -> None:
+    """A scalar at ``step`` after the last record of ``path``: when TensorBoard
+    shows it, every record before it has been loaded."""
     from tensorboard.compat.proto import event_pb2, summary_pb2
     from tensorboard.plugins.scalar import metadata as scalar_metadata
     from tensorboard.summary.writer.record_writer import RecordWriter
 
-    run_dir = os.path.join(logdir, RUN)
-    os.makedirs(run_dir, exist_ok=True)
-    bounds = np.linspace(0, steps, processes + 1).astype(int)
-    jobs = [(run_dir, p, int(bounds[p]), int(bounds[p + 1]), n_tensors, dtype) for p in range(processes)]
-    with multiprocessing.get_context("spawn").Pool(processes) as pool:
-        paths = pool.map(_write_part, jobs)
-    # A scalar after the last record of the last file: when TensorBoard
-    # shows it, every record before it has been loaded.
     marker = summary_pb2.Summary.Value(tag=MARKER_TAG, simple_value=1.0)
     marker.metadata.CopyFrom(scalar_metadata.create_summary_metadata(display_name="", description=""))
-    event = event_pb2.Event(wall_time=time.time(), step=steps - 1, summary=summary_pb2.Summary(value=[marker]))
-    with open(paths[-1], "ab") as f:
+    event = event_pb2.Event(wall_time=time.time(), step=step, summary=summary_pb2.Summary(value=[marker]))
+    with open(path, "ab") as f:
         RecordWriter(f).write(event.SerializeToString())
-    return run_dir
 
 
 def _tree_cpu_seconds(pid: int) -> dict[str, float]:
@@ -179,6 +203,45 @@ def _tree_rss_bytes(pid: int) -> dict[str, int]:
     return rss
 
 
+def _live_append(tb, args: argparse.Namespace, run_dir: str, nan_step: int) -> dict[str, object]:
+    """A training still running: once the plugin has answered for the whole
+    run (no anomaly yet), appends ``args.append`` steps holding the NaN and
+    times, from TensorBoard showing them, the plugin's complete answer
+    naming it: what a user who watches a long training waits for."""
+    q = urllib.parse.quote
+    summary_url = "/data/plugin/numerics/summary?run=%s" % q(RUN)
+    before = tb.get_json(summary_url, timeout=1800)
+    if before["stale"] or before["first_anomaly"] is not None:
+        raise SystemExit("--append needs a run without a NaN, shown whole before the append: got %s"
+                         % {k: before[k] for k in ("stale", "records", "first_anomaly")})
+    last = args.steps + args.append - 1
+    # Written outside the logdir and moved in whole, as a flushed file appears.
+    with tempfile.TemporaryDirectory(prefix="tbn-bench-append-") as scratch:
+        path = append_steps(scratch, args.steps, args.steps + args.append, args.tensors, args.record_dtype, nan_step)
+        shutil.move(path, os.path.join(run_dir, os.path.basename(path)))
+    t_written = time.perf_counter()
+    marker = "/data/plugin/scalars/scalars?run=%s&tag=%s" % (q(RUN), q(MARKER_TAG))
+    tb_process.wait_for(lambda: any(point[1] == last for point in tb.get_json(marker)), timeout=600, interval=0.1)
+    t_loaded = time.perf_counter()
+    expected = (args.steps + args.append) * args.tensors
+    summary = tb_process.wait_for(
+        lambda: (s := tb.get_json(summary_url, timeout=600))["records"] == expected and not s["stale"] and s,
+        timeout=600, interval=0.1,
+    )
+    done = time.perf_counter()
+    got = (summary["first_anomaly"] or {}).get("step")
+    if got != nan_step:
+        raise SystemExit("live: the first anomaly at step %s, the NaN was written at %d" % (got, nan_step))
+    return {
+        "appended_steps": args.append,
+        "nan_step": nan_step,
+        # From the file's appearance until TensorBoard showed its last step.
+        "tensorboard_loaded_s": round(t_loaded - t_written, 2),
+        # From then until /summary named the NaN with every record.
+        "anomaly_after_load_s": round(done - t_loaded, 3),
+    }
+
+
 def _timed(tb, path: str) -> tuple[float, object]:
     t = time.perf_counter()
     body = tb.get_json(path, timeout=600)
@@ -200,16 +263,21 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_run_arguments(p)
+    p.add_argument("--append", type=int, default=0, metavar="STEPS",
+                   help="a training still running: the run is written without its NaN, and once TensorBoard "
+                        "has shown it whole, STEPS more steps are appended with the NaN in their middle")
     args = p.parse_args()
-    if args.steps <= NAN_STEP:
-        print("note: --steps %d <= %d: the run has no NaN" % (args.steps, NAN_STEP))
+    # With --append, the NaN comes with the appended steps.
+    nan_step = args.steps + args.append // 2 if args.append else NAN_STEP
+    if args.steps <= nan_step and not args.append:
+        print("note: --steps %d <= %d: the run has no NaN" % (args.steps, nan_step))
 
     logdir = args.logdir or tempfile.mkdtemp(prefix="tbn-bench-")
     run_dir = os.path.join(logdir, RUN)
     try:
         if not os.path.isdir(run_dir):
             t = time.perf_counter()
-            write_run(logdir, args.steps, args.tensors, args.processes, args.record_dtype)
+            write_run(logdir, args.steps, args.tensors, args.processes, args.record_dtype, nan_step)
             print("wrote %d records in %.1f s" % (args.steps * args.tensors, time.perf_counter() - t))
         file_bytes = sum(os.path.getsize(os.path.join(run_dir, f)) for f in os.listdir(run_dir))
         q = urllib.parse.quote
@@ -238,8 +306,9 @@ def main() -> int:
             t_series_zoom, _ = _timed(
                 tb,
                 "/data/plugin/numerics/series?run=%s&tensor=%s&start=%d&end=%d"
-                % (q(RUN), q(tag), max(0, NAN_STEP - 500), NAN_STEP + 500),
+                % (q(RUN), q(tag), max(0, nan_step - 500), nan_step + 500),
             )
+            live = _live_append(tb, args, run_dir, nan_step) if args.append else None
             rss_by_process = _tree_rss_bytes(tb.proc.pid)
             rss = sum(rss_by_process.values())
         # TensorBoard itself, on an empty logdir: what memory costs before any record.
@@ -290,6 +359,8 @@ def main() -> int:
             # Memory the records cost, beyond TensorBoard's own.
             "rss_added_over_raw": round((rss - rss_empty) / raw, 2),
         }
+        if live is not None:
+            results["live"] = live
         print(json.dumps(results, indent=1))
         # The first-anomaly target is met only by a complete answer in time.
         first_note = "stale, records up to step %s" % first["as_of_step"] if first["stale"] else "complete"
@@ -301,6 +372,9 @@ def main() -> int:
              "(%.2fx the raw records, %.2fx the event files; TensorBoard on an empty logdir: %.0f MB)"
              % (rss / raw, rss / file_bytes, rss_empty / 1e6), True),
         ]
+        if live is not None:
+            checks.append(("live: anomaly after load", live["anomaly_after_load_s"], FIRST_ANOMALY_TARGET_S, "s",
+                           "(%d steps appended, the NaN at step %d)" % (args.append, nan_step), True))
         for name, value, target, unit, note, counts in checks:
             verdict = "ok" if value <= target and counts else "MISSED"
             print("%-30s %9.3f%s  target <= %g%s  %-6s %s" % (name, value, unit, target, unit, verdict, note))
@@ -308,6 +382,10 @@ def main() -> int:
     finally:
         if not args.logdir:
             shutil.rmtree(logdir, ignore_errors=True)
+        elif args.append:  # the logdir stays as written, for the next run
+            for name in os.listdir(run_dir):
+                if name.endswith(".part%d" % APPENDED_PART):
+                    os.remove(os.path.join(run_dir, name))
 
 
 if __name__ == "__main__":
