@@ -63,14 +63,18 @@ TIMELINE_TARGET_S = 0.5
 MEMORY_TARGET_BYTES = 2e9
 
 
-def _tensors(n: int, dtype: str = "float32") -> list[tuple[str, "object"]]:
-    """``n`` tags with their TensorInfo: activations, loss, gradients, global norm."""
+def _tensors(n: int, dtype: str = "float32", relu_share: float = 0.0) -> list[tuple[str, "object"]]:
+    """``n`` tags with their TensorInfo: activations (``relu_share`` of them
+    ReLU outputs, spread evenly), loss, gradients, global norm."""
     from tb_numerics import metadata
 
     half = (n - 2) // 2
+    relu = set(np.floor(np.arange(round(half * relu_share)) / relu_share).astype(int)) if relu_share else set()
     out = []
     for i in range(half):
-        out.append(("dense%02d/output" % i, metadata.TensorInfo(role="activation", order=i, shape=(512, 1024), dtype=dtype)))
+        kind = {"op_type": "Activation", "activation": "relu"} if i in relu else {}
+        out.append(("dense%02d/output" % i, metadata.TensorInfo(
+            role="activation", order=i, shape=(512, 1024), dtype=dtype, **kind)))
     out.append(("loss", metadata.TensorInfo(role="loss", order=half, shape=(), dtype=dtype)))
     for i in range(n - 2 - half):
         out.append(("dense%02d/kernel_grad" % i, metadata.TensorInfo(role="gradient", order=i, shape=(1024, 1024), dtype=dtype)))
@@ -87,7 +91,7 @@ def _records(tag_index: int, role: str, steps: np.ndarray, dtype: str) -> np.nda
     return long_run.stats(rng, len(steps), size, scale, dtype)
 
 
-def _write_part(args: tuple[str, int, int, int, int, str, int]) -> str:
+def _write_part(args: tuple[str, int, int, int, int, str, int, float]) -> str:
     """Writes steps [lo, hi) of every tag to one event file, the NaN where
     ``nan_step`` falls in them; returns its path."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
@@ -96,8 +100,8 @@ def _write_part(args: tuple[str, int, int, int, int, str, int]) -> str:
     from tb_numerics.metadata import FIELD_INDEX as F
     from tb_numerics.record_writer import NumericsRecordWriter
 
-    run_dir, part, lo, hi, n_tensors, dtype, nan_step = args
-    tensors = _tensors(n_tensors, dtype)
+    run_dir, part, lo, hi, n_tensors, dtype, nan_step, relu_share = args
+    tensors = _tensors(n_tensors, dtype, relu_share)
     steps = np.arange(lo, hi)
     values = [_records(i, info.role, steps, dtype) for i, (_, info) in enumerate(tensors)]
     if lo <= nan_step < hi:
@@ -115,23 +119,25 @@ def _write_part(args: tuple[str, int, int, int, int, str, int]) -> str:
 
 
 def write_run(logdir: str, steps: int, n_tensors: int, processes: int, dtype: str = "float32",
-              nan_step: int = NAN_STEP) -> str:
+              nan_step: int = NAN_STEP, relu_share: float = 0.0) -> str:
     """Writes the benchmark run (in parallel parts) plus a "loaded" marker."""
     run_dir = os.path.join(logdir, RUN)
     os.makedirs(run_dir, exist_ok=True)
     bounds = np.linspace(0, steps, processes + 1).astype(int)
-    jobs = [(run_dir, p, int(bounds[p]), int(bounds[p + 1]), n_tensors, dtype, nan_step) for p in range(processes)]
+    jobs = [(run_dir, p, int(bounds[p]), int(bounds[p + 1]), n_tensors, dtype, nan_step, relu_share)
+            for p in range(processes)]
     with multiprocessing.get_context("spawn").Pool(processes) as pool:
         paths = pool.map(_write_part, jobs)
     _append_marker(paths[-1], steps - 1)
     return run_dir
 
 
-def append_steps(run_dir: str, lo: int, hi: int, n_tensors: int, dtype: str, nan_step: int) -> str:
+def append_steps(run_dir: str, lo: int, hi: int, n_tensors: int, dtype: str, nan_step: int,
+                 relu_share: float) -> str:
     """Appends steps [lo, hi) to the run as a training still running writes
     them (a file of its own, named after the others), the marker after them;
     returns the file's path."""
-    path = _write_part((run_dir, APPENDED_PART, lo, hi, n_tensors, dtype, nan_step))
+    path = _write_part((run_dir, APPENDED_PART, lo, hi, n_tensors, dtype, nan_step, relu_share))
     _append_marker(path, hi - 1)
     return path
 
@@ -217,7 +223,8 @@ def _live_append(tb, args: argparse.Namespace, run_dir: str, nan_step: int) -> d
     last = args.steps + args.append - 1
     # Written outside the logdir and moved in whole, as a flushed file appears.
     with tempfile.TemporaryDirectory(prefix="tbn-bench-append-") as scratch:
-        path = append_steps(scratch, args.steps, args.steps + args.append, args.tensors, args.record_dtype, nan_step)
+        path = append_steps(scratch, args.steps, args.steps + args.append, args.tensors, args.record_dtype, nan_step,
+                            args.relu_share)
         shutil.move(path, os.path.join(run_dir, os.path.basename(path)))
     t_written = time.perf_counter()
     marker = "/data/plugin/scalars/scalars?run=%s&tag=%s" % (q(RUN), q(MARKER_TAG))
@@ -258,6 +265,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--processes", type=int, default=max(1, min(4, os.cpu_count() or 1)))
     p.add_argument("--record-dtype", choices=("float32", "float64"), default="float32",
                    help="the dtype of the logged tensors (float32 records are stored as float32)")
+    p.add_argument("--relu-share", type=float, default=0.0,
+                   help="the share of activations that are ReLU outputs, whose records the plugin keeps whole "
+                        "(ResNet-50 under the callback: 49 of 176, 0.28)")
 
 
 def main() -> int:
@@ -277,7 +287,8 @@ def main() -> int:
     try:
         if not os.path.isdir(run_dir):
             t = time.perf_counter()
-            write_run(logdir, args.steps, args.tensors, args.processes, args.record_dtype, nan_step)
+            write_run(logdir, args.steps, args.tensors, args.processes, args.record_dtype, nan_step,
+                      args.relu_share)
             print("wrote %d records in %.1f s" % (args.steps * args.tensors, time.perf_counter() - t))
         file_bytes = sum(os.path.getsize(os.path.join(run_dir, f)) for f in os.listdir(run_dir))
         q = urllib.parse.quote
