@@ -206,8 +206,8 @@ def saturating(series: Sequence[TensorSeries], step: int) -> Saturating | None:
         out = next((i for i in range(k - 1, -1, -1) if layer[i].info.role == "activation"), None)
         if out is None or any(_nonfinite_at(s, step) for s in layer[:out + 1]):
             return None
-        j = np.flatnonzero(layer[out].steps == step)
-        mx = derived(layer[out].values[j].astype(np.float64))["max_abs"] if len(j) else np.zeros(0)
+        v = layer[out].at_step(step)
+        mx = derived(v)["max_abs"] if len(v) else np.zeros(0)
         if mx.size and np.max(mx) >= SATURATES_AT:
             return Saturating(layer[out].tag, step, float(np.max(mx)), loss.info.activation)
         return None
@@ -222,9 +222,7 @@ def grew_by_depth(series: Sequence[TensorSeries], step: int) -> DepthGrowth | No
     acts = [s for s in series if s.info.role == "activation" and not s.tag.startswith("ops/")]
     tops: list[tuple[str, float]] = []
     for s in acts:
-        # The step's records only: a long run's compact series reads them back from their block.
-        lo, hi = (int(np.searchsorted(s.steps, step, side=side)) for side in ("left", "right"))
-        v = s.records(lo, hi)
+        v = s.at_step(step)  # a long run's compact series reads back that step's block alone
         d = derived(v)
         finite = len(v) and bool(np.all(d["finite"] == v[:, F["count"]]))
         tops.append((s.tag, float(np.max(d["max_abs"])) if finite else float("nan")))
@@ -242,7 +240,7 @@ def grew_by_depth(series: Sequence[TensorSeries], step: int) -> DepthGrowth | No
 
 
 def _nonfinite_at(s: TensorSeries, step: int) -> bool:
-    v = s.values[s.steps == step].astype(np.float64)
+    v = s.at_step(step)
     return bool(np.any(derived(v)["finite"] < v[:, F["count"]])) if len(v) else False
 
 
@@ -269,10 +267,9 @@ def op_output(series: Sequence[TensorSeries], op: dict | None, step: int) -> dic
     the step (a later run's NaN says nothing of what the first made)."""
     name = (op or {}).get("name")
     s = next((s for s in series if isinstance(name, str) and s.tag == "ops/" + name), None)
-    at = np.flatnonzero(s.steps == step) if s is not None else []
-    if not len(at):
+    v = s.at_step(step) if s is not None else []
+    if not len(v):
         return None
-    v = s.values[at].astype(np.float64)
     bad = np.flatnonzero(nonfinite_count(v) > 0)
     first = v[bad[0] if bad.size else 0]
     return {k: int(first[F[k]]) for k in ("nan", "posinf", "neginf", "count")}
@@ -339,9 +336,8 @@ def update_made(series: Sequence[TensorSeries], anomaly: TensorSeries, step: int
         at = max(before)
     if any(_nonfinite_at(s, at) for s in grads):
         return None  # the gradients carried it in
-    rows = [s.values[s.steps == at].astype(np.float64) for s in grads]
-    rows = [r for r in rows if len(r)]
-    own = anomaly.values[anomaly.steps == step].astype(np.float64)
+    rows = [r for r in (s.at_step(at) for s in grads) if len(r)]
+    own = anomaly.at_step(step)
     own = own[np.flatnonzero(nonfinite_count(own) > 0)[:1]] if len(own) else own
     if not len(own):
         return None

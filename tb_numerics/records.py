@@ -82,6 +82,13 @@ class TensorSeries:
         """Records ``[lo, hi)`` in float64 (a compact series reads them back)."""
         return self.values[lo:hi].astype(np.float64)
 
+    def at_step(self, step: int) -> np.ndarray:
+        """The records of ``step`` in float64 ``[k, F]``, in the order
+        written (usually one; none where the step was not logged): a compact
+        series reads back those alone."""
+        lo = int(np.searchsorted(self.steps, step, side="left"))
+        return self.records(lo, int(np.searchsorted(self.steps, step, side="right")))
+
     def mask_values(self) -> np.ndarray:
         """The records the rules' series masks read, in float64: all of
         them (a compact series rebuilds what the masks read, ``compact``)."""

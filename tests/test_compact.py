@@ -315,3 +315,71 @@ def test_a_block_unusual_in_a_late_slice_is_read_as_the_cli_reads_it(tmp_path, m
     full = analysis.analyze_run(long_run.RUN, whole.series, analysis.SafeRange(), whole.problems)
     for width in (7, 1000):
         assert analysis.timeline(_answer(store, {}), width) == analysis.timeline(full, width), width
+
+
+FAULT_STEP = 2500
+
+
+def _forward_failure_run(logdir: str, fault: str) -> str:
+    """A packed run of 3,000 steps (three blocks) whose first anomaly needs
+    the evidence of a step's records of usual, compact tensors: the loss
+    +Inf at ``FAULT_STEP`` with every layer's output finite (``"loss"``:
+    the hints ask which layer output went bad first, and whether the
+    model's output saturated), or an update that made a weight NaN while
+    its gradient stayed finite (``"update"``: the hints read the gradient's
+    and the weight's records of that step)."""
+    from tb_numerics.record_writer import NumericsRecordWriter
+
+    def info(role: str, order: int, shape: tuple, **kw) -> metadata.TensorInfo:
+        return metadata.TensorInfo(role=role, order=order, shape=shape, dtype="float32", **kw)
+
+    table = [("input", info("input", 0, (64, 32)))]
+    table += [("dense%02d/output" % i, info("activation", 1 + i, (64, 64))) for i in range(4)]
+    table += [("probs/output", info("activation", 5, (64, 10), activation="softmax")),
+              ("loss", info("loss", 6, ()))]
+    table += [("gradients/dense%02d/kernel" % i, info("gradient", 4 - i, (64, 64), squared_by="adam"))
+              for i in reversed(range(4))]
+    table += [("gradients/global_norm", info("global_norm", 0, ())), ("update/dense00/kernel", info("weight", 0, (64, 64)))]
+    rng = np.random.default_rng(5)
+    steps = 3000
+    values = [long_run.stats(rng, steps, int(np.prod(i.shape)), np.full(steps, 1.0 + k))
+              for k, (_, i) in enumerate(table)]
+    for v, (tag, _) in zip(values, table):
+        if tag == "probs/output":
+            v[:, F["min"]], v[:, F["max"]], v[:, F["zeros"]] = 0.1, 0.9, 0
+        if tag == "loss" and fault == "loss":
+            v[FAULT_STEP] = 0
+            v[FAULT_STEP, F["count"]] = v[FAULT_STEP, F["posinf"]] = 1
+            v[FAULT_STEP, F["min"]] = v[FAULT_STEP, F["max"]] = np.nan
+        if tag == "update/dense00/kernel" and fault == "update":
+            v[FAULT_STEP, F["nan"]] = 3
+    run_dir = os.path.join(logdir, long_run.RUN)
+    with NumericsRecordWriter(run_dir) as w:
+        for step in range(steps):
+            w.write_many(step, [(tag, v[step], i) for (tag, i), v in zip(table, values)])
+    return {"loss": "loss", "update": "update/dense00/kernel"}[fault]
+
+
+@pytest.mark.parametrize("fault", ["loss", "update"])
+def test_a_first_anomalys_evidence_reads_back_only_the_records_of_its_step(tmp_path, caplog, fault):
+    """The hints' evidence of a step (which layer output went bad first, the
+    output's largest value, the gradient and weight records of a bad update)
+    reads usual, compact tensors' records of that step back, not every
+    record of each: on a long run that is the event files read again once
+    per layer. The answer is the CLI's, from every record read; the oracle
+    of the step and tensor is the injected fault."""
+    caplog.set_level(logging.INFO, logger="tb_numerics.compact")
+    logdir = str(tmp_path)
+    tensor = _forward_failure_run(logdir, fault)
+    files = file_provider.FileProvider(logdir, on_listing=False)
+    files.index_round()
+    compact_store = run_store.RunStore(files, reload_interval=0, background=False, limits=COMPACT)
+    ra = _answer(compact_store, {})
+    held = {h.series.tag: isinstance(h.series, compact.CompactSeries) for h in ra.health}
+    assert held["dense00/output"] and held["gradients/dense01/kernel"] and held["update/dense00/kernel"]
+    got = analysis.run_summary(ra)
+    assert (got["first_anomaly"]["step"], got["first_anomaly"]["tensor"]) == (FAULT_STEP, tensor)
+    truth = cli.report(logdir, analysis.SafeRange())[0][0]
+    for key in ("first_anomaly", "first_warning", "warnings"):
+        assert rules.dumps(got[key]) == rules.dumps(truth[key]), key
+    assert "reading all" not in caplog.text
