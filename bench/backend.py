@@ -51,6 +51,7 @@ import sys
 import tempfile
 import time
 import urllib.parse
+from typing import NamedTuple
 
 import numpy as np
 
@@ -96,22 +97,41 @@ def _records(tag_index: int, role: str, steps: np.ndarray, dtype: str) -> np.nda
     return long_run.stats(rng, len(steps), size, scale, dtype)
 
 
-def _write_part(args: tuple[str, int, int, int, int, str, int, float]) -> str:
-    """Writes steps [lo, hi) of every tag to one event file, the NaN where
-    ``nan_step`` falls in them; returns its path."""
+class RunShape(NamedTuple):
+    """What the run holds: its tensors, their dtype, the NaN's step and where it is."""
+
+    n_tensors: int
+    dtype: str = "float32"
+    nan_step: int = NAN_STEP
+    relu_share: float = 0.0
+    # "gradient": three NaN in a gradient (the backward pass); "loss": the
+    # loss +Inf with every layer output finite (a saturated output), where
+    # the hints read the step's records of every layer output.
+    fault: str = "gradient"
+
+
+def _write_part(args: tuple[str, int, int, int, RunShape]) -> str:
+    """Writes steps [lo, hi) of every tag to one event file, the fault where
+    its step falls in them; returns its path."""
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     import tensorflow  # noqa: F401 - makes NumericsRecordWriter use TF's C++ record writer
 
     from tb_numerics.metadata import FIELD_INDEX as F
     from tb_numerics.record_writer import NumericsRecordWriter
 
-    run_dir, part, lo, hi, n_tensors, dtype, nan_step, relu_share = args
-    tensors = _tensors(n_tensors, dtype, relu_share)
+    run_dir, part, lo, hi, shape = args
+    tensors = _tensors(shape.n_tensors, shape.dtype, shape.relu_share)
     steps = np.arange(lo, hi)
-    values = [_records(i, info.role, steps, dtype) for i, (_, info) in enumerate(tensors)]
-    if lo <= nan_step < hi:
-        # A NaN in the backward pass of one gradient, three entries of 4,096.
-        values[len(tensors) // 2 + 3][nan_step - lo, F["nan"]] = 3
+    values = [_records(i, info.role, steps, shape.dtype) for i, (_, info) in enumerate(tensors)]
+    if lo <= shape.nan_step < hi:
+        at = shape.nan_step - lo
+        if shape.fault == "loss":
+            loss = values[next(i for i, (_, info) in enumerate(tensors) if info.role == "loss")]
+            loss[at] = 0.0
+            loss[at, F["count"]] = loss[at, F["posinf"]] = 1
+            loss[at, F["min"]] = loss[at, F["max"]] = np.nan
+        else:  # a NaN in the backward pass of one gradient, three entries of 4,096
+            values[len(tensors) // 2 + 3][at, F["nan"]] = 3
     with NumericsRecordWriter(run_dir, filename_suffix=".part%d" % part) as w:
         for j, step in enumerate(steps.tolist()):
             # Each step as the Keras callback writes it.
@@ -123,26 +143,25 @@ def _write_part(args: tuple[str, int, int, int, int, str, int, float]) -> str:
     return final
 
 
-def write_run(logdir: str, steps: int, n_tensors: int, processes: int, dtype: str = "float32",
-              nan_step: int = NAN_STEP, relu_share: float = 0.0) -> str:
-    """Writes the benchmark run (in parallel parts) plus a "loaded" marker."""
+def write_run(logdir: str, steps: int, n_tensors: int, processes: int, dtype: str = "float32", **shape) -> str:
+    """Writes the benchmark run (in parallel parts) plus a "loaded" marker;
+    ``shape``: the rest of ``RunShape``."""
     run_dir = os.path.join(logdir, RUN)
     os.makedirs(run_dir, exist_ok=True)
     bounds = np.linspace(0, steps, processes + 1).astype(int)
-    jobs = [(run_dir, p, int(bounds[p]), int(bounds[p + 1]), n_tensors, dtype, nan_step, relu_share)
-            for p in range(processes)]
+    made = RunShape(n_tensors, dtype, **shape)
+    jobs = [(run_dir, p, int(bounds[p]), int(bounds[p + 1]), made) for p in range(processes)]
     with multiprocessing.get_context("spawn").Pool(processes) as pool:
         paths = pool.map(_write_part, jobs)
     _append_marker(paths[-1], steps - 1)
     return run_dir
 
 
-def append_steps(run_dir: str, lo: int, hi: int, n_tensors: int, dtype: str, nan_step: int,
-                 relu_share: float) -> str:
+def append_steps(run_dir: str, lo: int, hi: int, shape: RunShape) -> str:
     """Appends steps [lo, hi) to the run as a training still running writes
     them (a file of its own, named after the others), the marker after them;
     returns the file's path."""
-    path = _write_part((run_dir, APPENDED_PART, lo, hi, n_tensors, dtype, nan_step, relu_share))
+    path = _write_part((run_dir, APPENDED_PART, lo, hi, shape))
     _append_marker(path, hi - 1)
     return path
 
@@ -228,8 +247,8 @@ def _live_append(tb, args: argparse.Namespace, run_dir: str, nan_step: int) -> d
     last = args.steps + args.append - 1
     # Written outside the logdir and moved in whole, as a flushed file appears.
     with tempfile.TemporaryDirectory(prefix="tbn-bench-append-") as scratch:
-        path = append_steps(scratch, args.steps, args.steps + args.append, args.tensors, args.record_dtype, nan_step,
-                            args.relu_share)
+        shape = RunShape(args.tensors, args.record_dtype, nan_step, args.relu_share, args.fault)
+        path = append_steps(scratch, args.steps, args.steps + args.append, shape)
         shutil.move(path, os.path.join(run_dir, os.path.basename(path)))
     t_written = time.perf_counter()
     marker = "/data/plugin/scalars/scalars?run=%s&tag=%s" % (q(RUN), q(MARKER_TAG))
@@ -273,6 +292,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--relu-share", type=float, default=0.0,
                    help="the share of activations that are ReLU outputs, whose records the plugin keeps whole "
                         "(ResNet-50 under the callback: 49 of 176, 0.28)")
+    p.add_argument("--fault", choices=("gradient", "loss"), default="gradient",
+                   help="the NaN's kind: three NaN in a gradient, or the loss +Inf with every layer output "
+                        "finite (the hints then read that step's records of every layer output)")
 
 
 def main() -> int:
@@ -292,8 +314,8 @@ def main() -> int:
     try:
         if not os.path.isdir(run_dir):
             t = time.perf_counter()
-            write_run(logdir, args.steps, args.tensors, args.processes, args.record_dtype, nan_step,
-                      args.relu_share)
+            write_run(logdir, args.steps, args.tensors, args.processes, args.record_dtype, nan_step=nan_step,
+                      relu_share=args.relu_share, fault=args.fault)
             print("wrote %d records in %.1f s" % (args.steps * args.tensors, time.perf_counter() - t))
         file_bytes = sum(os.path.getsize(os.path.join(run_dir, f)) for f in os.listdir(run_dir))
         q = urllib.parse.quote
