@@ -8,20 +8,25 @@ TensorBoard's process, so that its record reader checks the checksums) and
 prints each phase's wall and CPU seconds (every thread's):
 
     nice .venv/bin/python bench/plugin_phases.py --logdir /tmp/bench-logs   # the logdir bench/backend.py wrote
+    PYTHONPATH=/tmp/base nice .venv/bin/python bench/plugin_phases.py --logdir DIR   # another tree's package
 
 - index: every record's offset, found by framing the files (``file_provider``);
 - read: every numerics record read again and decoded, a long run made compact;
 - analysis: the default safe range's analysis and the run's summary.
+
+Each tensor whose records the analysis reads back whole from the files (a
+compact series' slow fallback, ``CompactSeries.values``) is printed as it
+happens, and counted: on a long run each costs seconds.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import time
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), os.pardir))
 
 
 def _timed(name: str, fn):
@@ -30,6 +35,19 @@ def _timed(name: str, fn):
     out = fn()
     print("%-9s %6.1f s wall %6.1f CPU-s" % (name, time.perf_counter() - wall, time.process_time() - cpu), flush=True)
     return out
+
+
+class _ReadBack(logging.Handler):
+    """Prints and counts the compact series read back whole."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.count, self._start = 0, time.perf_counter()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "reading all" in record.getMessage():
+            self.count += 1
+            print("%8.1f s  %s" % (time.perf_counter() - self._start, record.getMessage()), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -43,6 +61,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from tb_numerics import analysis, file_provider, provider_reads, run_store
 
+    read_back = _ReadBack()
+    logging.getLogger("tb_numerics.compact").addHandler(read_back)
+    logging.getLogger("tb_numerics.compact").setLevel(logging.INFO)
     files = file_provider.FileProvider(args.logdir, on_listing=False)
     _timed("index", files.index_round)
     limits = run_store.Limits()
@@ -52,7 +73,8 @@ def main(argv: list[str] | None = None) -> int:
     summary = _timed("analysis", lambda: analysis.run_summary(
         provider_reads.Snapshot(tags, limits).analysis(args.run, analysis.SafeRange(), [])))
     first = summary["first_anomaly"]
-    print("%d records; first anomaly %s" % (summary["records"], first and "step %d, %s" % (first["step"], first["tensor"])))
+    print("%d records; first anomaly %s; %d tensor(s) read back whole" % (
+        summary["records"], first and "step %d, %s" % (first["step"], first["tensor"]), read_back.count))
     return 0
 
 
