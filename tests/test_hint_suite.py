@@ -5,20 +5,27 @@ The demo's stories are scored by tests/test_demo.py on the demo's own run;
 """
 
 import json
+import logging
 
 import pytest
+from tensorboard.context import RequestContext
 
 from demo import buggy_keras, hint_suite
-from tb_numerics import analysis, cli
+from tb_numerics import analysis, cli, compact, file_provider, rules, run_store
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    logdir = str(tmp_path_factory.mktemp("buggy"))
+def logdir(tmp_path_factory) -> str:
+    path = str(tmp_path_factory.mktemp("buggy"))
     for case in buggy_keras.CASES:
-        case.run(logdir)
+        case.run(path)
+    return path
+
+
+@pytest.fixture(scope="module")
+def runs(logdir):
     summaries, problems = cli.report(logdir, analysis.SafeRange())
     assert problems == []
     return {s["run"]: s for s in summaries}
@@ -52,3 +59,24 @@ def test_fast_divergence_warns_before_the_anomaly(runs):
     # The loss grows orders of magnitude a step: warned from its second record.
     (loss,) = [w for w in r["warnings"] if w["kind"] == "fast_growth" and w["tensor"] == "loss"]
     assert loss["first_step"] == 1
+
+
+
+def test_each_run_held_compact_reports_what_every_record_read_reports(logdir, runs, caplog):
+    """TensorBoard holds a long run compact (``compact``): these trainings,
+    held so however short, give the CLI's first anomaly, hint and warnings
+    (its answer from every record read is the truth), and no tensor's
+    records are read back whole to give them (on a long run each would be
+    the event files read again)."""
+    caplog.set_level(logging.INFO, logger="tb_numerics.compact")
+    files = file_provider.FileProvider(logdir, on_listing=False)
+    files.index_round()
+    store = run_store.RunStore(files, reload_interval=0, background=False,
+                               limits=run_store.Limits(compact_above_records=0, inline_read_records=10**9))
+    for case in buggy_keras.CASES:
+        ra = store.answer(RequestContext(), "", case.name, analysis.SafeRange()).analysis
+        assert any(isinstance(h.series, compact.CompactSeries) for h in ra.health), case.name
+        got = analysis.run_summary(ra)
+        for key in ("first_anomaly", "first_warning", "warnings", "info"):
+            assert rules.dumps(got[key]) == rules.dumps(runs[case.name][key]), (case.name, key)
+    assert "reading all" not in caplog.text
