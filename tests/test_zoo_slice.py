@@ -8,6 +8,7 @@ and the fixed variant, each in its own subprocess) once for the module.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -20,8 +21,14 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @pytest.fixture(scope="module")
-def zoo(tmp_path_factory) -> dict:
-    out = tmp_path_factory.mktemp("zoo")
+def workdir(tmp_path_factory):
+    """Where the slice's runs write their logdirs (one a run, named ``<arch>-<fault>-<variant>-<mode>``)."""
+    return tmp_path_factory.mktemp("zoo")
+
+
+@pytest.fixture(scope="module")
+def zoo(workdir) -> dict:
+    out = workdir
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     p = subprocess.run(
         [sys.executable, os.path.join(ROOT, "bench", "zoo.py"), "--slice", "ci", "--jobs", "2",
@@ -82,3 +89,35 @@ def test_a_learning_rate_100x_under_mixed_float16_warns_first_and_names_it(zoo):
     assert cell["hint"] == "right", cell["product"]["hint"]
     assert cell["step_exact"] and cell["op_type"] and cell["source_line"], cell["product"]
     assert cell["false_warnings"] == 0, cell
+
+
+def test_each_product_run_held_compact_reports_what_every_record_read_reports(zoo, workdir, caplog):
+    """TensorBoard holds a long run compact (``compact``): every product run
+    of the slice (real architectures, ``fit`` and the custom loop, the
+    fault and its fix), held so however short, gives ``tb-numerics
+    report``'s first anomaly, hint and warnings (its answer from every
+    record read is the truth) without reading any tensor's records back
+    whole (on a long run each would be the event files read again)."""
+    from tensorboard.context import RequestContext
+
+    from tb_numerics import analysis, cli, compact, file_provider, rules, run_store
+
+    caplog.set_level(logging.INFO, logger="tb_numerics.compact")
+    logdirs = sorted(p for p in workdir.iterdir() if p.is_dir() and p.name.endswith("-product"))
+    assert len(logdirs) == 2 * len(zoo["cells"])
+    held_compact = 0
+    for logdir in logdirs:
+        truth, _ = cli.report(str(logdir), analysis.SafeRange())
+        files = file_provider.FileProvider(str(logdir), on_listing=False)
+        files.index_round()
+        store = run_store.RunStore(files, reload_interval=0, background=False,
+                                   limits=run_store.Limits(compact_above_records=0, inline_read_records=10**9))
+        for want in truth:
+            run = "." if want["run"] == logdir.name else want["run"]  # the report names the logdir's own run so
+            ra = store.answer(RequestContext(), "", run, analysis.SafeRange()).analysis
+            held_compact += any(isinstance(h.series, compact.CompactSeries) for h in ra.health)
+            got = analysis.run_summary(ra)
+            for key in ("first_anomaly", "first_warning", "warnings", "info"):
+                assert rules.dumps(got[key]) == rules.dumps(want[key]), (logdir.name, want["run"], key)
+    assert held_compact >= len(zoo["cells"])  # the Keras runs' records are packed, and so held compact
+    assert "reading all" not in caplog.text
