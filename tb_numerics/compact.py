@@ -11,6 +11,9 @@ holds, for each record of a tensor logged in packed blocks:
   normal: 5 bytes a record, from which ``mask_values`` rebuilds records on
   which every mask answers as on the real ones (the rules core's masks read
   nothing else of such a tensor; ``tests/test_compact.py`` checks each kind);
+  for a ReLU-like activation also what the dead-unit rule reads
+  (``TensorSeries.zero_shares``): its share of exact zeros and its count, 12
+  bytes more;
 - chart aggregates of each ``CHUNK`` records (min of mins, max of maxes,
   sums of counts, sums of the finite means, stds and L2 norms): 2.5 bytes a
   record, exact for any chart point made of whole chunks;
@@ -21,9 +24,9 @@ holds, for each record of a tensor logged in packed blocks:
 
 Tensors whose rules read more of each record (losses, the global norm, the
 loss scale, the batch's inputs and targets, which the hints' evidence reads
-whole, update ratios, activations of ReLU-like, sigmoid, tanh or
-softmax functions, the two gradients the by-depth rule compares, op-level
-records) keep every record (``keeps_records``). Numpy only, no TensorFlow.
+whole, update ratios, activations of sigmoid, tanh or softmax functions,
+the two gradients the by-depth rule compares, op-level records) keep every
+record (``keeps_records``). Numpy only, no TensorFlow.
 """
 
 from __future__ import annotations
@@ -77,7 +80,12 @@ def keeps_records(tag: str, info: metadata.TensorInfo, depth_pair: Sequence[str]
     if info.role != "activation":
         return False
     fn = (info.activation or info.op_type).lower()
-    return detectors.relu_like(info) or fn in detectors.SATURATING
+    return fn in detectors.SATURATING
+
+
+def _holds_zero_shares(info: metadata.TensorInfo) -> bool:
+    """Whether a compact tensor holds what the dead-unit rule reads."""
+    return info.role == "activation" and detectors.relu_like(info)
 
 
 @dataclasses.dataclass
@@ -110,6 +118,10 @@ class Piece:
     flags: np.ndarray  # uint8 [n]: NaN, +Inf, -Inf, overflow counts above 0
     underflow: np.ndarray | None  # float64 [n]: the underflow share; None where all 0
     chunks: ChunkStats
+    # A ReLU-like activation's share of exact zeros (float64 [n]) and count
+    # of values (float32 [n], exact at the rule's threshold): None for others.
+    zero_share: np.ndarray | None = None
+    count: np.ndarray | None = None
 
     def prefix(self, n: int, tag: str, load: PartLoader) -> "Piece":
         """Its first ``n`` records (a restarted job wrote the others again):
@@ -124,7 +136,9 @@ class Piece:
             chunks = ChunkStats(**{f.name: np.concatenate([getattr(chunks, f.name), getattr(last, f.name) + (
                 at if f.name == "start" else 0)]) for f in dataclasses.fields(ChunkStats)})
         return Piece(self.block, self.max_abs[:n], self.flags[:n],
-                     None if self.underflow is None else self.underflow[:n], chunks)
+                     None if self.underflow is None else self.underflow[:n], chunks,
+                     None if self.zero_share is None else self.zero_share[:n],
+                     None if self.count is None else self.count[:n])
 
 
 class CompactSeries(TensorSeries):
@@ -202,6 +216,13 @@ class CompactSeries(TensorSeries):
             k += 1
         return out
 
+    def zero_shares(self) -> tuple[np.ndarray, np.ndarray]:
+        """As ``TensorSeries.zero_shares``, from what its pieces hold (a
+        ReLU-like activation's; any other's records are read back)."""
+        if all(p.zero_share is not None for p in self.pieces):
+            return self._joined("zero_share"), self._joined("count").astype(np.float64)
+        return super().zero_shares()
+
     def mask_values(self) -> np.ndarray:
         """Records on which every series mask answers as on the real ones
         (float64): max |x| as min and max, the non-finite and overflow
@@ -249,7 +270,8 @@ def compact_parts(block: str, parts: Sequence[TensorSeries], keep: Callable[[str
     out = [TensorSeries(p.tag, p.info, p.steps, p.values.copy(), p.written) if k else p for p, k in zip(parts, kept)]
     for idx in groups.values():
         steps, written = parts[idx[0]].steps, parts[idx[0]].written
-        pieces = _Pieces(len(idx), len(steps), parts[idx[0]].values.dtype)
+        pieces = _Pieces(len(idx), len(steps), parts[idx[0]].values.dtype,
+                         [_holds_zero_shares(parts[i].info) for i in idx])
         at_once = _steps_at_once(len(idx))
         for s0 in range(0, len(steps), at_once):
             n = min(at_once, len(steps) - s0)
@@ -285,7 +307,8 @@ def compact_rows(block: str, table: metadata.BlockTable, rows: np.ndarray, ids: 
     s = len(rows) // t
     infos = [table[int(i)] for i in ids]
     kept = [keep(tag, info) for tag, info in infos]
-    pieces = None if all(kept) else _Pieces(t, s, rows.dtype)
+    pieces = None if all(kept) else _Pieces(t, s, rows.dtype, [
+        _holds_zero_shares(info) and not k for (_, info), k in zip(infos, kept)])
     steps = np.empty(s, np.int64)
     at_once = _steps_at_once(t)
     buffer = np.empty((packed.COLUMNS, min(s, at_once) * t), rows.dtype)
@@ -325,8 +348,12 @@ class _Pieces:
     field by field, step by step, where every pass reads a field of every
     record at once and the chunks are reductions across steps."""
 
-    def __init__(self, n_tensors: int, n_steps: int, dtype: np.dtype):
+    def __init__(self, n_tensors: int, n_steps: int, dtype: np.dtype, zero_shares: Sequence[bool] = ()):
         t, m = n_tensors, -(-n_steps // CHUNK)
+        # The tensors that hold what the dead-unit rule reads, and it.
+        self._zero_cols = np.flatnonzero(np.asarray(zero_shares, bool))
+        self._zero_share = np.empty((n_steps, len(self._zero_cols)))
+        self._count = np.empty((n_steps, len(self._zero_cols)), np.float32)
         self._n_steps = n_steps
         self._max_abs = np.empty((n_steps, t), dtype)  # in the records' own dtype
         self._flags = np.empty((n_steps, t), np.uint8)
@@ -348,6 +375,13 @@ class _Pieces:
         for name, bit in _FLAGS:
             flags |= (v[F[name]] > 0).view(np.uint8) * bit  # a bool's byte is 0 or 1
         self._flags[s0 : s0 + k] = flags.reshape(k, t)
+        if len(self._zero_cols):  # as ``TensorSeries.zero_shares`` makes them
+            cols = self._zero_cols
+            finite = d["finite"].reshape(k, t)[:, cols]
+            with np.errstate(invalid="ignore", divide="ignore"):
+                self._zero_share[s0 : s0 + k] = np.where(
+                    finite > 0, v[F["zeros"]].reshape(k, t)[:, cols] / np.maximum(finite, 1), 0.0)
+            self._count[s0 : s0 + k] = v[F["count"]].reshape(k, t)[:, cols]
         under = (v[F["underflow"]] > 0).reshape(k, t).any(axis=0)
         if under.any():  # the share of nonzero values below the smallest normal, as the underflow rule reads it
             self._under |= under
@@ -381,9 +415,12 @@ class _Pieces:
                load: PartLoader, written: tuple[float, float] | None) -> list["CompactSeries"]:
         """Each tensor's compact series, one piece of ``block``."""
         max_abs, flags = self._max_abs.T.copy(), self._flags.T.copy()
+        zero_share, count = self._zero_share.T.copy(), self._count.T.copy()
+        held = {int(c): j for j, c in enumerate(self._zero_cols)}
         return [
             CompactSeries(tag, info, steps, [Piece(
-                block, max_abs[i], flags[i], self._share[:, i].copy() if self._under[i] else None, chunks)],
+                block, max_abs[i], flags[i], self._share[:, i].copy() if self._under[i] else None, chunks,
+                zero_share[held[i]] if i in held else None, count[held[i]] if i in held else None)],
                 load, written)
             for i, ((tag, info), chunks) in enumerate(zip(tensors, self.chunks()))
         ]

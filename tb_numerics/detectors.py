@@ -126,7 +126,7 @@ def relu_like(info: metadata.TensorInfo) -> bool:
     return info.op_type.lower().replace("_", "") in _RELU_LIKE_OPS
 
 
-def dead_units(series: TensorSeries, d: dict[str, np.ndarray], share: float, k: int) -> np.ndarray:
+def dead_units(series: TensorSeries, share: float, k: int) -> np.ndarray:
     """Activations whose share of exact zeros stays at or above ``share``."""
     no = np.zeros(len(series.steps), dtype=bool)
     info = series.info
@@ -134,10 +134,7 @@ def dead_units(series: TensorSeries, d: dict[str, np.ndarray], share: float, k: 
         return no
     if not relu_like(info):
         return no
-    v = series.values
-    count = v[:, F["count"]].astype(np.float64)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        zero_share = np.where(d["finite"] > 0, v[:, F["zeros"]] / np.maximum(d["finite"], 1), 0.0)
+    zero_share, count = series.zero_shares()
     return sustained((count >= 32) & (zero_share >= share), k)
 
 

@@ -89,6 +89,17 @@ class TensorSeries:
         lo = int(np.searchsorted(self.steps, step, side="left"))
         return self.records(lo, int(np.searchsorted(self.steps, step, side="right")))
 
+    def zero_shares(self) -> tuple[np.ndarray, np.ndarray]:
+        """Each record's share of exact zeros among its finite values (0
+        where it has none) and its count of values, float64: what the
+        dead-unit rule reads (a compact series of a ReLU-like activation
+        holds them)."""
+        v = self.values.astype(np.float64, copy=False)
+        finite = v[:, F["count"]] - nonfinite_count(v)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            share = np.where(finite > 0, v[:, F["zeros"]] / np.maximum(finite, 1), 0.0)
+        return share, v[:, F["count"]]
+
     def mask_values(self) -> np.ndarray:
         """The records the rules' series masks read, in float64: all of
         them (a compact series rebuilds what the masks read, ``compact``)."""

@@ -78,11 +78,12 @@ def test_the_faults_are_where_they_were_injected(store):
 def test_usual_tensors_are_held_compact_and_the_rules_special_ones_whole(store):
     ra = _answer(store, {})
     held = {h.series.tag: isinstance(h.series, compact.CompactSeries) for h in ra.health}
-    assert held["dense00/output"] and held["dense05/kernel"]
-    for tag in ("input", "loss", "gradients/global_norm", "relu/output", "gate/output", "probs/output"):
+    assert held["dense00/output"] and held["dense05/kernel"] and held["relu/output"]
+    for tag in ("input", "loss", "gradients/global_norm", "gate/output", "probs/output"):
         assert not held[tag], tag
-    assert sum(held.values()) == 8 + 2 * 8 - 2  # linear activations, gradients but the by-depth pair
-    assert sum(not c for c in held.values()) == 8
+    # Linear and ReLU activations, gradients but the by-depth pair.
+    assert sum(held.values()) == 8 + 1 + 2 * 8 - 2
+    assert sum(not c for c in held.values()) == 7
 
 
 @pytest.mark.parametrize("width", [1, 37, 1000, 5000])
@@ -175,25 +176,34 @@ def _fault_series(rng: np.random.Generator, info: metadata.TensorInfo, tag: str,
         elif r < 0.10:
             x[0] = 1e20  # its square overflows
         scale = scale * 10 if 40 <= step % 97 < 52 else (1.0 if step % 97 == 0 else scale)
+        if info.activation == "relu":  # ReLU's zeros, and spells of dead units (70 % and more)
+            x = np.where(x < 0, np.float32(0), x)
+            if 60 <= step % 89 < 75:
+                x[: rng.integers(2860, 4096)] = 0
         rows.append(numpy_stats(x))
     return TensorSeries(tag, info, np.arange(n, dtype=np.int64), np.array(rows))
 
 
-@pytest.mark.parametrize("role", ["activation", "gradient"])
-def test_every_series_mask_answers_on_compact_records_as_on_the_records(role):
+@pytest.mark.parametrize("role", ["activation", "relu", "gradient"])
+def test_every_series_mask_answers_on_compact_records_as_on_the_records(role, caplog):
     """What ``compact`` claims: the masks read nothing of a usual tensor
     but what a compact series holds. A new rule that reads more fails here."""
+    caplog.set_level(logging.INFO, logger="tb_numerics.compact")
     rng = np.random.default_rng(7)
-    info = metadata.TensorInfo(role=role, order=0, shape=(64, 64), dtype="float32",
-                               squared_by="adam" if role == "gradient" else "")
+    info = metadata.TensorInfo(role="activation" if role == "relu" else role, order=0, shape=(64, 64),
+                               dtype="float32", squared_by="adam" if role == "gradient" else "",
+                               activation="relu" if role == "relu" else "")
     series = _fault_series(rng, info, "t/x", 600)
     assert not compact.keeps_records(series.tag, info)
     small = compact.compact_parts("block", [series], lambda tag, info: False, lambda block, tag: series)[0]
-    for params in SAFE_RANGES + ({"max_abs": "1e3", "underflow_share": "0.001"},):
+    for params in SAFE_RANGES + ({"max_abs": "1e3", "underflow_share": "0.001"}, {"dead_share": "0.8", "sustain": "3"}):
         sr = analysis.parse_safe_range(params)
         want, got = health.series_health(series, sr), health.series_health(small, sr)
         assert np.array_equal(want.codes, got.codes) and np.array_equal(want.kinds, got.kinds), params
-    assert len(set(health.series_health(series, analysis.SafeRange()).kinds.tolist())) >= 4
+    kinds = set(health.series_health(series, analysis.SafeRange()).kinds.tolist())
+    assert len(kinds) >= 4
+    assert (rules.kind_code("dead_units") in kinds) == (role == "relu")
+    assert "reading all" not in caplog.text
     assert np.array_equal(small.records(100, 110), series.values[100:110].astype(np.float64))
 
 

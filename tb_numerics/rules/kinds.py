@@ -402,9 +402,9 @@ def _sustained_steps(rows: Rows, row: int, i: int, p: Any) -> str:
 
 
 def _dead_detail(rows: Rows, row: int, i: int, p: Any) -> str:
-    _, v, d = _whole(rows, row)
+    _, v, _ = _record(rows, row, i)
     return "%s of the values exactly 0 %s" % (
-        percent(v[i, F["zeros"]] / max(d["finite"][i], 1)), _sustained_steps(rows, row, i, p))
+        percent(v[F["zeros"]] / max(derived(v)["finite"][0], 1)), _sustained_steps(rows, row, i, p))
 
 
 def _saturation_detail(rows: Rows, row: int, i: int, p: Any) -> str:
@@ -519,7 +519,7 @@ KINDS: tuple[WarningKind, ...] = (
         "Most of the layer's outputs are exactly 0: ReLU units have died. Lower the learning "
         "rate, initialise biases at 0 (not negative), or use LeakyReLU/ELU.",
         ("dead_share", "sustain"), _dead_detail,
-        mask=lambda s, p: detectors.dead_units(s.series, s.d, p.dead_share, p.sustain),
+        mask=lambda s, p: detectors.dead_units(s.series, p.dead_share, p.sustain),
         unconfirmed=_dead_unconfirmed, early=True),
     WarningKind(
         "saturation", "saturated activations",
