@@ -26,6 +26,11 @@ ResNet-50 in one more way: 28 % of its activations (49 of 176) are ReLU
 outputs, whose records the plugin keeps whole (the dead-unit rule reads
 their zeros), where the others are held compact (5 bytes a record).
 
+To compare two trees, run each from its own folder (``cd TREE &&
+PYTHONPATH=TREE python /path/to/bench/backend.py ...``): TensorBoard's
+process imports the package of its working directory before
+``PYTHONPATH``.
+
 The records are those of float32 tensors by default (statistics accumulated
 in float32, so packed rows are stored as float32); ``--record-dtype float64``
 gives records no float32 holds exactly, stored as float64: twice the bytes.
