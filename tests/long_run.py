@@ -3,7 +3,7 @@
 ``write(logdir, steps, width)`` writes one run as the Keras callback's
 writer does (``write_many``: packed blocks), with statistics made in numpy
 for every tensor kind the rules treat apart: the input batch, linear
-activations (held compact), ReLU, sigmoid and softmax activations (kept
+and ReLU activations (held compact), sigmoid and softmax activations (kept
 whole), gradients (compact, but for the two the by-depth rule compares),
 the loss and the global norm. Faults are injected at fixed fractions of the
 run, so that their steps are known without any reader:
@@ -16,6 +16,8 @@ run, so that their steps are known without any reader:
   normal) for 40 steps from ``underflow_from``;
 - a linear activation grows 10x a step for 12 steps from ``growth_at``
   (growth, then headroom running out);
+- the ReLU activation is 90 % exact zeros for 20 steps from ``dead_from``
+  (dead units, held compact);
 - a gradient holds 3 NaN of 4,096 values at ``NAN_AT``: the first anomaly;
 - an input batch holds -Inf at one step (an anomaly only where it is not
   allowed) after the NaN.
@@ -35,7 +37,7 @@ RUN = "long"
 def faults(steps: int) -> dict[str, int]:
     """The steps of the injected faults in a run of ``steps`` steps."""
     return {"jump_at": steps * 3 // 5, "underflow_from": steps * 7 // 10, "underflow_to": steps * 7 // 10 + 40,
-            "growth_at": steps * 3 // 4,
+            "growth_at": steps * 3 // 4, "dead_from": steps * 13 // 20,
             "nan_at": steps * 9 // 10, "neginf_at": steps * 9 // 10 + 7}
 
 
@@ -92,6 +94,7 @@ def _values(name: str, info: metadata.TensorInfo, i: int, steps: int, nan: bool 
     if info.activation == "relu":
         v[:, F["min"]] = 0
         v[:, F["zeros"]] = size // 3
+        v[f["dead_from"] : f["dead_from"] + 20, F["zeros"]] = size * 9 // 10
     if info.activation in ("sigmoid", "softmax"):
         v[:, F["min"]], v[:, F["max"]] = 0.1, 0.9
         v[:, F["sum"]] = 0.5 * size

@@ -73,6 +73,8 @@ def test_the_faults_are_where_they_were_injected(store):
     assert kinds[("dense04/kernel", "square_overflow")] == f["jump_at"]
     assert kinds[("gradients/global_norm", "gradient_spike")] == f["jump_at"]
     assert f["growth_at"] < kinds[("dense02/output", "headroom")] < f["growth_at"] + 12
+    # Dead units need ``sustain`` records of them.
+    assert kinds[("relu/output", "dead_units")] == f["dead_from"] + analysis.SafeRange().sustain - 1
 
 
 def test_usual_tensors_are_held_compact_and_the_rules_special_ones_whole(store):
