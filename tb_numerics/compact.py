@@ -377,10 +377,8 @@ class _Pieces:
         self._flags[s0 : s0 + k] = flags.reshape(k, t)
         if len(self._zero_cols):  # as ``TensorSeries.zero_shares`` makes them
             cols = self._zero_cols
-            finite = d["finite"].reshape(k, t)[:, cols]
-            with np.errstate(invalid="ignore", divide="ignore"):
-                self._zero_share[s0 : s0 + k] = np.where(
-                    finite > 0, v[F["zeros"]].reshape(k, t)[:, cols] / np.maximum(finite, 1), 0.0)
+            self._zero_share[s0 : s0 + k] = records.zero_share(
+                v[F["zeros"]].reshape(k, t)[:, cols], d["finite"].reshape(k, t)[:, cols])
             self._count[s0 : s0 + k] = v[F["count"]].reshape(k, t)[:, cols]
         under = (v[F["underflow"]] > 0).reshape(k, t).any(axis=0)
         if under.any():  # the share of nonzero values below the smallest normal, as the underflow rule reads it

@@ -28,6 +28,7 @@ __all__ = [
     "scalar_record",
     "union_steps",
     "valid_records",
+    "zero_share",
 ]
 
 F = metadata.FIELD_INDEX
@@ -95,10 +96,7 @@ class TensorSeries:
         dead-unit rule reads (a compact series of a ReLU-like activation
         holds them)."""
         v = self.values.astype(np.float64, copy=False)
-        finite = v[:, F["count"]] - nonfinite_count(v)
-        with np.errstate(invalid="ignore", divide="ignore"):
-            share = np.where(finite > 0, v[:, F["zeros"]] / np.maximum(finite, 1), 0.0)
-        return share, v[:, F["count"]]
+        return zero_share(v[:, F["zeros"]], v[:, F["count"]] - nonfinite_count(v)), v[:, F["count"]]
 
     def mask_values(self) -> np.ndarray:
         """The records the rules' series masks read, in float64: all of
@@ -171,6 +169,13 @@ def make_series(
         order = np.argsort(st, kind="stable")
         st, vals = st[order], vals[order]
     return TensorSeries(tag, info, st, vals)
+
+
+def zero_share(zeros: np.ndarray, finite: np.ndarray) -> np.ndarray:
+    """The share of exact zeros among a record's finite values, 0 where it
+    has none (float64): the dead-unit rule's measure."""
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(finite > 0, zeros / np.maximum(finite, 1), 0.0)
 
 
 def valid_records(v: np.ndarray) -> np.ndarray:

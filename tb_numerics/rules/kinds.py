@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterable, Sequence
 import numpy as np
 
 from tb_numerics import detectors, metadata
-from tb_numerics.records import F, TensorSeries, derived, nonfinite_count, union_steps
+from tb_numerics.records import F, TensorSeries, derived, nonfinite_count, union_steps, zero_share
 from tb_numerics.rules.codes import HEALTHY, NONFINITE, WARNING
 from tb_numerics.rules.numbers import count, describe_nonfinite, number, percent
 
@@ -404,7 +404,7 @@ def _sustained_steps(rows: Rows, row: int, i: int, p: Any) -> str:
 def _dead_detail(rows: Rows, row: int, i: int, p: Any) -> str:
     _, v, _ = _record(rows, row, i)
     return "%s of the values exactly 0 %s" % (
-        percent(v[F["zeros"]] / max(derived(v)["finite"][0], 1)), _sustained_steps(rows, row, i, p))
+        percent(float(zero_share(v[F["zeros"]], derived(v)["finite"][0]))), _sustained_steps(rows, row, i, p))
 
 
 def _saturation_detail(rows: Rows, row: int, i: int, p: Any) -> str:
