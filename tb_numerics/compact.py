@@ -13,7 +13,8 @@ holds, for each record of a tensor logged in packed blocks:
   nothing else of such a tensor; ``tests/test_compact.py`` checks each kind);
   for a ReLU-like activation also what the dead-unit rule reads
   (``TensorSeries.zero_shares``): its share of exact zeros and its count, 12
-  bytes more;
+  bytes more; for a sigmoid, tanh or softmax output whether the saturation
+  rule finds it pinned at its bounds (``detectors.pinned``), 1 byte;
 - chart aggregates of each ``CHUNK`` records (min of mins, max of maxes,
   sums of counts, sums of the finite means, stds and L2 norms): 2.5 bytes a
   record, exact for any chart point made of whole chunks;
@@ -24,9 +25,9 @@ holds, for each record of a tensor logged in packed blocks:
 
 Tensors whose rules read more of each record (losses, the global norm, the
 loss scale, the batch's inputs and targets, which the hints' evidence reads
-whole, update ratios, activations of sigmoid, tanh or softmax functions,
-the two gradients the by-depth rule compares, op-level records) keep every
-record (``keeps_records``). Numpy only, no TensorFlow.
+whole, update ratios, the two gradients the by-depth rule compares,
+op-level records) keep every record (``keeps_records``). Numpy only, no
+TensorFlow.
 """
 
 from __future__ import annotations
@@ -75,12 +76,14 @@ def keeps_records(tag: str, info: metadata.TensorInfo, depth_pair: Sequence[str]
     """
     if info.role in ("loss", "global_norm", "loss_scale", "input") or tag in depth_pair:
         return True
-    if tag.startswith(("update_ratio/", "ops/")) or tag in metadata.VERDICT_TAGS:
-        return True
-    if info.role != "activation":
-        return False
-    fn = (info.activation or info.op_type).lower()
-    return fn in detectors.SATURATING
+    return tag.startswith(("update_ratio/", "ops/")) or tag in metadata.VERDICT_TAGS
+
+
+def _is_pinned(measure: Callable, info: metadata.TensorInfo) -> bool:
+    """Whether ``measure`` is the saturation rule's for the tensor's own
+    function (``detectors.pinned``), which its compact pieces hold."""
+    return (isinstance(measure, functools.partial) and measure.func is detectors.pinned
+            and measure.args == (detectors.saturating_function(info),) and not measure.keywords)
 
 
 def _holds_zero_shares(info: metadata.TensorInfo) -> bool:
@@ -122,6 +125,8 @@ class Piece:
     # of values (float32 [n], exact at the rule's threshold): None for others.
     zero_share: np.ndarray | None = None
     count: np.ndarray | None = None
+    # A saturating output's records pinned at its bounds (bool [n]): None for others.
+    pinned: np.ndarray | None = None
 
     def prefix(self, n: int, tag: str, load: PartLoader) -> "Piece":
         """Its first ``n`` records (a restarted job wrote the others again):
@@ -138,7 +143,8 @@ class Piece:
         return Piece(self.block, self.max_abs[:n], self.flags[:n],
                      None if self.underflow is None else self.underflow[:n], chunks,
                      None if self.zero_share is None else self.zero_share[:n],
-                     None if self.count is None else self.count[:n])
+                     None if self.count is None else self.count[:n],
+                     None if self.pinned is None else self.pinned[:n])
 
 
 class CompactSeries(TensorSeries):
@@ -223,6 +229,13 @@ class CompactSeries(TensorSeries):
             return self._joined("zero_share"), self._joined("count").astype(np.float64)
         return super().zero_shares()
 
+    def marked(self, measure: Callable[[np.ndarray, dict[str, np.ndarray]], np.ndarray]) -> np.ndarray:
+        """As ``TensorSeries.marked``; a saturating output's pieces hold the
+        saturation rule's measure (``_Pieces``), any other's records are read back."""
+        if all(p.pinned is not None for p in self.pieces) and _is_pinned(measure, self.info):
+            return self._joined("pinned")
+        return super().marked(measure)
+
     def mask_values(self) -> np.ndarray:
         """Records on which every series mask answers as on the real ones
         (float64): max |x| as min and max, the non-finite and overflow
@@ -270,8 +283,7 @@ def compact_parts(block: str, parts: Sequence[TensorSeries], keep: Callable[[str
     out = [TensorSeries(p.tag, p.info, p.steps, p.values.copy(), p.written) if k else p for p, k in zip(parts, kept)]
     for idx in groups.values():
         steps, written = parts[idx[0]].steps, parts[idx[0]].written
-        pieces = _Pieces(len(idx), len(steps), parts[idx[0]].values.dtype,
-                         [_holds_zero_shares(parts[i].info) for i in idx])
+        pieces = _Pieces(len(idx), len(steps), parts[idx[0]].values.dtype, [parts[i].info for i in idx])
         at_once = _steps_at_once(len(idx))
         for s0 in range(0, len(steps), at_once):
             n = min(at_once, len(steps) - s0)
@@ -307,8 +319,7 @@ def compact_rows(block: str, table: metadata.BlockTable, rows: np.ndarray, ids: 
     s = len(rows) // t
     infos = [table[int(i)] for i in ids]
     kept = [keep(tag, info) for tag, info in infos]
-    pieces = None if all(kept) else _Pieces(t, s, rows.dtype, [
-        _holds_zero_shares(info) and not k for (_, info), k in zip(infos, kept)])
+    pieces = None if all(kept) else _Pieces(t, s, rows.dtype, [None if k else info for (_, info), k in zip(infos, kept)])
     steps = np.empty(s, np.int64)
     at_once = _steps_at_once(t)
     buffer = np.empty((packed.COLUMNS, min(s, at_once) * t), rows.dtype)
@@ -348,12 +359,18 @@ class _Pieces:
     field by field, step by step, where every pass reads a field of every
     record at once and the chunks are reductions across steps."""
 
-    def __init__(self, n_tensors: int, n_steps: int, dtype: np.dtype, zero_shares: Sequence[bool] = ()):
+    def __init__(self, n_tensors: int, n_steps: int, dtype: np.dtype,
+                 infos: Sequence[metadata.TensorInfo | None] = ()):
         t, m = n_tensors, -(-n_steps // CHUNK)
-        # The tensors that hold what the dead-unit rule reads, and it.
-        self._zero_cols = np.flatnonzero(np.asarray(zero_shares, bool))
+        # The tensors (their infos; None: not made compact) that hold what the
+        # dead-unit rule reads, and it; those that hold whether each record
+        # is pinned at its function's bounds, by function, and it.
+        self._zero_cols = np.asarray([i for i, info in enumerate(infos) if info and _holds_zero_shares(info)], int)
         self._zero_share = np.empty((n_steps, len(self._zero_cols)))
         self._count = np.empty((n_steps, len(self._zero_cols)), np.float32)
+        fns = [detectors.saturating_function(info) if info else "" for info in infos]
+        self._pinned_cols = {fn: np.asarray([i for i, f in enumerate(fns) if f == fn], int) for fn in set(fns) if fn}
+        self._pinned = np.empty((n_steps, t), bool) if self._pinned_cols else None
         self._n_steps = n_steps
         self._max_abs = np.empty((n_steps, t), dtype)  # in the records' own dtype
         self._flags = np.empty((n_steps, t), np.uint8)
@@ -380,6 +397,8 @@ class _Pieces:
             self._zero_share[s0 : s0 + k] = records.zero_share(
                 v[F["zeros"]].reshape(k, t)[:, cols], d["finite"].reshape(k, t)[:, cols])
             self._count[s0 : s0 + k] = v[F["count"]].reshape(k, t)[:, cols]
+        for fn, cols in self._pinned_cols.items():  # as the saturation rule measures them
+            self._pinned[s0 : s0 + k, cols] = detectors.pinned(fn, v.T, d).reshape(k, t)[:, cols]
         under = (v[F["underflow"]] > 0).reshape(k, t).any(axis=0)
         if under.any():  # the share of nonzero values below the smallest normal, as the underflow rule reads it
             self._under |= under
@@ -415,10 +434,12 @@ class _Pieces:
         max_abs, flags = self._max_abs.T.copy(), self._flags.T.copy()
         zero_share, count = self._zero_share.T.copy(), self._count.T.copy()
         held = {int(c): j for j, c in enumerate(self._zero_cols)}
+        pinned = {int(c): self._pinned[:, c].copy() for cols in self._pinned_cols.values() for c in cols}
         return [
             CompactSeries(tag, info, steps, [Piece(
                 block, max_abs[i], flags[i], self._share[:, i].copy() if self._under[i] else None, chunks,
-                zero_share[held[i]] if i in held else None, count[held[i]] if i in held else None)],
+                zero_share[held[i]] if i in held else None, count[held[i]] if i in held else None,
+                pinned.get(i))],
                 load, written)
             for i, ((tag, info), chunks) in enumerate(zip(tensors, self.chunks()))
         ]

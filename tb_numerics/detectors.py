@@ -44,6 +44,7 @@ false-positive count is measured by ``bench/healthy.py``):
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any, Sequence
 
@@ -62,7 +63,9 @@ __all__ = [
     "headroom_forecast",
     "loss_not_decreasing",
     "loss_oscillating",
+    "pinned",
     "relu_like",
+    "saturating_function",
     "saturation",
     "square_limit",
     "square_overflow",
@@ -109,11 +112,6 @@ def transient(flags: np.ndarray, x: np.ndarray, base: np.ndarray, finite: np.nda
             if i + k < n and finite[nxt].all():
                 out[i] = bool(np.all(x[nxt] <= np.sqrt(x[i] * base[i])))
     return out
-
-
-def _function(series: TensorSeries) -> str:
-    """The activation function that made the tensor, lower case ("" unknown)."""
-    return (series.info.activation or "").lower()
 
 
 def relu_like(info: metadata.TensorInfo) -> bool:
@@ -177,23 +175,35 @@ def dead_units_by_gradient(
     return dead & sustained(np.where(known, units, True), k)
 
 
-def saturation(series: TensorSeries, d: dict[str, np.ndarray], k: int) -> np.ndarray:
-    """Sigmoid, tanh or softmax outputs pinned at their bounds."""
-    fn = _function(series) or series.info.op_type.lower()
-    if fn not in SATURATING:
-        return np.zeros(len(series.steps), dtype=bool)
-    v = series.values.astype(np.float64, copy=False)
+def saturating_function(info: metadata.TensorInfo) -> str:
+    """The function that made the tensor where it saturates (one of
+    ``SATURATING``: its activation, else its op type), else ""."""
+    fn = (info.activation or info.op_type).lower()
+    return fn if fn in SATURATING else ""
+
+
+def pinned(fn: str, v: np.ndarray, d: dict[str, np.ndarray]) -> np.ndarray:
+    """Which records ``v`` (float64 ``[n, F]``, ``d`` their ``derived``) of
+    an output of the saturating function ``fn`` are pinned at its bounds,
+    finite values held: the saturation rule's measure of one record."""
     with np.errstate(invalid="ignore", divide="ignore"):
         mean_sq = v[:, F["sum_sq"]] / np.maximum(d["finite"], 1)
         if fn in ("sigmoid", "hard_sigmoid"):
             # x(1 - x) is at most 1/4; near 0 only where every x is near 0 or 1.
-            pinned = (d["mean"] - mean_sq) < 0.01
+            at_bounds = (d["mean"] - mean_sq) < 0.01
         elif fn == "tanh":
-            pinned = mean_sq > 0.98  # |x| near 1 nearly everywhere
-        elif fn == "softmax":
-            # Exact 0 (underflowed exp) or exact 1: log(0) is one step away.
-            pinned = (v[:, F["zeros"]] > 0) | (v[:, F["max"]] >= 1.0)
-    return sustained(pinned & (d["finite"] > 0), k)
+            at_bounds = mean_sq > 0.98  # |x| near 1 nearly everywhere
+        else:  # softmax: exact 0 (underflowed exp) or exact 1: log(0) is one step away
+            at_bounds = (v[:, F["zeros"]] > 0) | (v[:, F["max"]] >= 1.0)
+    return at_bounds & (d["finite"] > 0)
+
+
+def saturation(series: TensorSeries, k: int) -> np.ndarray:
+    """Sigmoid, tanh or softmax outputs pinned at their bounds."""
+    fn = saturating_function(series.info)
+    if not fn:
+        return np.zeros(len(series.steps), dtype=bool)
+    return sustained(series.marked(functools.partial(pinned, fn)), k)
 
 
 def headroom_forecast(series: TensorSeries, d: dict[str, np.ndarray], window: int,

@@ -11,7 +11,7 @@ Numpy and TensorBoard protos only, no TensorFlow.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, Sequence
+from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
@@ -97,6 +97,13 @@ class TensorSeries:
         holds them)."""
         v = self.values.astype(np.float64, copy=False)
         return zero_share(v[:, F["zeros"]], v[:, F["count"]] - nonfinite_count(v)), v[:, F["count"]]
+
+    def marked(self, measure: Callable[[np.ndarray, dict[str, np.ndarray]], np.ndarray]) -> np.ndarray:
+        """``measure(records, their derived statistics)`` over every record
+        in float64: a rule's mask of one record at a time (a compact series
+        of a saturating output holds the saturation rule's, ``compact``)."""
+        v = self.values.astype(np.float64, copy=False)
+        return measure(v, derived(v))
 
     def mask_values(self) -> np.ndarray:
         """The records the rules' series masks read, in float64: all of

@@ -2,10 +2,9 @@
 
 ``write(logdir, steps, width)`` writes one run as the Keras callback's
 writer does (``write_many``: packed blocks), with statistics made in numpy
-for every tensor kind the rules treat apart: the input batch, linear
-and ReLU activations (held compact), sigmoid and softmax activations (kept
-whole), gradients (compact, but for the two the by-depth rule compares),
-the loss and the global norm. Faults are injected at fixed fractions of the
+for every tensor kind the rules treat apart: the input batch, linear,
+ReLU, sigmoid and softmax activations (held compact), gradients (compact,
+but for the two the by-depth rule compares), the loss and the global norm. Faults are injected at fixed fractions of the
 run, so that their steps are known without any reader:
 
 - a gradient jumps to 1e20 for three steps from ``jump_at`` (fast growth, a

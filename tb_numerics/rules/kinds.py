@@ -408,10 +408,10 @@ def _dead_detail(rows: Rows, row: int, i: int, p: Any) -> str:
 
 
 def _saturation_detail(rows: Rows, row: int, i: int, p: Any) -> str:
-    s, v, d = _whole(rows, row)
+    s, v, _ = _record(rows, row, i)
     return "%s output pinned at its bounds %s: mean %s, max %s, %s exact zeros" % (
-        s.info.activation or s.info.op_type, _sustained_steps(rows, row, i, p), number(d["mean"][i]),
-        number(v[i, F["max"]]), count(v[i, F["zeros"]]))
+        s.info.activation or s.info.op_type, _sustained_steps(rows, row, i, p), number(derived(v)["mean"][0]),
+        number(v[F["max"]]), count(v[F["zeros"]]))
 
 
 def _loss_flat_detail(rows: Rows, row: int, i: int, p: Any) -> str:
@@ -525,7 +525,7 @@ KINDS: tuple[WarningKind, ...] = (
         "saturation", "saturated activations",
         "The activation is pinned at its bounds, where its gradient vanishes (and a softmax of "
         "exact 0 makes log(0)). Normalise the inputs, lower the learning rate, or compute the loss from logits.",
-        ("sustain",), _saturation_detail, mask=lambda s, p: detectors.saturation(s.series, s.d, p.sustain),
+        ("sustain",), _saturation_detail, mask=lambda s, p: detectors.saturation(s.series, p.sustain),
         early=True),
     WarningKind(
         "update_ratio", "update ratio out of range",
