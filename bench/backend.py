@@ -23,8 +23,8 @@ plugin's complete answer naming the NaN.
 
 ``--relu-share 0.28`` makes the run as the callback writes it for
 ResNet-50 in one more way: 28 % of its activations (49 of 176) are ReLU
-outputs, whose records the plugin keeps whole (the dead-unit rule reads
-their zeros), where the others are held compact (5 bytes a record).
+outputs, whose compact records also hold what the dead-unit rule reads
+(17 bytes a record where the others take 5).
 
 To compare two trees, run each from its own folder (``cd TREE &&
 PYTHONPATH=TREE python /path/to/bench/backend.py ...``): TensorBoard's
@@ -295,8 +295,8 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--record-dtype", choices=("float32", "float64"), default="float32",
                    help="the dtype of the logged tensors (float32 records are stored as float32)")
     p.add_argument("--relu-share", type=float, default=0.0,
-                   help="the share of activations that are ReLU outputs, whose records the plugin keeps whole "
-                        "(ResNet-50 under the callback: 49 of 176, 0.28)")
+                   help="the share of activations that are ReLU outputs, whose compact records also hold their "
+                        "zero shares (ResNet-50 under the callback: 49 of 176, 0.28)")
     p.add_argument("--fault", choices=("gradient", "loss"), default="gradient",
                    help="the NaN's kind: three NaN in a gradient, or the loss +Inf with every layer output "
                         "finite (the hints then read that step's records of every layer output)")

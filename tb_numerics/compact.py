@@ -67,8 +67,9 @@ PartLoader = Callable[[str, str], TensorSeries]
 
 def keeps_records(tag: str, info: metadata.TensorInfo, depth_pair: Sequence[str] = ()) -> bool:
     """Whether a tensor keeps every record in full: one some rule or the
-    hints' evidence (``evidence``: the batch's inputs) reads beyond max |x|,
-    the non-finite and overflow counts and the underflow share.
+    hints' evidence (``evidence``: the batch's inputs) reads beyond what a
+    compact piece holds (max |x|, the non-finite and overflow counts, the
+    underflow share, and an activation's zero shares or pinned marks).
 
     Args:
       tag, info: the tensor.

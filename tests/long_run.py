@@ -26,11 +26,21 @@ from __future__ import annotations
 
 import numpy as np
 
-from tb_numerics import metadata
+from tb_numerics import file_provider, metadata, run_store
 from tb_numerics.metadata import FIELD_INDEX as F
 from tb_numerics.record_writer import NumericsRecordWriter
 
 RUN = "long"
+# The store's limits that hold every run compact, however short, as TensorBoard holds a long one.
+COMPACT = run_store.Limits(compact_above_records=0, inline_read_records=10**9)
+
+
+def compact_store(logdir: str) -> run_store.RunStore:
+    """The plugin's run store over ``logdir``'s files as they are now, every
+    run held compact (``compact``), refreshed only when asked."""
+    files = file_provider.FileProvider(logdir, on_listing=False)
+    files.index_round()
+    return run_store.RunStore(files, reload_interval=0, background=False, limits=COMPACT)
 
 
 def faults(steps: int) -> dict[str, int]:

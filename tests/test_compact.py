@@ -18,14 +18,13 @@ import pytest
 from tensorboard.context import RequestContext
 
 import long_run
-from tb_numerics import (analysis, cli, compact, compare, detectors, event_reader, file_provider, health, metadata,
-                         plugin, rules, run_store, views)
+from tb_numerics import (analysis, cli, compact, compare, detectors, event_reader, health, metadata, plugin, rules,
+                         run_store, views)
 from tb_numerics.records import F, TensorSeries, numpy_stats
 
 pytestmark = pytest.mark.unit
 
 STEPS = 3000
-COMPACT = run_store.Limits(compact_above_records=0, inline_read_records=10**9)
 SAFE_RANGES = ({}, {"max_abs": "50", "spike_factor": "3"}, {"off": "headroom,gradient_spike", "underflow_share": "0.05"})
 
 
@@ -38,9 +37,7 @@ def logdir(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def store(logdir) -> run_store.RunStore:
-    files = file_provider.FileProvider(logdir, on_listing=False)
-    files.index_round()
-    return run_store.RunStore(files, reload_interval=0, background=False, limits=COMPACT)
+    return long_run.compact_store(logdir)
 
 
 @pytest.fixture(scope="module")
@@ -138,9 +135,7 @@ def test_a_restarted_job_over_a_compact_run_reads_as_the_cli_does(tmp_path, monk
     # files. Within one second the names' random parts decide the order.
     time.sleep(1.1)
     long_run.write(logdir, 1200, width=3, start=700, nan=False)
-    files = file_provider.FileProvider(logdir, on_listing=False)
-    files.index_round()
-    store = run_store.RunStore(files, reload_interval=0, background=False, limits=COMPACT)
+    store = long_run.compact_store(logdir)
     truth = cli.report(logdir, analysis.SafeRange())[0][0]
     got = analysis.run_summary(_answer(store, {}))
     assert truth["first_anomaly"]["step"] == long_run.faults(1200)["neginf_at"]  # the NaN was written over
@@ -273,9 +268,7 @@ def test_a_block_made_compact_a_chunk_at_a_time_holds_what_one_slice_holds(logdi
     block makes and reports what the CLI reports."""
     monkeypatch.setattr(compact, "_WORK_RECORDS", 1)
     assert compact._steps_at_once(30) == compact.CHUNK
-    files = file_provider.FileProvider(logdir, on_listing=False)
-    files.index_round()
-    sliced = run_store.RunStore(files, reload_interval=0, background=False, limits=COMPACT)
+    sliced = long_run.compact_store(logdir)
     got, want = _compact_arrays(_answer(sliced, {})), _compact_arrays(_answer(store, {}))
     assert got.keys() == want.keys() and any(k.endswith("underflow") and v is not None for k, v in got.items())
     for key, a in want.items():
@@ -322,9 +315,7 @@ def test_a_block_unusual_in_a_late_slice_is_read_as_the_cli_reads_it(tmp_path, m
         _usual_block_run(logdir, list(range(1000)), impossible_at=730)
     else:
         _usual_block_run(logdir, list(range(700)) + list(range(650, 950)))
-    files = file_provider.FileProvider(logdir, on_listing=False)
-    files.index_round()
-    store = run_store.RunStore(files, reload_interval=0, background=False, limits=COMPACT)
+    store = long_run.compact_store(logdir)
     truth = cli.report(logdir, analysis.SafeRange())[0][0]
     summary = analysis.run_summary(_answer(store, {}))
     assert truth["records"] == 6000 - (fault == "impossible_record")
@@ -393,9 +384,7 @@ def test_a_first_anomalys_evidence_reads_back_only_the_records_of_its_step(tmp_p
     caplog.set_level(logging.INFO, logger="tb_numerics.compact")
     logdir = str(tmp_path)
     tensor = _forward_failure_run(logdir, fault)
-    files = file_provider.FileProvider(logdir, on_listing=False)
-    files.index_round()
-    compact_store = run_store.RunStore(files, reload_interval=0, background=False, limits=COMPACT)
+    compact_store = long_run.compact_store(logdir)
     ra = _answer(compact_store, {})
     held = {h.series.tag: isinstance(h.series, compact.CompactSeries) for h in ra.health}
     assert held["dense00/output"] and held["gradients/dense01/kernel"] and held["update/dense00/kernel"]

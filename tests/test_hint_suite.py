@@ -10,8 +10,9 @@ import logging
 import pytest
 from tensorboard.context import RequestContext
 
+import long_run
 from demo import buggy_keras, hint_suite
-from tb_numerics import analysis, cli, compact, file_provider, rules, run_store
+from tb_numerics import analysis, cli, compact, rules
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -69,10 +70,7 @@ def test_each_run_held_compact_reports_what_every_record_read_reports(logdir, ru
     records are read back whole to give them (on a long run each would be
     the event files read again)."""
     caplog.set_level(logging.INFO, logger="tb_numerics.compact")
-    files = file_provider.FileProvider(logdir, on_listing=False)
-    files.index_round()
-    store = run_store.RunStore(files, reload_interval=0, background=False,
-                               limits=run_store.Limits(compact_above_records=0, inline_read_records=10**9))
+    store = long_run.compact_store(logdir)
     for case in buggy_keras.CASES:
         ra = store.answer(RequestContext(), "", case.name, analysis.SafeRange()).analysis
         assert any(isinstance(h.series, compact.CompactSeries) for h in ra.health), case.name

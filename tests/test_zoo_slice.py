@@ -100,7 +100,8 @@ def test_each_product_run_held_compact_reports_what_every_record_read_reports(zo
     whole (on a long run each would be the event files read again)."""
     from tensorboard.context import RequestContext
 
-    from tb_numerics import analysis, cli, compact, file_provider, rules, run_store
+    import long_run
+    from tb_numerics import analysis, cli, compact, rules
 
     caplog.set_level(logging.INFO, logger="tb_numerics.compact")
     logdirs = sorted(p for p in workdir.iterdir() if p.is_dir() and p.name.endswith("-product"))
@@ -108,10 +109,7 @@ def test_each_product_run_held_compact_reports_what_every_record_read_reports(zo
     held_compact = 0
     for logdir in logdirs:
         truth, _ = cli.report(str(logdir), analysis.SafeRange())
-        files = file_provider.FileProvider(str(logdir), on_listing=False)
-        files.index_round()
-        store = run_store.RunStore(files, reload_interval=0, background=False,
-                                   limits=run_store.Limits(compact_above_records=0, inline_read_records=10**9))
+        store = long_run.compact_store(str(logdir))
         for want in truth:
             run = "." if want["run"] == logdir.name else want["run"]  # the report names the logdir's own run so
             ra = store.answer(RequestContext(), "", run, analysis.SafeRange()).analysis
