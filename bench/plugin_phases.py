@@ -14,6 +14,10 @@ prints each phase's wall and CPU seconds (every thread's):
 - read: every numerics record read again and decoded, a long run made compact;
 - analysis: the default safe range's analysis and the run's summary.
 
+It measures the ``tb_numerics`` Python imports: this tree where the
+README's test command installed it (editable), the tree on ``PYTHONPATH``
+where one is given.
+
 Each tensor whose records the analysis reads back whole from the files (a
 compact series' slow fallback, ``CompactSeries.values``) is printed as it
 happens, and counted: on a long run each costs seconds.
