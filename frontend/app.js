@@ -232,8 +232,11 @@ export class Dashboard {
     if (gen !== this.generation) return;
     this.status.hidden = true;
     if (this.summary) renderBanners(this.banners, [{ run, summary: this.summary }], (r, tensors, step) => this.showMe(tensors, step));
+    if (this.summary?.preliminary) this.busy.textContent = this.updatingWords(this.summary);
     await timeline;
     if (gen !== this.generation) return;
+    // A first look at a long run: the selection waits for the whole run's summary.
+    if (this.summary?.preliminary) return this.followStale(gen);
     this.busy.textContent = "";
     this.pickDefaultSelection();
     this.applySelection();
@@ -267,10 +270,17 @@ export class Dashboard {
   followStale(gen) {
     const s = this.summary;
     if (!s || !s.stale) return;
-    this.busy.textContent = `Updating: ${this.state.run} read up to step ${fmt.count(s.as_of_step ?? 0)} of ${fmt.count(s.latest_step ?? 0)}…`;
+    this.busy.textContent = this.updatingWords(s);
     setTimeout(() => {
       if (gen === this.generation) this.loadRun();
     }, STALE_POLL_MS);
+  }
+
+  /** What the loading line says while a stale or first-look answer is being completed. */
+  updatingWords(s) {
+    return s.preliminary
+      ? `Reading all of ${this.state.run} (to step ${fmt.count(s.latest_step ?? 0)}): the warnings and the timeline follow…`
+      : `Updating: ${this.state.run} read up to step ${fmt.count(s.as_of_step ?? 0)} of ${fmt.count(s.latest_step ?? 0)}…`;
   }
 
   /** Fills the timeline; the first anomaly's cell comes from the summary once it is in. */

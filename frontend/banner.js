@@ -166,7 +166,9 @@ function anomalyBanner(run, s, onShow) {
     occurrenceWords(a),
     opDetail(a),
     replayWords(a),
-    lastHealthyWords(a),
+    s.preliminary
+      ? el("p", { class: "preliminary" }, "Found in the run's event files before the whole run is read: its last healthy step, the likely cause and the hint follow once it is.")
+      : lastHealthyWords(a),
     text(a.hint) && el("p", { class: "hint" }, el("span", { class: "cause-label" }, "Hint: "), a.hint),
     cause &&
       el(

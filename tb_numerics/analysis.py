@@ -19,7 +19,7 @@ modules that apply them, each with one job:
 from __future__ import annotations
 
 from tb_numerics.diagnosis import (
-    first_anomaly, first_warning, info_events, likely_cause, run_summary, warnings_by_tensor,
+    first_anomaly, first_look_summary, first_warning, info_events, likely_cause, run_summary, warnings_by_tensor,
 )
 from tb_numerics.health import SeriesHealth, series_health
 from tb_numerics.rules import (
@@ -33,7 +33,7 @@ from tb_numerics.views import series_points, timeline
 __all__ = [
     "HEALTHY", "INFO_KINDS", "LOSS_SCALE_HANDLED_MIN", "NONFINITE", "NO_DATA", "OP_TAG_PREFIX", "RunAnalysis",
     "SAFE_RANGE_PARAMS", "SafeRange", "SafeRangeError", "SeriesHealth", "WARNING", "WARNING_KINDS", "analyze_run",
-    "describe_nonfinite", "first_anomaly", "first_warning", "growth_flags", "health_name", "info_events",
+    "describe_nonfinite", "first_anomaly", "first_look_summary", "first_warning", "growth_flags", "health_name", "info_events",
     "is_op_level", "likely_cause", "neginf_intended", "number", "parse_safe_range", "record_is_anomaly",
     "run_summary", "safe_range_to_json", "series_health", "series_points", "skip_handled", "skipped_steps",
     "timeline", "warnings_by_tensor",

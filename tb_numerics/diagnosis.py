@@ -333,6 +333,26 @@ def warnings_by_tensor(ra: RunAnalysis) -> list[dict[str, Any]]:
     return sorted(out, key=lambda e: (e["first_step"], e["row"]))
 
 
+# What a first look (the records of one step, before the run is read whole)
+# says of the first anomaly: what that step's records hold. The rest (the
+# last healthy step, the likely cause, the hint, its timeline row) needs the
+# run's history, and is null until the run has been read.
+_FIRST_LOOK_FIELDS = ("step", "tensor", "op_type", "tensor_description", "phase", "role", "nan", "posinf",
+                      "neginf", "size", "description", "occurrence", "op", "replay")
+
+
+def first_look_summary(ra: RunAnalysis) -> dict[str, Any]:
+    """``run_summary`` of a first look's analysis (``run_store``'s
+    preliminary answer): its first anomaly's own fields, every field that
+    needs the whole run null (its warnings none yet, not none found)."""
+    summary = run_summary(ra)
+    anomaly = summary["first_anomaly"]
+    return {**summary,
+            "first_anomaly": anomaly and {k: v if k in _FIRST_LOOK_FIELDS else None for k, v in anomaly.items()},
+            "first_warning": None, "info": [], "warnings": [], "tensors": None, "records": None,
+            "first_step": None, "last_step": None, "skipped_steps": []}
+
+
 def run_summary(ra: RunAnalysis) -> dict[str, Any]:
     """The per-run summary shared by the CLI's JSON and the HTTP API
     (computed once per analysis: a long run's takes a second; a new dict

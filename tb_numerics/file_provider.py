@@ -75,6 +75,9 @@ class _TagIndex:
     where: list[tuple[str, int]] = dataclasses.field(default_factory=list)  # (path, byte offset)
     max_step: int = -1
     max_wall: float = 0.0
+    # The earliest step at which an event may hold a NaN or an infinity
+    # (``packed.nonfinite_step``); None: none may.
+    nonfinite: int | None = None
 
 
 class _FileState(NamedTuple):
@@ -254,6 +257,17 @@ class FileProvider:
                 }
         return out
 
+    def nonfinite_steps(self, run: str) -> dict[str, int]:
+        """Per numerics tag of ``run`` that may hold a NaN or an infinity, the
+        earliest step at which it may, as the index found it: no record of
+        the run is non-finite before the least of them (``packed.nonfinite_step``).
+        What lets the run store name a long run's first anomaly before it has
+        read the run (``ProviderReader.first_look``)."""
+        with self._lock:
+            held = self._runs.get(run)
+            return {} if held is None else {
+                tag: t.nonfinite for tag, t in held.tags.items() if t.steps and t.nonfinite is not None}
+
     def read_tensors(self, ctx=None, *, experiment_id, plugin_name, downsample=None, run_tag_filter=None) -> dict:
         """Every event of the tags asked for, read again from the files
         (``downsample`` is ignored: every record is returned).
@@ -330,19 +344,31 @@ def _file_problems(held: _RunIndex) -> list[str]:
 
 def _values_of(event) -> tuple[int, float, list[tuple]]:
     """What the index keeps of an event: its step, wall time, and each
-    tensor value's (tag, plugin name or None, content, description)."""
+    tensor value's (tag, plugin name or None, content, description, the
+    step from which it may hold a NaN or an infinity)."""
     values = []
+    step = int(event.step)
     for value in event.summary.value if event.HasField("summary") else ():
         if value.HasField("tensor"):
             md = value.metadata if value.HasField("metadata") else None
-            values.append((value.tag, md.plugin_data.plugin_name if md is not None else None,
-                           md.plugin_data.content if md is not None else b"",
-                           md.summary_description if md is not None else ""))
-    return int(event.step), float(event.wall_time), values
+            plugin = md.plugin_data.plugin_name if md is not None else None
+            values.append((value.tag, plugin, md.plugin_data.content if md is not None else b"",
+                           md.summary_description if md is not None else "",
+                           _nonfinite_step(value.tensor, step) if plugin in (None, metadata.PLUGIN_NAME) else None))
+    return step, float(event.wall_time), values
+
+
+def _nonfinite_step(tensor, step: int) -> int | None:
+    """``packed.nonfinite_step`` of a value's tensor; None where it cannot
+    be decoded (its read says why)."""
+    try:
+        return packed.nonfinite_step(packed.tensor_values(tensor), step)
+    except (ValueError, TypeError, KeyError):
+        return None
 
 
 def _add_value(held: _RunIndex, path: str, offset: int, step: int, wall: float,
-               tag: str, plugin: str | None, content: bytes, description: str) -> None:
+               tag: str, plugin: str | None, content: bytes, description: str, nonfinite: int | None) -> None:
     """Indexes one tensor value of an event, where it is a numerics record.
 
     A tag's metadata comes from its first event that carries the plugin's
@@ -369,6 +395,8 @@ def _add_value(held: _RunIndex, path: str, offset: int, step: int, wall: float,
     entry.where.append((path, offset))
     entry.max_step = max(entry.max_step, step)
     entry.max_wall = max(entry.max_wall, wall)
+    if nonfinite is not None and (entry.nonfinite is None or nonfinite < entry.nonfinite):
+        entry.nonfinite = nonfinite
 
 
 def _read_tag(tag: str, steps: list[int], walls: list[float], where: list[tuple[str, int]]) -> list:

@@ -227,6 +227,35 @@ def tensor_values(tensor) -> np.ndarray:
     return tensor_util.make_ndarray(tensor)
 
 
+def nonfinite_step(array: np.ndarray, step: int) -> int | None:
+    """The earliest step at which one event's tensor (a packed block's rows,
+    or a per-tensor tag's records, written at ``step``) may hold a NaN or an
+    infinity; None where it cannot.
+
+    What an index of the event files can tell at once, without decoding
+    records: it errs only towards a step too early, never too late (a -Inf
+    a tensor allows and a count that is itself not a number count too), so
+    the first non-finite step of a run is never before the least of these.
+    """
+    a = np.asarray(array)
+    width = a.shape[-1] if a.ndim else 0
+    if a.dtype.kind not in "fiu" or width not in (COLUMNS, _V2_COLUMNS, metadata.NUM_FIELDS):
+        return None
+    rows = a.reshape(-1, width)
+    first = width - metadata.NUM_FIELDS  # the record's first column
+    bad = np.zeros(len(rows), bool)
+    for field in records.NONFINITE_FIELDS:
+        bad |= rows[:, first + field] != 0
+    if not bad.any():
+        return None
+    if width != COLUMNS:  # one step an event
+        return int(step)
+    with np.errstate(invalid="ignore"):
+        steps = rows[bad, 1]
+        steps = steps[(steps >= 0) & (steps < 2.0**63)]
+    return int(steps.min()) if steps.size else None
+
+
 def block_rows(
     block: str, table: metadata.BlockTable, steps: np.ndarray, arrays: Sequence[np.ndarray], problems: list[str]
 ) -> np.ndarray | None:

@@ -244,8 +244,8 @@ class NumericsPlugin(base_plugin.TBPlugin):
         for run in sorted(listing):
             if not listing[run] and not self._store.unread_problems(run):
                 continue
-            answer = self._store.answer(ctx, experiment, run, safe_range, listing[run])
-            summary = analysis.run_summary(answer.analysis)
+            answer = self._store.answer(ctx, experiment, run, safe_range, listing[run], first_look=True)
+            summary = _summary(answer)
             runs.append(
                 {
                     "run": run,
@@ -263,8 +263,8 @@ class NumericsPlugin(base_plugin.TBPlugin):
 
     def summary_impl(self, ctx, experiment: str, run: str, safe_range: analysis.SafeRange) -> dict[str, Any]:
         """The run's first anomaly and first warning (as ``report --json``)."""
-        answer = self._store.answer(ctx, experiment, run, safe_range)
-        summary = analysis.run_summary(answer.analysis)
+        answer = self._store.answer(ctx, experiment, run, safe_range, first_look=True)
+        summary = _summary(answer)
         events = self._actions(ctx, experiment, run, summary["problems"])
         summary["actions"] = survive.summarize(events, summary["first_anomaly"])
         summary["safe_range"] = analysis.safe_range_to_json(safe_range)
@@ -481,6 +481,11 @@ def local_logdir(flags: Any) -> str | None:
     if not logdir or getattr(flags, "logdir_spec", None) or "://" in logdir:
         return None
     return os.path.expanduser(logdir)
+
+
+def _summary(answer: run_store.Answer) -> dict[str, Any]:
+    """The run summary of an answer: a first look's where it is one."""
+    return (analysis.first_look_summary if answer.preliminary else analysis.run_summary)(answer.analysis)
 
 
 class NumericsLoader(base_plugin.TBLoader):

@@ -25,11 +25,14 @@ from tensorboard import context as tb_context
 from tensorboard.data import provider
 
 from tb_numerics import analysis, compact, detectors, metadata, packed, records
+from tb_numerics.run_analysis import is_op_level
 
 if TYPE_CHECKING:
     from tb_numerics.run_store import Limits
 
-__all__ = ["ProviderReader", "Snapshot", "TagData", "listed_version", "read_cost", "return_freed_memory"]
+__all__ = [
+    "ProviderReader", "Snapshot", "TagData", "listed_version", "read_cost", "records_listed", "return_freed_memory",
+]
 
 logger = logging.getLogger("tb_numerics.run_store")
 
@@ -225,6 +228,60 @@ def read_cost(listing: Mapping[str, Any], *known: Mapping[str, TagData]) -> int:
     )
 
 
+def records_listed(listing: Mapping[str, Any]) -> int:
+    """About how many records ``listing``'s tags hold: a packed block's steps
+    times the tensors of its table (``_steps_held``), a tag whose metadata
+    cannot be read counted as one tensor."""
+    return sum(_steps_held(tag, ts) * (max(1, len(_infos(ts))) if packed.is_block_tag(tag) and ts.plugin_content else 1)
+               for tag, ts in listing.items())
+
+
+def _at_step(series: records.TensorSeries, step: int) -> records.TensorSeries:
+    """A series' records at one step."""
+    at = series.steps == step
+    return records.TensorSeries(series.tag, series.info, series.steps[at], series.values[at], series.written)
+
+
+def _may_be_nonfinite(series: records.TensorSeries) -> bool:
+    """Whether a record of ``series`` may hold a NaN or an infinity (as ``packed.nonfinite_step`` reads it)."""
+    return bool((series.values[:, list(records.NONFINITE_FIELDS)] != 0).any())
+
+
+def _infos(ts: Any) -> list[metadata.TensorInfo]:
+    """The ``TensorInfo`` of each tensor a listed tag holds (none where its metadata cannot be read)."""
+    try:
+        info = metadata.parse_content(ts.plugin_content, ts.description or "")
+    except metadata.FormatError:
+        return []
+    return [info] if isinstance(info, metadata.TensorInfo) else [i for _, i in info]
+
+
+def _has_loss_scale(listing: Mapping[str, Any]) -> bool:
+    """Whether any listed tag holds a loss scale's records."""
+    return any(i.role == "loss_scale" for ts in listing.values() if ts.plugin_content for i in _infos(ts))
+
+
+def _blocks_holding(listing: Mapping[str, Any], step: int) -> set[str] | None:
+    """The packed blocks that may hold ``step``: each writer's first block
+    (by sequence) whose last step is at or after it, its steps rising from
+    block to block; None where a writer's blocks do not (steps that go back
+    in one writer: any block may then hold it)."""
+    by_writer: dict[str, list[tuple[str, str]]] = {}
+    for tag in listing:
+        if packed.is_block_tag(tag):
+            writer, _, seq = tag[len(packed.TAG_PREFIX):].rpartition("/")
+            by_writer.setdefault(writer, []).append((seq, tag))
+    out = set()
+    for blocks in by_writer.values():
+        last = [int(listing[tag].max_step) for _, tag in sorted(blocks)]
+        if any(b < a for a, b in zip(last, last[1:])):
+            return None
+        at = next((i for i, s in enumerate(last) if s >= step), None)
+        if at is not None:
+            out.add(sorted(blocks)[at][1])
+    return out
+
+
 def _log_new_problems(run: str, prev: TagData | None, problems: list[str]) -> None:
     """Logs a tag's problems to the server log once: those its previous read had not."""
     for p in problems:
@@ -261,18 +318,21 @@ class ProviderReader:
             return self._blocks.setdefault((experiment, run), _BlockReader(self, experiment, run))
 
     def read(
-        self, ctx, experiment: str, run: str, listing: Mapping[str, Any], known: list[Mapping[str, TagData]]
+        self, ctx, experiment: str, run: str, listing: Mapping[str, Any], known: list[Mapping[str, TagData]],
+        whole: bool = False,
     ) -> dict[str, TagData]:
         """The records of ``listing``'s tags: those ``known`` as of the listed
         version are shared, the others read again (whole: the data provider
-        has no "steps after N")."""
+        has no "steps after N"); a long run's held compact unless ``whole``."""
         tags, to_read = _unchanged_and_to_read(run, listing, known)
         blocks = self.block_reader(experiment, run)
-        blocks.learn(to_read)
         held = _records_held(tags) + sum(
             _steps_held(tag, listing[tag]) * (1 if isinstance(info, metadata.TensorInfo) else len(info))
             for tag, (_, info, _) in to_read.items())
-        compactor = blocks.compactor(to_read) if held > self._compact_above else None
+        compactor = None
+        if not whole:
+            blocks.learn(to_read)
+            compactor = blocks.compactor(to_read) if held > self._compact_above else None
 
         def read_and_decode(batch: list[str]) -> dict[str, TagData]:
             data, unreadable = self._read_tags(ctx, experiment, run, batch)
@@ -291,6 +351,51 @@ class ProviderReader:
                     reads.append(pool.submit(read_and_decode, batches[i + 2]))
                 tags.update(done)
         return tags
+
+    def first_look(
+        self, ctx, experiment: str, run: str, listing: Mapping[str, Any]
+    ) -> tuple[dict[str, TagData], int] | None:
+        """What names a long run's first anomaly before the run is read, and
+        the step it must be at: the records read whole of the tags that may
+        hold a NaN or an infinity at the earliest step any tag may (as the
+        provider's index of the event files says, ``nonfinite_steps``: no
+        record is non-finite before it), of each writer's block that may
+        hold that step too (a later training may have written it again), and
+        of the small tags that name its op (op-level records, the replays'
+        verdicts).
+
+        None where the provider keeps no such index (TensorBoard's own), no
+        tag may hold a NaN or an infinity, or the run has a loss scale: a
+        non-finite gradient is then a skipped step that loss scaling
+        handles only if training recovers after it, which no part of the
+        run can tell. The analysis of what this returns names the first
+        anomaly exactly where it falls at the step returned (among the
+        tensors non-finite there, the first in execution order); one at
+        another step proves nothing (a -Inf the tensor allows made the
+        index look too early).
+        """
+        marks_of = getattr(self._provider, "nonfinite_steps", None)
+        marks = {tag: step for tag, step in (marks_of(run) if marks_of is not None else {}).items() if tag in listing}
+        if not marks or _has_loss_scale(listing):
+            return None
+        first = min(marks.values())
+        covering = _blocks_holding(listing, first)
+        if covering is None:
+            return None
+        naming = {tag for tag in listing if is_op_level(tag) or tag in metadata.VERDICT_TAGS}
+        wanted = {tag: ts for tag, ts in listing.items() if marks.get(tag) == first or tag in covering or tag in naming}
+        tags = self.read(ctx, experiment, run, wanted, [], whole=True)
+        # Only that step's records of the tensors that may be non-finite there
+        # count (from every tag read: a later training's record of it stands),
+        # and the op's tags whole: their analysis is then instant.
+        at = {tag: {s.tag: _at_step(s, first) for s in ([data.series] if data.series else (data.parts or {}).values())}
+              for tag, data in tags.items() if tag not in naming}
+        bad = {name for got in at.values() for name, s in got.items() if _may_be_nonfinite(s)}
+        for tag, got in at.items():
+            data = tags[tag]
+            data.series = data.series and got[data.series.tag]
+            data.parts = data.parts and {name: s for name, s in got.items() if name in bad}
+        return tags, first
 
     def _batches(self, to_read: Mapping[str, _ToRead], listing: Mapping[str, Any]) -> list[list[str]]:
         """Tags grouped so that each read stays well under gRPC's message cap,

@@ -44,7 +44,7 @@ from tensorboard.data import provider
 
 from tb_numerics import analysis, metadata, packed
 from tb_numerics.provider_reads import (
-    ProviderReader, Snapshot, TagData, listed_version, read_cost, return_freed_memory,
+    ProviderReader, Snapshot, TagData, listed_version, read_cost, records_listed, return_freed_memory,
 )
 
 __all__ = ["Answer", "Limits", "RunNotFound", "RunStore", "Snapshot"]
@@ -105,6 +105,11 @@ class _RunCache:
         self.prefetched: dict[str, TagData] = {}
         # Safe ranges asked for lately, most recent last: computed after a refresh.
         self.recent: collections.OrderedDict[analysis.SafeRange, None] = collections.OrderedDict()
+        # The first look at a long run not read yet (``RunStore._first_look``):
+        # (the index's marks it was made of, its snapshot or None), made once
+        # per marks, under ``look_lock`` (a second asker waits for the first).
+        self.look_lock = threading.Lock()
+        self.look: tuple[Any, tuple[Snapshot, int] | None] | None = None
 
     def known(self) -> list[Mapping[str, TagData]]:
         """The tags held already (under the lock): the snapshot's and those prefetched."""
@@ -185,10 +190,14 @@ class Answer:
     as_of_step: int | None  # last step of the records analysed
     latest_step: int | None  # last step TensorBoard holds
     restarts: list = dataclasses.field(default_factory=list)  # steps a later training wrote again
+    # A first look: the analysis of the few records that name the first
+    # anomaly of a long run not yet read whole; nothing else in it stands.
+    preliminary: bool = False
 
     def freshness(self) -> dict[str, Any]:
         """The routes' freshness fields (see ``http_api.md``)."""
-        return {"stale": self.stale, "as_of_step": self.as_of_step, "latest_step": self.latest_step}
+        return {"stale": self.stale, "preliminary": self.preliminary, "as_of_step": self.as_of_step,
+                "latest_step": self.latest_step}
 
 
 class _Next(enum.Enum):
@@ -293,7 +302,8 @@ class RunStore:
         return listing
 
     def answer(
-        self, ctx, experiment: str, run: str, safe_range: analysis.SafeRange, listing: Mapping | None = None
+        self, ctx, experiment: str, run: str, safe_range: analysis.SafeRange, listing: Mapping | None = None,
+        first_look: bool = False,
     ) -> Answer:
         """The run's analysis under ``safe_range``: current, or the previous one while a long refresh runs.
 
@@ -302,12 +312,19 @@ class RunStore:
           yet: this call reads (or waits for the refresh under way).
         - It is out of date and a refresh is under way or would be long: the
           previous analysis at once, marked stale; the refresher catches up.
+        - With ``first_look``, a long run (more than
+          ``limits.compact_above_records`` records) of which nothing is read
+          yet and whose files hold a NaN or an infinity: at once, the
+          analysis of the few records that name its first anomaly, marked
+          stale and preliminary (``_first_look``); the refresher reads the run.
 
         Args:
           ctx, experiment: the request's TensorBoard context and experiment.
           run: the run's name.
           safe_range: what counts as a warning.
           listing: the run's entry of ``listing`` where the caller has it.
+          first_look: whether a preliminary answer will do (the routes of
+            the first screen: the runs and their first anomaly).
 
         Raises:
           RunNotFound: TensorBoard lists no numerics records for ``run``.
@@ -322,6 +339,16 @@ class RunStore:
         latest = max(int(ts.max_step) for ts in listing.values())
         cache = self._cache(experiment, run)
         cache.remember(safe_range, self._limits.analyses_per_run)
+        look = self._first_look(ctx, experiment, run, cache, listing) if first_look else None
+        if look is not None:
+            snapshot, step = look
+            result = snapshot.analysis(run, safe_range, self._extra_problems(run))
+            # Its first anomaly under this safe range, where it falls at the
+            # step the index named; not an op's (the first anomaly is the first
+            # layer's where one went bad, at any later step).
+            first = analysis.run_summary(result)["first_anomaly"]
+            if first is not None and first["step"] == step and not analysis.is_op_level(first["tensor"]):
+                return Answer(result, True, None, latest, preliminary=True)
         snapshot, fresh = self._snapshot_to_answer_from(ctx, experiment, run, cache, listing)
         result = snapshot.analysis(run, safe_range, self._extra_problems(run))
         return Answer(result, not fresh, snapshot.as_of_step, latest, snapshot.restarts)
@@ -405,6 +432,42 @@ class RunStore:
             "without that setting to keep every record" % (self._sample_limit, self._sample_limit)
         ]
 
+    # ---------------------------------------------------------- first look
+
+    def _first_look(
+        self, ctx, experiment: str, run: str, cache: _RunCache, listing: Mapping[str, Any]
+    ) -> tuple[Snapshot, int] | None:
+        """The records that name the first anomaly of a long run not read yet,
+        and the step it must be at (``ProviderReader.first_look``); None
+        where the run is read already, or short, or its files hold no NaN
+        or infinity: the caller then waits for the whole read.
+
+        A request that finds no read under way hands the run to the
+        refresher, so the whole read starts at once whoever asked first.
+        """
+        with cache.lock:
+            if cache.snapshot is not None:
+                return None
+            reading = cache.refreshing is not None
+        marks_of = getattr(self._provider, "nonfinite_steps", None)
+        marks = marks_of(run) if marks_of is not None else None
+        if not marks or records_listed(listing) <= self._limits.compact_above_records:
+            return None
+        if not reading:
+            self._asked.add(ctx, experiment, run)
+        with cache.look_lock:
+            if cache.look is not None and cache.look[0] == marks:
+                return cache.look[1]
+            look = None
+            try:
+                found = self._reader.first_look(ctx, experiment, run, listing)
+                if found is not None:
+                    look = Snapshot(found[0], self._limits), found[1]
+            except Exception:  # noqa: BLE001 - the whole read answers anyway
+                logger.exception("numerics: the first look at run %r failed", run)
+            cache.look = (marks, look)
+            return look
+
     # ---------------------------------------------------------- requests
 
     def _snapshot_to_answer_from(
@@ -442,6 +505,7 @@ class RunStore:
             with cache.lock:
                 cache.snapshot = snapshot
                 cache.prefetched = {}
+                cache.look = None
                 cache.next_background = self._clock() + self._reload_interval
             return snapshot
         except Exception:

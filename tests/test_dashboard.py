@@ -727,3 +727,35 @@ def test_a_run_with_nothing_readable_names_its_damage(open_page, tmp_path):
         run.select_option("c_tail")
         expect(banner.locator(".headline")).to_have_text("Not all read: no NaN or Inf among the records read")
         expect(banner).to_contain_text("in steps 0–8 across 1 tensors (9 records). What could not be read")
+
+
+def _first_look(summary):
+    """/summary as a first look gives it (http_api.md): the first anomaly's
+    own fields, what needs the whole run null, the answer preliminary."""
+    history = ("last_healthy_step", "last_finite_step", "hint", "likely_cause", "row")
+    summary["first_anomaly"].update({k: None for k in history})
+    summary.update(preliminary=True, stale=True, as_of_step=None, first_warning=None, warnings=[], info=[],
+                   tensors=None, records=None, first_step=None, last_step=None, skipped_steps=[])
+
+
+def test_a_first_look_shows_the_first_anomaly_then_the_whole_run_replaces_it(open_page, tb):
+    """A long run not read yet: its first anomaly at once, said to be found
+    before the run was read; no last healthy step, warning or hint claimed;
+    then, once the server answers for the whole run, its full banner."""
+    p = open_page()
+    p.page.route("**/summary?*", _with_fields(_first_look))
+    p.page.goto(tb.url + ENTRY + "#run=" + data.NAN_RUN)
+    row = banner_row(p.page, data.NAN_RUN)
+    anomaly = row.locator(".banner.anomaly")
+    expect(anomaly.locator(".headline")).to_have_text("First non-finite value at step %d" % data.NAN_STEP)
+    expect(anomaly.locator(".tensor-name").first).to_have_text(data.NAN_TENSOR)
+    expect(anomaly.locator(".preliminary")).to_contain_text("before the whole run is read")
+    expect(anomaly.locator(".last-healthy, .hint, .cause")).to_have_count(0)
+    expect(row.locator(".banner.warning")).to_have_count(0)
+    expect(p.page.locator(".loading-line")).to_contain_text("Reading all of %s" % data.NAN_RUN)
+    p.page.unroute("**/summary?*")  # the server now answers for the whole run: the page asks again by itself
+    expect(anomaly.locator(".preliminary")).to_have_count(0)
+    expect(row.locator(".banner.anomaly .last-healthy")).to_have_count(1)
+    expect(row.locator(".banner.warning")).to_have_count(1)
+    expect(p.page.locator(".loading-line")).to_have_text("")
+    assert p.dialogs == []

@@ -106,3 +106,33 @@ def test_a_replaced_file_is_read_again_from_the_start_and_a_removed_run_forgotte
     os.rmdir(run)
     fp.index_round()
     assert fp.list_tensors(experiment_id="", plugin_name=metadata.PLUGIN_NAME) == {}
+
+
+def test_the_index_marks_where_each_tag_may_first_hold_a_nan_or_an_infinity(tmp_path):
+    """``nonfinite_steps``, the first look's guide: per tag, the step of the
+    first NaN or Inf written in it (packed blocks and per-tensor tags alike),
+    a -Inf the tensor allows marked too (the index errs early, never late),
+    finite tags unmarked; what is appended later is marked as it is indexed."""
+    x = metadata.TensorInfo(role="activation", order=0)
+    mask = metadata.TensorInfo(role="activation", order=1, neginf_ok=True)
+    w = NumericsRecordWriter(str(tmp_path / "a"))
+
+    def write(lo: int, hi: int) -> None:
+        for step in range(lo, hi):
+            w.write_many(step, [("x", numpy_stats(np.float32([np.nan if step in (1500, 2500) else 1.0])), x),
+                                ("mask", numpy_stats(np.float32([-np.inf if step == 700 else 0.0])), mask)])
+            w.write("z", step, numpy_stats(np.float32([np.inf if step == 2222 else 1.0])), INFO)
+        w.flush()
+
+    write(0, 2000)
+    fp = file_provider.FileProvider(str(tmp_path), on_listing=False)
+    fp.index_round()
+    blocks = sorted(t for t in _list(fp, "a") if t.startswith("__numerics_block__/"))
+    assert len(blocks) == 2  # steps 0-999 and 1000-1999
+    assert fp.nonfinite_steps("a") == {blocks[0]: 700, blocks[1]: 1500}
+    write(2000, 3000)
+    w.close()
+    fp.index_round()
+    blocks = sorted(t for t in _list(fp, "a") if t.startswith("__numerics_block__/"))
+    assert fp.nonfinite_steps("a") == {blocks[0]: 700, blocks[1]: 1500, blocks[2]: 2500, "z": 2222}
+    assert fp.nonfinite_steps("no such run") == {}

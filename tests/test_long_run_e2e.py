@@ -53,12 +53,20 @@ def test_the_run_is_long_enough_to_be_held_compact(report):
 @pytest.mark.parametrize("load_fast", [True, False], ids=["rust", "python"])
 def test_the_plugin_answers_as_the_cli_does(logdir, report, load_fast):
     q = urllib.parse.quote
+    seen = []  # every answer, from TensorBoard's start: a first look may come before the whole run
     with tensorboard(logdir, load_fast=load_fast) as tb:
-        summary = wait_for(lambda: (s := tb.get_json("/data/plugin/numerics/summary?run=%s" % q(long_run.RUN),
-                                                     timeout=120))["records"] == report["records"]
-                           and not s["stale"] and s, timeout=240, interval=0.5)
+        summary = wait_for(lambda: seen.append(s := tb.get_json("/data/plugin/numerics/summary?run=%s" % q(
+            long_run.RUN), timeout=120)) or s["records"] == report["records"] and not s["stale"] and s,
+            timeout=240, interval=0.2)
         for key in ("first_anomaly", "first_warning", "warnings"):
             assert summary[key] == report[key], key
+        runs = tb.get_json("/data/plugin/numerics/runs")["runs"]
+        assert [(r["first_anomaly_step"], r["preliminary"]) for r in runs] == [(report["first_anomaly"]["step"], False)]
+        # A first look names the CLI's first anomaly (what that step's records say of it), never "healthy".
+        own = ("step", "tensor", "phase", "role", "nan", "posinf", "neginf", "size", "description")
+        for s in seen:
+            assert not s["preliminary"] or (s["stale"] and {k: s["first_anomaly"][k] for k in own} == {
+                k: report["first_anomaly"][k] for k in own} and s["first_anomaly"]["hint"] is None)
         timeline = tb.get_json("/data/plugin/numerics/timeline?run=%s&width=1000" % q(long_run.RUN))
         row = next(r for r in timeline["rows"] if r["tensor"] == report["first_anomaly"]["tensor"])
         bucket = next(b for b, (lo, hi) in enumerate(zip(timeline["bucket_start"], timeline["bucket_end"]))

@@ -308,3 +308,29 @@ def test_a_compressed_table_reads_like_the_full_one_and_a_bad_one_is_refused():
     bomb = zlib.compress(b"{" + b" " * (65 << 20) + b"}")
     with pytest.raises(metadata.FormatError, match="inflates to more than"):
         metadata.parse_content(bomb)
+
+
+def test_an_events_earliest_possibly_nonfinite_step_errs_early_never_late():
+    """``nonfinite_step``, the index's guide to a first look: the least step
+    whose record may hold a NaN or an infinity, in each layout an event's
+    tensor has; a count that is itself not a number counts, a row whose step
+    is not one does not, and anything that is no record is None."""
+    rec = numpy_stats(np.float32([1.0, 2.0]))
+    bad = numpy_stats(np.float32([np.nan, -np.inf]))
+
+    def rows(*steps_and_records):
+        return np.stack([np.r_[0.0, s, r] for s, r in steps_and_records]).astype(np.float32)
+
+    assert packed.nonfinite_step(rows((10, rec), (11, rec)), 11) is None
+    assert packed.nonfinite_step(rows((10, rec), (11, bad), (12, bad)), 12) == 11
+    neginf_only = numpy_stats(np.float32([-np.inf]))
+    assert packed.nonfinite_step(rows((10, neginf_only), (11, rec)), 11) == 10  # allowed or not: the readers decide
+    nan_count = rec.copy()
+    nan_count[metadata.FIELD_INDEX["posinf"]] = np.nan
+    assert packed.nonfinite_step(rows((3, rec), (4, nan_count)), 4) == 4
+    assert packed.nonfinite_step(rows((-1, bad), (7, bad)), 7) == 7  # a row of no step is skipped by the readers
+    assert packed.nonfinite_step(rows((-1, bad)), 7) is None
+    assert packed.nonfinite_step(np.stack([np.r_[0.0, bad], np.r_[1.0, rec]]), 5) == 5  # version 2: the event's step
+    assert packed.nonfinite_step(bad, 9) == 9 and packed.nonfinite_step(rec, 9) is None  # a per-tensor record
+    assert packed.nonfinite_step(np.array([b"x"]), 9) is None
+    assert packed.nonfinite_step(np.zeros((2, 5)), 9) is None

@@ -199,7 +199,8 @@ def test_summary_matches_the_cli_report(tb, logdir):
     for run in ("bad", "good"):
         got = tb.ok(P + "/summary", run=run, max_abs="1.2")
         assert got.pop("safe_range")["max_abs"] == 1.2
-        assert (got.pop("stale"), got.pop("as_of_step"), got.pop("latest_step")) == (False, *[expected[run]["last_step"]] * 2)
+        assert (got.pop("stale"), got.pop("preliminary"), got.pop("as_of_step"), got.pop("latest_step")) == (
+            False, False, *[expected[run]["last_step"]] * 2)
         assert got == json.loads(json.dumps(expected[run]))
 
 

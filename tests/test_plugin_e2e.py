@@ -30,7 +30,7 @@ P = "/data/plugin/numerics"
 STEPS = 10_000
 NAN_STEP = 7_777
 # Keys a route adds to the CLI's summary: the parameters, and how current the answer is.
-FRESHNESS = ("safe_range", "stale", "as_of_step", "latest_step")
+FRESHNESS = ("safe_range", "stale", "preliminary", "as_of_step", "latest_step")
 
 
 # The same records, one event per tensor per step ("long", as log_numerics
