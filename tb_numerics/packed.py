@@ -233,19 +233,18 @@ def nonfinite_step(array: np.ndarray, step: int) -> int | None:
     infinity; None where it cannot.
 
     What an index of the event files can tell at once, without decoding
-    records: it errs only towards a step too early, never too late (a -Inf
-    a tensor allows and a count that is itself not a number count too), so
-    the first non-finite step of a run is never before the least of these.
+    records: the rules' count (``records.nonfinite_count``) with every -Inf
+    counted, even one the tensor allows, and a count that is itself not a
+    number counted too. It errs only towards a step too early, never too
+    late, so the first non-finite step of a run is never before the least
+    of these.
     """
     a = np.asarray(array)
     width = a.shape[-1] if a.ndim else 0
     if a.dtype.kind not in "fiu" or width not in (COLUMNS, _V2_COLUMNS, metadata.NUM_FIELDS):
         return None
     rows = a.reshape(-1, width)
-    first = width - metadata.NUM_FIELDS  # the record's first column
-    bad = np.zeros(len(rows), bool)
-    for field in records.NONFINITE_FIELDS:
-        bad |= rows[:, first + field] != 0
+    bad = nonfinite_count(rows[:, width - metadata.NUM_FIELDS:]) != 0  # a count that is NaN too
     if not bad.any():
         return None
     if width != COLUMNS:  # one step an event

@@ -244,7 +244,7 @@ def _at_step(series: records.TensorSeries, step: int) -> records.TensorSeries:
 
 def _may_be_nonfinite(series: records.TensorSeries) -> bool:
     """Whether a record of ``series`` may hold a NaN or an infinity (as ``packed.nonfinite_step`` reads it)."""
-    return bool((series.values[:, list(records.NONFINITE_FIELDS)] != 0).any())
+    return bool((records.nonfinite_count(series.values) != 0).any())
 
 
 def _infos(ts: Any) -> list[metadata.TensorInfo]:

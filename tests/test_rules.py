@@ -210,7 +210,7 @@ def test_the_frontend_holds_no_copy_of_the_rules():
 # stats.py; see the split of issue 29.)
 _READING_SIDE = [
     "analysis.py", "cli.py", "detectors.py", "diagnosis.py", "event_files.py", "event_reader.py", "health.py",
-    "hints.py", "logdir_provider.py", "packed.py", "plugin.py", "provider_reads.py", "run_analysis.py",
+    "file_provider.py", "hints.py", "logdir_provider.py", "packed.py", "plugin.py", "provider_reads.py", "run_analysis.py",
     "run_store.py", "safe_range.py", "scalars.py", "tfrecord.py", "views.py", "rules/codes.py", "rules/kinds.py",
     "rules/nonfinite.py", "rules/numbers.py", "rules/__init__.py",
 ]
