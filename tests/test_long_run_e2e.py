@@ -12,6 +12,8 @@ only a sample of the records (the plugin reads them from the files).
 from __future__ import annotations
 
 import json
+import os
+import shutil
 import subprocess
 import sys
 import urllib.parse
@@ -75,3 +77,32 @@ def test_the_plugin_answers_as_the_cli_does(logdir, report, load_fast):
         series = tb.get_json("/data/plugin/numerics/series?run=%s&tensor=%s" % (
             q(long_run.RUN), q(report["first_anomaly"]["tensor"])))
         assert series["downsampled"] and max(series["fields"]["nan"]) == 3
+
+
+def test_a_run_that_appears_whole_is_named_at_once_by_a_first_look(logdir, report, tmp_path):
+    """A finished long run copied into a logdir TensorBoard already serves:
+    the first /runs and /summary that list it answer a first look, its
+    first anomaly the CLI's (what that step's records say of it) before the
+    run is read, then the whole answer. TensorBoard's refresher looks for new
+    runs every 30 s here, so the request is first to find it."""
+    served = tmp_path / "served"
+    served.mkdir()
+    q = urllib.parse.quote
+    own = ("step", "tensor", "phase", "role", "nan", "posinf", "neginf", "size", "description")
+    with tensorboard(str(served), reload_interval=30) as tb:
+        staging = tmp_path / "staging"
+        shutil.copytree(os.path.join(logdir, long_run.RUN), staging)
+        os.rename(staging, served / long_run.RUN)  # whole at once
+        runs = wait_for(lambda: tb.get_json("/data/plugin/numerics/runs")["runs"], timeout=60, interval=0.1)
+        first = tb.get_json("/data/plugin/numerics/summary?run=%s" % q(long_run.RUN))
+        assert [(r["first_anomaly_step"], r["preliminary"], r["records"]) for r in runs] in (
+            [(report["first_anomaly"]["step"], True, None)], [(report["first_anomaly"]["step"], False, report["records"])])
+        assert (first["preliminary"], first["stale"], first["as_of_step"]) == (True, True, None)
+        assert {k: first["first_anomaly"][k] for k in own} == {k: report["first_anomaly"][k] for k in own}
+        assert (first["first_anomaly"]["last_healthy_step"], first["first_warning"], first["warnings"]) == (
+            None, None, [])
+        whole = wait_for(lambda: not (s := tb.get_json("/data/plugin/numerics/summary?run=%s" % q(
+            long_run.RUN)))["stale"] and s, timeout=240, interval=0.2)
+        assert not whole["preliminary"]
+        for key in ("first_anomaly", "first_warning", "warnings", "records"):
+            assert whole[key] == report[key], key
