@@ -287,6 +287,16 @@ def _timed(tb, path: str) -> tuple[float, object]:
     return time.perf_counter() - t, body
 
 
+def _naming(tb, summary_url: str, first: dict, nan_step: int) -> dict:
+    """The first /summary that names the NaN's step (a first look, or the
+    whole run's answer): ``first`` where it does, else the next that does."""
+    def names(s: dict) -> bool:
+        return (s["first_anomaly"] or {}).get("step") == nan_step
+
+    return first if names(first) else tb_process.wait_for(
+        lambda: names(s := tb.get_json(summary_url, timeout=1800)) and s, timeout=3600, interval=0.05)
+
+
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
     """The long run's size, where it is written and how TensorBoard loads it
     (shared with bench/dashboard.py, which times the same run in a browser)."""
@@ -336,12 +346,8 @@ def main() -> int:
             cpu_loaded = _tree_cpu_seconds(tb.proc.pid)
             summary_url = "/data/plugin/numerics/summary?run=%s" % q(RUN)
             t_summary, first = _timed(tb, summary_url)
-            # Until an answer names the NaN: a first look (preliminary) or the
-            # whole run's (``--append``, or fewer steps than its step: none yet).
-            named = None if args.append or nan_step >= args.steps else first if (first["first_anomaly"] or {}).get(
-                "step") == nan_step else tb_process.wait_for(
-                lambda: (s := tb.get_json(summary_url, timeout=1800))
-                and (s["first_anomaly"] or {}).get("step") == nan_step and s, timeout=3600, interval=0.05)
+            # ``--append``, or fewer steps than the NaN's: no NaN to name yet.
+            named = None if args.append or nan_step >= args.steps else _naming(tb, summary_url, first, nan_step)
             t_anomaly = time.perf_counter() - t_loaded
             expected = args.steps * args.tensors
             summary = tb_process.wait_for(

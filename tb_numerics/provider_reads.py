@@ -242,11 +242,6 @@ def _at_step(series: records.TensorSeries, step: int) -> records.TensorSeries:
     return records.TensorSeries(series.tag, series.info, series.steps[at], series.values[at], series.written)
 
 
-def _may_be_nonfinite(series: records.TensorSeries) -> bool:
-    """Whether a record of ``series`` may hold a NaN or an infinity (as ``packed.nonfinite_step`` reads it)."""
-    return bool((records.nonfinite_count(series.values) != 0).any())
-
-
 def _infos(ts: Any) -> list[metadata.TensorInfo]:
     """The ``TensorInfo`` of each tensor a listed tag holds (none where its metadata cannot be read)."""
     try:
@@ -273,12 +268,11 @@ def _blocks_holding(listing: Mapping[str, Any], step: int) -> set[str] | None:
             by_writer.setdefault(writer, []).append((seq, tag))
     out = set()
     for blocks in by_writer.values():
-        last = [int(listing[tag].max_step) for _, tag in sorted(blocks)]
+        ordered = [tag for _, tag in sorted(blocks)]
+        last = [int(listing[tag].max_step) for tag in ordered]
         if any(b < a for a, b in zip(last, last[1:])):
             return None
-        at = next((i for i, s in enumerate(last) if s >= step), None)
-        if at is not None:
-            out.add(sorted(blocks)[at][1])
+        out.update(next(([tag] for tag, s in zip(ordered, last) if s >= step), []))
     return out
 
 
@@ -326,9 +320,7 @@ class ProviderReader:
         has no "steps after N"); a long run's held compact unless ``whole``."""
         tags, to_read = _unchanged_and_to_read(run, listing, known)
         blocks = self.block_reader(experiment, run)
-        held = _records_held(tags) + sum(
-            _steps_held(tag, listing[tag]) * (1 if isinstance(info, metadata.TensorInfo) else len(info))
-            for tag, (_, info, _) in to_read.items())
+        held = _records_held(tags) + records_listed({tag: listing[tag] for tag in to_read})
         compactor = None
         if not whole:
             blocks.learn(to_read)
@@ -352,30 +344,35 @@ class ProviderReader:
                 tags.update(done)
         return tags
 
+    def nonfinite_marks(self, run: str) -> dict[str, int]:
+        """Per tag of ``run``, the earliest step at which it may hold a NaN or
+        an infinity, as the provider's index of the event files says
+        (``FileProvider.nonfinite_steps``); {} where the provider keeps no
+        such index (TensorBoard's own) or none may."""
+        marks_of = getattr(self._provider, "nonfinite_steps", None)
+        return marks_of(run) if marks_of is not None else {}
+
     def first_look(
-        self, ctx, experiment: str, run: str, listing: Mapping[str, Any]
+        self, ctx, experiment: str, run: str, listing: Mapping[str, Any], marks: Mapping[str, int]
     ) -> tuple[dict[str, TagData], int] | None:
         """What names a long run's first anomaly before the run is read, and
         the step it must be at: the records read whole of the tags that may
-        hold a NaN or an infinity at the earliest step any tag may (as the
-        provider's index of the event files says, ``nonfinite_steps``: no
-        record is non-finite before it), of each writer's block that may
-        hold that step too (a later training may have written it again), and
-        of the small tags that name its op (op-level records, the replays'
-        verdicts).
+        hold a NaN or an infinity at the earliest step any tag may
+        (``marks``, from ``nonfinite_marks``: no record is non-finite before
+        it), of each writer's block that may hold that step too (a later
+        training may have written it again), and of the small tags that name
+        its op (op-level records, the replays' verdicts).
 
-        None where the provider keeps no such index (TensorBoard's own), no
-        tag may hold a NaN or an infinity, or the run has a loss scale: a
-        non-finite gradient is then a skipped step that loss scaling
-        handles only if training recovers after it, which no part of the
-        run can tell. The analysis of what this returns names the first
-        anomaly exactly where it falls at the step returned (among the
-        tensors non-finite there, the first in execution order); one at
-        another step proves nothing (a -Inf the tensor allows made the
-        index look too early).
+        None where no listed tag may hold a NaN or an infinity, or the run
+        has a loss scale: a non-finite gradient is then a skipped step that
+        loss scaling handles only if training recovers after it, which no
+        part of the run can tell. The analysis of what this returns names
+        the first anomaly exactly where it falls at the step returned (among
+        the tensors non-finite there, the first in execution order); one at
+        another step proves nothing (a -Inf the tensor allows made the index
+        look too early).
         """
-        marks_of = getattr(self._provider, "nonfinite_steps", None)
-        marks = {tag: step for tag, step in (marks_of(run) if marks_of is not None else {}).items() if tag in listing}
+        marks = {tag: step for tag, step in marks.items() if tag in listing}
         if not marks or _has_loss_scale(listing):
             return None
         first = min(marks.values())
@@ -390,7 +387,8 @@ class ProviderReader:
         # and the op's tags whole: their analysis is then instant.
         at = {tag: {s.tag: _at_step(s, first) for s in ([data.series] if data.series else (data.parts or {}).values())}
               for tag, data in tags.items() if tag not in naming}
-        bad = {name for got in at.values() for name, s in got.items() if _may_be_nonfinite(s)}
+        bad = {name for got in at.values() for name, s in got.items()
+               if packed.nonfinite_step(s.values, first) is not None}
         for tag, got in at.items():
             data = tags[tag]
             data.series = data.series and got[data.series.tag]

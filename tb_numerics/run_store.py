@@ -449,8 +449,7 @@ class RunStore:
             if cache.snapshot is not None:
                 return None
             reading = cache.refreshing is not None
-        marks_of = getattr(self._provider, "nonfinite_steps", None)
-        marks = marks_of(run) if marks_of is not None else None
+        marks = self._reader.nonfinite_marks(run)
         if not marks or records_listed(listing) <= self._limits.compact_above_records:
             return None
         if not reading:
@@ -460,7 +459,7 @@ class RunStore:
                 return cache.look[1]
             look = None
             try:
-                found = self._reader.first_look(ctx, experiment, run, listing)
+                found = self._reader.first_look(ctx, experiment, run, listing, marks)
                 if found is not None:
                     look = Snapshot(found[0], self._limits), found[1]
             except Exception:  # noqa: BLE001 - the whole read answers anyway
