@@ -54,7 +54,7 @@ class TagState:
         self.serialized_metadata = metadata.create_summary_metadata(info).SerializeToString()
         self.later_metadata = _compact_metadata(info)
         # Records beyond the first of a step (see _write_repeat).
-        self.repeat_tag = "%s%s/repeat/%06d" % (packed.TAG_PREFIX, writer_id, info.order)
+        self.repeat_tag = packed.repeat_tag(writer_id, info.order)
         self.repeat_metadata = metadata.create_block_metadata([(tag, info)]).SerializeToString()
         self._vars: dict[str, tf.Variable] = {}
 

@@ -70,6 +70,19 @@ def is_block_tag(tag: str) -> bool:
     return tag.startswith(TAG_PREFIX)
 
 
+def repeat_tag(writer_id: str, order: int) -> str:
+    """The block of one tensor's records beyond the first of a step (a
+    writer's ``_tag_writer``): its rows hold their steps, its events'
+    steps count its events, so its last event's step is no training step."""
+    return "%s%s/repeat/%06d" % (TAG_PREFIX, writer_id, order)
+
+
+def is_repeat_tag(tag: str) -> bool:
+    """Whether ``tag`` is a ``repeat_tag``."""
+    parts = tag[len(TAG_PREFIX):].split("/") if is_block_tag(tag) else []
+    return len(parts) == 3 and parts[1] == "repeat"
+
+
 class PackedEvent(NamedTuple):
     """One event to write: its tag, step (its last row's), rows, wall time,
     and the block's metadata: the table, compressed unless the event is the

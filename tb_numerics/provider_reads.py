@@ -260,10 +260,13 @@ def _blocks_holding(listing: Mapping[str, Any], step: int) -> set[str] | None:
     """The packed blocks that may hold ``step``: each writer's first block
     (by sequence) whose last step is at or after it, its steps rising from
     block to block; None where a writer's blocks do not (steps that go back
-    in one writer: any block may then hold it)."""
+    in one writer: any block may then hold it). A tensor's repeated records
+    (``packed.is_repeat_tag``) are not of that sequence: their block holds
+    every record of the steps it has, the first too, so it may be
+    non-finite at ``step`` wherever the tensor is, and is marked there."""
     by_writer: dict[str, list[tuple[str, str]]] = {}
     for tag in listing:
-        if packed.is_block_tag(tag):
+        if packed.is_block_tag(tag) and not packed.is_repeat_tag(tag):
             writer, _, seq = tag[len(packed.TAG_PREFIX):].rpartition("/")
             by_writer.setdefault(writer, []).append((seq, tag))
     out = set()

@@ -14,6 +14,7 @@ one in ``test_long_run_e2e.py``.
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import numpy as np
 import pytest
@@ -108,16 +109,44 @@ def test_a_long_run_not_read_yet_names_its_first_anomaly_at_once_then_everything
         assert summary[key] == want[key], key
 
 
-@pytest.mark.parametrize("bad", [
-    {("b/kernel", 1234): np.nan, ("a/output", 1234): np.inf},  # forward before backward, whatever the writing order
-    {("a/kernel", 1234): np.nan, ("b/kernel", 1234): -np.inf},  # the gradient of the later layer first
-    {("loss", 1234): np.inf, ("b/kernel", 1234): np.nan, ("a/kernel", 1500): np.nan},
+@pytest.mark.parametrize("bad, first", [
+    # forward before backward, whatever the writing order
+    ({("b/kernel", 1234): np.nan, ("a/output", 1234): np.inf}, "a/output"),
+    # backward runs from the last layer: b's gradient before a's
+    ({("a/kernel", 1234): np.nan, ("b/kernel", 1234): -np.inf}, "b/kernel"),
+    ({("loss", 1234): np.inf, ("b/kernel", 1234): np.nan, ("a/kernel", 1500): np.nan}, "loss"),
 ], ids=["forward", "backward", "loss"])
-def test_a_first_look_names_the_first_tensor_in_execution_order_at_its_step(tmp_path, bad):
+def test_a_first_look_names_the_first_tensor_in_execution_order_at_its_step(tmp_path, bad, first):
     run_dir = str(tmp_path / "logs" / "r")
     _write(run_dir, 3000, list(reversed(TENSORS)), bad)
     want = _cli(str(tmp_path / "logs"), "r")["first_anomaly"]
-    assert want["step"] == 1234
+    assert (want["step"], want["tensor"]) == (1234, first)  # the injected faults, in execution order
+    look = _store(str(tmp_path / "logs"))[0].answer(CTX, "", "r", analysis.SafeRange(), first_look=True)
+    assert look.preliminary
+    got = analysis.first_look_summary(look.analysis)["first_anomaly"]
+    assert {k: got[k] for k in OWN} == {k: want[k] for k in OWN}
+
+
+def test_a_tensor_logged_twice_in_a_step_is_named_by_its_occurrence(tmp_path):
+    """Records beyond the first of a step (micro-batches, a loop body) go to
+    a repeat block of their tensor (``packed.repeat_tag``), whose events'
+    steps count its events: the first look reads the one that may be
+    non-finite and names the occurrence the CLI names."""
+    run_dir = str(tmp_path / "logs" / "r")
+    _write(run_dir, 3000, TENSORS, {("a/kernel", 2000): np.nan})
+    info = dict(TENSORS)
+
+    def repeat(tag: str, step: int, second: float, event_step: int) -> packed.PackedEvent:
+        first = numpy_stats(np.float32([1.0 + 0.001 * step, -0.5, 0.25, 0.5]))
+        rows = np.stack([np.r_[0.0, step, first], np.r_[0.0, step, numpy_stats(np.float32([second, 1.0]))]])
+        return packed.PackedEvent(packed.repeat_tag("feedbeef", info[tag].order),
+                                  event_step, rows, time.time(), metadata.create_block_metadata([(tag, info[tag])]))
+
+    with NumericsRecordWriter(run_dir) as w:  # as TensorFlow's writer writes them (_tag_writer._write_repeat)
+        w._write_packed([repeat("a/output", step, 1.0, n) for n, step in enumerate((100, 200, 300, 400))])
+        w._write_packed([repeat("b/output", 1234, np.nan, 0)])
+    want = _cli(str(tmp_path / "logs"), "r")["first_anomaly"]
+    assert (want["step"], want["tensor"], want["occurrence"]) == (1234, "b/output", {"index": 2, "of": 2})
     look = _store(str(tmp_path / "logs"))[0].answer(CTX, "", "r", analysis.SafeRange(), first_look=True)
     assert look.preliminary
     got = analysis.first_look_summary(look.analysis)["first_anomaly"]
