@@ -78,3 +78,25 @@ def test_each_run_held_compact_reports_what_every_record_read_reports(logdir, ru
         for key in ("first_anomaly", "first_warning", "warnings", "info"):
             assert rules.dumps(got[key]) == rules.dumps(runs[case.name][key]), (case.name, key)
     assert "reading all" not in caplog.text
+
+
+def test_a_first_look_at_each_run_is_the_clis_first_anomaly_or_none(logdir, runs):
+    """A first look (the answer before a long run is read), each training
+    held as a long run however short: its first anomaly's own fields, the
+    replay's op included, are the CLI's; where there is none, the answer is
+    the whole run's; the healthy training never gets one."""
+    own = ("step", "tensor", "op_type", "phase", "role", "nan", "posinf", "neginf", "size", "description",
+           "occurrence", "op", "replay")
+    store = long_run.compact_store(logdir)
+    looks = []
+    for case in buggy_keras.CASES:
+        want = runs[case.name]["first_anomaly"]
+        answer = store.answer(RequestContext(), "", case.name, analysis.SafeRange(), first_look=True)
+        if answer.preliminary:
+            looks.append(case.name)
+            got = analysis.first_look_summary(answer.analysis)["first_anomaly"]
+            assert want is not None and rules.dumps({k: got[k] for k in own}) == rules.dumps(
+                {k: want[k] for k in own}), case.name
+        else:
+            assert rules.dumps(analysis.run_summary(answer.analysis)["first_anomaly"]) == rules.dumps(want), case.name
+    assert "healthy_mlp" not in looks and "custom_log_layer" in looks, looks

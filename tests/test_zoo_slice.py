@@ -119,3 +119,36 @@ def test_each_product_run_held_compact_reports_what_every_record_read_reports(zo
                 assert rules.dumps(got[key]) == rules.dumps(want[key]), (logdir.name, want["run"], key)
     assert held_compact >= len(zoo["cells"])  # the Keras runs' records are packed, and so held compact
     assert "reading all" not in caplog.text
+
+
+def test_a_first_look_at_each_product_run_is_the_reports_first_anomaly_or_none(zoo, workdir):
+    """A first look (``run_store``'s answer before a long run is read) at
+    every product run of the slice, held as a long run however short: its
+    first anomaly's own fields are ``tb-numerics report``'s (every record
+    read), or there is none and the answer is the whole run's; never one on
+    a fixed variant (real architectures: a BatchNorm CNN fed a NaN batch, a
+    GRU, a Transformer, a custom loop; ``fit`` and the loop alike)."""
+    from tensorboard.context import RequestContext
+
+    import long_run
+    from tb_numerics import analysis, cli, rules
+
+    own = ("step", "tensor", "op_type", "phase", "role", "nan", "posinf", "neginf", "size", "description",
+           "occurrence", "op", "replay")
+    looks = 0
+    for logdir in sorted(p for p in workdir.iterdir() if p.is_dir() and p.name.endswith("-product")):
+        truth, _ = cli.report(str(logdir), analysis.SafeRange())
+        store = long_run.compact_store(str(logdir))
+        for want in truth:
+            run = "." if want["run"] == logdir.name else want["run"]
+            answer = store.answer(RequestContext(), "", run, analysis.SafeRange(), first_look=True)
+            if answer.preliminary:
+                looks += 1
+                got = analysis.first_look_summary(answer.analysis)["first_anomaly"]
+                assert want["first_anomaly"] is not None and "fixed" not in logdir.name, (logdir.name, run)
+                assert rules.dumps({k: got[k] for k in own}) == rules.dumps(
+                    {k: want["first_anomaly"][k] for k in own}), (logdir.name, run)
+            else:
+                got = analysis.run_summary(answer.analysis)["first_anomaly"]
+                assert rules.dumps(got) == rules.dumps(want["first_anomaly"]), (logdir.name, run)
+    assert looks >= 1
